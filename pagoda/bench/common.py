@@ -1,0 +1,179 @@
+"""What the benchmarks share: random-token workloads, rate and summary helpers, the JSON line,
+and the HF transformers peer loaded from the same weights as pagoda."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# nano-vllm's bench recipe draws token ids from randint(0, 10000), both ends included.
+TOKEN_ID_RANGE = (0, 10_000)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """argparse type for "A,B": two integers with 1 <= A <= B."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A,B (two integers), got {text!r}") from None
+    if lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {text!r}")
+    return lo, hi
+
+
+def random_workload(
+    num_prompts: int,
+    input_len_range: tuple[int, int],
+    output_len_range: tuple[int, int],
+    seed: int = 0,
+    shared_prefix_len: int = 0,
+    token_id_range: tuple[int, int] = TOKEN_ID_RANGE,
+) -> list[BenchRequest]:
+    """Random-token requests drawn in nano-vllm's order: every prompt (length, then ids), then
+    every output length. seed 0 with W1's ranges gives 133,966 output tokens.
+
+    With shared_prefix_len = L, the same L random tokens (drawn after everything else, so the
+    rest of the workload is unchanged) are put in front of every prompt: input lengths become
+    L + U[A, B].
+    """
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if shared_prefix_len < 0:
+        raise ValueError(f"--shared-prefix-len must be >= 0, got {shared_prefix_len}")
+    rng = random.Random(seed)
+    lo, hi = token_id_range
+    prompts = [
+        [rng.randint(lo, hi) for _ in range(rng.randint(*input_len_range))]
+        for _ in range(num_prompts)
+    ]
+    output_lens = [rng.randint(*output_len_range) for _ in range(num_prompts)]
+    prefix = [rng.randint(lo, hi) for _ in range(shared_prefix_len)]
+    return [BenchRequest(prefix + p, n) for p, n in zip(prompts, output_lens)]
+
+
+def random_prompt(length: int, seed: int, token_id_range: tuple[int, int] = TOKEN_ID_RANGE) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(*token_id_range) for _ in range(length)]
+
+
+def batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
+    if size < 1:
+        raise ValueError(f"batch size must be >= 1, got {size}")
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def throughput_stats(
+    elapsed_s: float,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    prefix_cache_hit_rate: float | None = None,
+) -> dict[str, Any]:
+    """Rates over a timed run; total_tok_s counts prompt and output tokens."""
+    if elapsed_s <= 0:
+        raise ValueError(f"elapsed time must be > 0, got {elapsed_s}")
+    return {
+        "elapsed_s": round(elapsed_s, 4),
+        "output_tok_s": round(num_output_tokens / elapsed_s, 2),
+        "total_tok_s": round((num_prompt_tokens + num_output_tokens) / elapsed_s, 2),
+        "num_prompt_tokens": num_prompt_tokens,
+        "num_output_tokens": num_output_tokens,
+        "prefix_cache_hit_rate": prefix_cache_hit_rate,
+    }
+
+
+def hit_rate(hits: int, queries: int) -> float | None:
+    """Prefix-cache hit rate in tokens; None when nothing was looked up (caching off)."""
+    if queries <= 0:
+        return None
+    return round(hits / queries, 4)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, 3)
+
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("median of no values")
+    return float(statistics.median(values))
+
+
+def decode_tok_s(num_tokens: int, first_token_time: float, last_token_time: float) -> float | None:
+    """Decode rate after the first token: (n - 1) / (last - first); None if it cannot be told."""
+    span = last_token_time - first_token_time
+    if num_tokens < 2 or span <= 0:
+        return None
+    return (num_tokens - 1) / span
+
+
+def emit(record: dict[str, Any], output_json: str | None) -> None:
+    """The benchmark's one line on stdout, also written to output_json when given."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    if output_json:
+        with open(output_json, "w") as f:
+            f.write(line + "\n")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def add_output_json_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output-json", default=None, help="also write the JSON line here")
+
+
+# ---- the HF transformers peer --------------------------------------------------------------
+def load_hf_peer(model: str | None) -> Any:
+    """HF transformers model on the weights pagoda loads (GGUF dequantized), fp32, CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagoda.loader import resolve_model
+
+    folder, gguf_file = resolve_model(model)
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    hf = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    hf.eval()
+    return hf
+
+
+def hf_pad_token_id(hf: Any) -> int:
+    gen = getattr(hf, "generation_config", None)
+    for source in (gen, hf.config):
+        for name in ("pad_token_id", "eos_token_id"):
+            value = getattr(source, name, None) if source is not None else None
+            if isinstance(value, (list, tuple)) and value:
+                value = value[0]
+            if isinstance(value, int):
+                return value
+    return 0
+
+
+def left_pad(prompts: Sequence[list[int]], pad_token_id: int) -> tuple[Any, Any]:
+    """(input_ids, attention_mask) as long tensors, prompts padded on the left."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p) :] = 1
+    return ids, mask

@@ -1,0 +1,193 @@
+"""`pagoda generate | chat | bench`: engine flags are named as vLLM names them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from pagoda.sampling import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
+    )
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--kv-cache-dtype", default=None)
+    g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument(
+        "--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"]
+    )
+
+
+ENGINE_ARG_NAMES = (
+    "tokenizer",
+    "dtype",
+    "seed",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "enable_prefix_caching",
+    "kv_cache_memory_bytes",
+    "num_gpu_blocks_override",
+    "gpu_memory_utilization",
+    "kv_cache_dtype",
+    "scheduling_policy",
+    "device",
+    "load_format",
+)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine arguments the user set (None means: the engine's default)."""
+    out = {k: getattr(args, k) for k in ENGINE_ARG_NAMES if getattr(args, k, None) is not None}
+    return out
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+
+
+def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+        seed=args.sampling_seed,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pagoda.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params_from(args)
+    prompts = args.prompt or [sys.stdin.read()]
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outputs:
+        for c in out.outputs:
+            if args.json:
+                record = {
+                    "prompt": out.prompt,
+                    "index": c.index,
+                    "text": c.text,
+                    "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                    "num_cached_tokens": out.num_cached_tokens,
+                }
+                print(json.dumps(record))
+            else:
+                print(c.text)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from pagoda.llm import LLM
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = sampling_params_from(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("pagoda chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        reply = []
+        for delta in llm.chat_stream(history, params):
+            reply.append(delta)
+            print(delta, end="", flush=True)
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.add_argument("--prompt", action="append", help="prompt (repeatable; default: stdin)")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON line per output")
+    gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming tokens to the terminal")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    chat.set_defaults(func=_cmd_chat)
+
+    bench = sub.add_parser("bench", help="benchmarks (print one JSON line)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from pagoda.bench import latency, throughput
+
+    for module in (throughput, latency):
+        p = bench_sub.add_parser(module.NAME, help=module.__doc__)
+        add_engine_args(p)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

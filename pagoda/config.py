@@ -1,0 +1,159 @@
+"""Engine configuration: frozen dataclasses built once from user arguments (vLLM's flag names).
+
+User errors raise ValueError saying what to change; derived values are properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know of a checkpoint, derived once from its HF config."""
+
+    hf_config: Any
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None)
+        return int(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        elem = torch.finfo(self.dtype).bits // 8
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("num_gpu_blocks_override must be >= 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be > 0")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use 'auto'")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine argument, with vLLM's names. `model=None` is the embedded SmolLM2 GGUF."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    device: str = "auto"
+    load_format: str = "auto"
+    trust_remote_code: bool = False
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda; got {self.device!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
+            raise ValueError(
+                f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}"
+            )
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
+        """Build from flat engine arguments as LLM(...) and the CLI take them (vLLM names)."""
+        cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
+        sched_fields = {"max_num_seqs", "max_num_batched_tokens"}
+        own_fields = {f.name for f in dataclasses.fields(cls)} - {"cache", "scheduler", "model"}
+        cache_kwargs: dict[str, Any] = {}
+        sched_kwargs: dict[str, Any] = {}
+        own_kwargs: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if value is None and key not in own_fields:
+                continue
+            if key in cache_fields:
+                cache_kwargs[key] = value
+            elif key in sched_fields:
+                sched_kwargs[key] = value
+            elif key == "scheduling_policy":
+                sched_kwargs["policy"] = value
+            elif key in own_fields:
+                own_kwargs[key] = value
+            else:
+                raise ValueError(f"unknown engine argument {key!r}")
+        return cls(
+            model=model,
+            cache=CacheConfig(**cache_kwargs),
+            scheduler=SchedulerConfig(**sched_kwargs),
+            **own_kwargs,
+        )

@@ -1,0 +1,181 @@
+"""EngineCore: add_request / abort_request / step over tokenized requests.
+
+The step loop is three verbs: schedule, execute, update. Clients (LLM, the server) tokenize,
+detokenize and group outputs on their side (output_processor.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pagoda.block_pool import BlockPool
+from pagoda.config import EngineConfig, ModelConfig
+from pagoda.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.loader import load_model
+from pagoda.model_runner import ModelRunner
+from pagoda.request import EngineRequest, Request, RequestStatus, sample_request_id
+from pagoda.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.device = config.torch_device
+        model, model_config, tokenizer = load_model(config)
+        self.model_config: ModelConfig = model_config
+        self.tokenizer: Any = tokenizer
+        self.eos_token_ids = _eos_token_ids(model_config.hf_config, tokenizer)
+        self.block_size = config.cache.block_size
+        self.num_blocks = self._num_blocks()
+        pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(pool, self.block_size)
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.kv_cache_manager, model_config.max_model_len
+        )
+        self.runner = ModelRunner(
+            model, model_config, self.num_blocks, self.block_size, self.device, self.eos_token_ids
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            self.num_blocks * self.block_size * model_config.kv_bytes_per_token / 2**30,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        block_bytes = self.block_size * self.model_config.kv_bytes_per_token
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = int(free - total * (1 - cache.gpu_memory_utilization))
+            else:
+                budget = CPU_DEFAULT_KV_CACHE_BYTES
+        num = budget // block_bytes
+        if num < 1:
+            raise ValueError(
+                f"KV cache memory of {budget} bytes holds no block of {block_bytes} bytes; "
+                "raise --kv-cache-memory-bytes or --gpu-memory-utilization"
+            )
+        return int(num)
+
+    # ---- the three verbs -------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        return self.scheduler.update(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort user requests (every sample of an n > 1 request); unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def abort_sample(self, engine_request_id: str) -> None:
+        """Abort one sample (e.g. its stop string was found by the client)."""
+        self.scheduler.finish_requests(
+            [engine_request_id], RequestStatus.FINISHED_ABORTED, all_samples=False
+        )
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # ---- admission -------------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        """Validate and queue; a request that can never run raises ValueError here."""
+        params = req.sampling_params
+        ids = req.prompt_token_ids
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if t < 0 or t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad}")
+        max_tokens = self._max_tokens(len(ids), params.max_tokens)
+        self._check_fits_pool(len(ids), max_tokens, params.n)
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}"
+            )
+        requests = [
+            Request(
+                request_id=sample_request_id(req.request_id, i),
+                prompt_token_ids=list(ids),
+                sampling_params=params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=req.arrival_time,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+                parent_id=req.request_id,
+                sample_index=i,
+            )
+            for i in range(params.n)
+        ]
+        requests[0].siblings = requests[1:]
+        self.scheduler.add_request(requests[0])
+
+    def _max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {prompt_len} tokens; leave room for at least one output token."
+            )
+        if max_tokens is None:
+            return limit - prompt_len
+        if prompt_len + max_tokens > limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in "
+                "the completion). Please reduce the prompt or max_tokens."
+            )
+        return max_tokens
+
+    def _check_fits_pool(self, prompt_len: int, max_tokens: int, n: int) -> None:
+        # n samples share the prompt's full blocks; each needs its own tail blocks.
+        shared = prompt_len // self.block_size
+        per_sample = cdiv(prompt_len + max_tokens, self.block_size) - shared
+        needed = shared + n * per_sample
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"the request needs up to {needed} KV blocks ({prompt_len} prompt tokens + "
+                f"{max_tokens} max tokens, n={n}) but the whole cache has {self.num_blocks}; "
+                "lower max_tokens or raise --kv-cache-memory-bytes"
+            )
+
+
+def _eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return frozenset(ids)

@@ -1,0 +1,143 @@
+"""Per-step attention metadata, visible to every attention layer through one scoped context.
+
+The model runner builds one `AttentionMetadata` per step and runs the forward pass inside
+`forward_context(...)`; attention layers read it with `get_forward_context()`. Nothing here is a
+bare module global: the context variable is set and reset around each forward.
+
+Flat batch layout: the tokens of all scheduled requests are concatenated, request after request.
+Request i owns tokens [query_start_loc[i], query_start_loc[i+1]) of the flat batch; they sit at
+positions [seq_lens[i] - query_lens[i], seq_lens[i]) of its sequence, so their keys and values
+are written to the cache first and each query then attends to keys [0, its own position].
+
+    request i:  |<------------- seq_len ------------->|
+                |<-- cached (computed) -->|<- query ->|
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSeq:
+    """A request with more than one query token this step (torch reference backend)."""
+
+    token_start: int
+    token_end: int
+    seq_len: int
+    gather_slots: torch.Tensor  # (seq_len,) cache slot of each position
+    mask: torch.Tensor | None  # (query_len, seq_len) bool, None when query_len == seq_len (causal)
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    slot_mapping: torch.Tensor  # (num_tokens,) int64 flat slot each new key/value is written to
+    # Decode rows (one query token), batched into one padded attention call.
+    decode_token_idx: torch.Tensor  # (num_decodes,) int64 token index in the flat batch
+    decode_gather_slots: torch.Tensor  # (num_decodes, max_decode_len) int64
+    decode_mask: torch.Tensor  # (num_decodes, 1, 1, max_decode_len) bool, True = attend
+    prefills: list[PrefillSeq]
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_token_idx.numel())
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) caches
+
+
+_CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "pagoda_forward_context", default=None
+)
+
+
+@contextlib.contextmanager
+def forward_context(
+    attn_metadata: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> Iterator[ForwardContext]:
+    ctx = ForwardContext(attn_metadata, kv_caches)
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = _CONTEXT.get()
+    if ctx is None:
+        raise RuntimeError("attention called outside forward_context(): no metadata for this step")
+    return ctx
+
+
+def _slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Derive every index the torch attention backend needs, once per step.
+
+    block_tables[i] must cover positions [0, seq_lens[i]) of request i.
+    """
+    assert len(query_lens) == len(seq_lens) == len(block_tables)
+    slot_mapping: list[int] = []
+    decode_token_idx: list[int] = []
+    decode_rows: list[list[int]] = []
+    prefills: list[PrefillSeq] = []
+    token_start = 0
+    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+        assert 0 < q_len <= s_len and len(table) * block_size >= s_len
+        slot_mapping.extend(_slots_for(table, s_len - q_len, s_len, block_size))
+        all_slots = _slots_for(table, 0, s_len, block_size)
+        if q_len == 1:
+            decode_token_idx.append(token_start)
+            decode_rows.append(all_slots)
+        else:
+            mask = None
+            if q_len != s_len:
+                q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
+                mask = (torch.arange(s_len).unsqueeze(0) <= q_pos).to(device)
+            prefills.append(
+                PrefillSeq(
+                    token_start,
+                    token_start + q_len,
+                    s_len,
+                    torch.tensor(all_slots, dtype=torch.int64, device=device),
+                    mask,
+                )
+            )
+        token_start += q_len
+
+    max_len = max((len(r) for r in decode_rows), default=0)
+    gather = torch.zeros((len(decode_rows), max_len), dtype=torch.int64)
+    mask_d = torch.zeros((len(decode_rows), 1, 1, max_len), dtype=torch.bool)
+    for i, row in enumerate(decode_rows):
+        gather[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        mask_d[i, 0, 0, : len(row)] = True
+    return AttentionMetadata(
+        num_tokens=token_start,
+        query_lens=list(query_lens),
+        seq_lens=list(seq_lens),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        decode_token_idx=torch.tensor(decode_token_idx, dtype=torch.int64, device=device),
+        decode_gather_slots=gather.to(device),
+        decode_mask=mask_d.to(device),
+        prefills=prefills,
+    )

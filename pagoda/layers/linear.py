@@ -1,0 +1,91 @@
+"""Linear layers whose parameters load from HF checkpoints, including packed projections.
+
+`Linear` holds one HF projection. `MergedLinear` packs several projections that read the same
+input (q/k/v, gate/up) into one weight, so one GEMM replaces several; each HF shard is copied
+into its row slice by `weight_loader(param, loaded, shard_id)`:
+
+    weight rows:  [0, n_q) q | [n_q, n_q + n_k) k | [n_q + n_k, n_q + n_k + n_v) v
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"checkpoint tensor for {what} has shape {tuple(src.shape)}, "
+            f"the model expects {tuple(dst.shape)}: does the checkpoint match its config?"
+        )
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with W: (output_size, input_size), as torch.nn.Linear and HF store it."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, input_size) -> (num_tokens, output_size)
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
+        assert shard_id is None, "Linear holds a single projection"
+        _copy_checked(param.data, loaded, "a linear layer")
+
+    def extra_repr(self) -> str:
+        return f"{self.input_size}, {self.output_size}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """Several column projections of the same input, packed along the output dimension.
+
+    `output_sizes` maps each shard id (e.g. "q", "k", "v") to its number of output rows, in
+    packing order. `forward` returns the packed output; callers split it with `output_sizes`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: dict[str, int],
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(input_size, sum(output_sizes.values()), bias=bias, dtype=dtype)
+        self.output_sizes = dict(output_sizes)
+        self.shard_offsets: dict[str, int] = {}
+        offset = 0
+        for shard_id, size in output_sizes.items():
+            self.shard_offsets[shard_id] = offset
+            offset += size
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
+        if shard_id not in self.output_sizes:
+            raise ValueError(
+                f"unknown shard {shard_id!r} for a packed layer with shards {list(self.output_sizes)}"
+            )
+        start = self.shard_offsets[shard_id]
+        rows = param.data.narrow(0, start, self.output_sizes[shard_id])
+        _copy_checked(rows, loaded, f"shard {shard_id!r} of a packed layer")
+
+    def extra_repr(self) -> str:
+        return f"{self.input_size}, {self.output_sizes}, bias={self.bias is not None}"

@@ -1,0 +1,38 @@
+"""RMSNorm, with the residual add of the next sub-block fused in.
+
+Contract (as vLLM's): `norm(x)` returns the normalized x; `norm(x, residual)` first forms
+`h = x + residual` and returns `(norm(h), h)`, so a decoder layer carries the running residual
+stream without a separate add. Statistics are computed in float32 and cast back before the
+weight multiply, as HF transformers does, so fp32 results match HF bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., hidden_size)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        hidden = x + residual
+        return self._norm(hidden), hidden
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

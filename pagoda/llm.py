@@ -1,0 +1,220 @@
+"""LLM: the offline Python API, shaped like vLLM's so code ports with an import change."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any, Union
+
+from tqdm.auto import tqdm
+
+from pagoda.config import EngineConfig
+from pagoda.engine import EngineCore
+from pagoda.output_processor import RequestState
+from pagoda.outputs import BeamSearchOutput, RequestOutput
+from pagoda.request import EngineRequest
+from pagoda.sampling import BeamSearchParams, SamplingParams
+
+PromptType = Union[str, dict[str, Any]]
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Offline engine. `model=None` loads the embedded SmolLM2-135M-Instruct (Q4_1 GGUF).
+
+    Engine arguments use vLLM's names: dtype, seed, max_model_len, block_size,
+    enable_prefix_caching, kv_cache_memory_bytes, num_gpu_blocks_override, max_num_seqs,
+    max_num_batched_tokens, scheduling_policy, device, load_format, tokenizer.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, **engine_args)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # ---- generate ----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError("priority must have one entry per prompt")
+        states: list[RequestState] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompt_list, params)):
+                text, ids = self._tokenize(prompt)
+                states.append(self._add(text, ids, p, priority[i] if priority else 0))
+        except Exception:
+            self.engine.abort_request([s.request_id for s in states])
+            raise
+        return self._run(states, use_tqdm)
+
+    def _params_per_prompt(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {n} prompts: give one or one per prompt"
+            )
+        return params
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("prompt_token_ids must be a list of ints")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt and isinstance(prompt["prompt"], str):
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise ValueError(
+            "a prompt must be a str, {'prompt': str} or {'prompt_token_ids': list[int]}, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def _add(
+        self, text: str | None, ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestState:
+        rid = str(next(self._ids))
+        request = EngineRequest(rid, ids, params, priority=priority)
+        self.engine.add_request(request)
+        arrival = self.engine.scheduler.requests[rid].arrival_time
+        return RequestState(rid, text, ids, params, self.tokenizer, arrival)
+
+    def _run(self, states: list[RequestState], use_tqdm: bool) -> list[RequestOutput]:
+        by_id = {s.request_id: s for s in states}
+        pending = len(states)
+        bar = tqdm(total=pending, desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    state = by_id.get(out.parent_id)
+                    if state is None:
+                        continue
+                    was_finished = state.finished
+                    abort_id = state.add(out)
+                    if abort_id is not None:
+                        self.engine.abort_sample(abort_id)
+                    if state.finished and not was_finished:
+                        pending -= 1
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request([s.request_id for s in states if not s.finished])
+            raise
+        finally:
+            bar.close()
+        return [s.make_output() for s in states]
+
+    def generate_stream(
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield delta outputs (new text and tokens of each sample) as the engine steps."""
+        text, ids = self._tokenize(prompt)
+        state = self._add(text, ids, sampling_params or SamplingParams())
+        try:
+            while not state.finished:
+                for out in self.engine.step():
+                    if out.parent_id != state.request_id:
+                        continue
+                    abort_id = state.add(out)
+                    if abort_id is not None:
+                        self.engine.abort_sample(abort_id)
+                yield state.make_output(delta=True)
+        finally:
+            if not state.finished:
+                self.engine.abort_request(state.request_id)
+
+    def chat_stream(
+        self, conversation: Conversation, sampling_params: SamplingParams | None = None
+    ) -> Iterator[str]:
+        """Stream the reply text of one conversation, piece by piece."""
+        text = self.apply_chat_template(conversation)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        for out in self.generate_stream({"prompt": text, "prompt_token_ids": ids}, sampling_params):
+            if out.outputs[0].text:
+                yield out.outputs[0].text
+
+    # ---- chat --------------------------------------------------------------------------
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        conversations = _as_conversations(messages)
+        prompts: list[PromptType] = [
+            {
+                "prompt": text,
+                "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+            }
+            for text in (
+                self.apply_chat_template(c, chat_template, add_generation_prompt, continue_final_message)
+                for c in conversations
+            )
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(
+        self,
+        conversation: Conversation,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> str:
+        if not conversation:
+            raise ValueError("messages must not be empty")
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError("each message must be a dict with 'role' and 'content'")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; pass chat_template=...")
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+        )
+        return str(text)
+
+    # ---- beam search -------------------------------------------------------------------
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        from pagoda.beam_search import beam_search
+
+        prompt_ids = [self._tokenize(p)[1] for p in _as_list(prompts)]
+        return beam_search(self, prompt_ids, params)
+
+
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    return list(prompts)
+
+
+def _as_conversations(messages: Conversation | list[Conversation]) -> list[Conversation]:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of messages or of conversations")
+    if all(isinstance(m, list) for m in messages):
+        return [list(c) for c in messages]  # type: ignore[arg-type]
+    return [messages]  # type: ignore[list-item]

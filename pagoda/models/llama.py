@@ -1,0 +1,233 @@
+"""Llama-family decoder: Llama 2/3, Mistral, SmolLM2, Qwen2 (q/k/v bias).
+
+Parameter names follow HF (model.layers.N.self_attn.q_proj, ...); internally q/k/v and gate/up
+are packed into `qkv_proj` and `gate_up_proj`, and `load_weights` routes each HF tensor to its
+slice. The forward pass takes the flat batch (all scheduled tokens of all requests,
+concatenated) and must run inside `forward_context(...)`, which supplies the paged KV caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.layers.activation import SiluAndMul
+from pagoda.layers.attention import Attention
+from pagoda.layers.embedding import LMHead, VocabEmbedding
+from pagoda.layers.linear import Linear, MergedLinear
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.rotary import apply_rotary, get_rope
+
+# (packed param prefix, HF projection name, shard id)
+PACKED_MODULES = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", "gate"),
+    ("gate_up_proj", "up_proj", "up"),
+)
+
+
+def head_dim_of(config: Any) -> int:
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only silu")
+        self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias, dtype)
+        self.down_proj = Linear(inter, hidden, bias, dtype)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (num_tokens, 2 * intermediate_size)
+        return self.down_proj(self.act_fn(gate_up))  # (num_tokens, hidden_size)
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias = False  # bias on q/k/v even without `attention_bias` (Qwen2)
+
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias or self.qkv_bias
+        self.qkv_proj = MergedLinear(
+            config.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            qkv_bias,
+            dtype,
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, attention_bias, dtype)
+        scale = self.head_dim**-0.5
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale, layer_idx)
+
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(
+            hidden_states
+        )  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.qk_transform(q, k)
+        q = apply_rotary(q, cos, sin, self.head_dim)  # (num_tokens, num_heads * head_dim)
+        k = apply_rotary(k, cos, sin, self.head_dim)  # (num_tokens, num_kv_heads * head_dim)
+        out = self.attn(q, k, v)  # (num_tokens, num_heads * head_dim)
+        return self.o_proj(out)  # (num_tokens, hidden_size)
+
+    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook applied to q and k before rotary (Qwen3 normalizes per head here)."""
+        return q, k
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, layer_idx: int, dtype: torch.dtype, attention_cls: type[LlamaAttention]
+    ) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_idx, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden_states, residual: (num_tokens, hidden_size); residual is None for layer 0
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: Any, dtype: torch.dtype, attention_cls: type[LlamaAttention]
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, attention_cls)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = get_rope(config, head_dim_of(config), config.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, cos, sin)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states  # (num_tokens, hidden_size)
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.model = LlamaModel(hf_config, dtype, self.attention_cls)
+        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size)
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # hidden_states: (n, hidden_size) -> (n, vocab_size) float32
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the (packed) parameters; returns the names of the
+        parameters that were written. Unknown names raise ValueError."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            shard_id = None
+            for packed, hf_proj, shard in PACKED_MODULES:
+                if f".{hf_proj}." in name:
+                    name = name.replace(f".{hf_proj}.", f".{packed}.")
+                    shard_id = shard
+                    break
+            if name not in params:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
+                )
+            module = self.get_submodule(name.rpartition(".")[0])
+            param = params[name]
+            if shard_id is not None:
+                assert isinstance(module, MergedLinear)
+                module.weight_loader(param, tensor, shard_id)
+                loaded.add(f"{name}:{shard_id}")
+            elif isinstance(module, Linear):
+                module.weight_loader(param, tensor)
+                loaded.add(name)
+            else:
+                _copy_param(param, tensor, name)
+                loaded.add(name)
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        """Names `load_weights` must report for a complete checkpoint."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(module, MergedLinear):
+                names.update(f"{name}:{shard}" for shard in module.output_sizes)
+            else:
+                names.add(name)
+        return names
+
+
+def _copy_param(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2Attention(LlamaAttention):
+    qkv_bias = True
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen2Attention

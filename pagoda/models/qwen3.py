@@ -1,0 +1,28 @@
+"""Qwen3: the Llama decoder with per-head RMSNorm on q and k before rotary, explicit head_dim
+(not hidden_size / num_heads) and no q/k/v bias. Everything else is llama.py's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagoda.layers.norm import RMSNorm
+from pagoda.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__(config, layer_idx, dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+
+    def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_tokens = q.shape[0]
+        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+        return q.view(num_tokens, self.q_size), k.view(num_tokens, self.kv_size)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention

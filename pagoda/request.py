@@ -1,0 +1,123 @@
+"""Request: the engine's per-sequence state, plain integers and lists (no tensors).
+
+Catch-up invariant: `num_computed_tokens <= num_tokens`; each step schedules some of the
+`num_tokens - num_computed_tokens` tokens whose KV is still missing. A request samples a new
+token exactly in the step in which it catches up.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from pagoda.sampling import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    WAITING_FOR_FORK = enum.auto()  # an n > 1 sibling waiting for its leader's prompt
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """Engine id of sample `index` of a user request (the first sample keeps the user's id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
+@dataclass
+class EngineRequest:
+    """What a client sends to EngineCore: an already tokenized prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: frozenset[int],
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        parent_id: str | None = None,
+        sample_index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        # n > 1: every sample is a Request; siblings share the leader's prompt blocks.
+        self.parent_id = parent_id if parent_id is not None else request_id
+        self.sample_index = sample_index
+        self.siblings: list[Request] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Lower is served first and preempted last (priority, then arrival)."""
+        return (self.priority, self.arrival_time)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,510 @@
+"""Sampling: what a request asks for (SamplingParams) and how one step picks its tokens (Sampler).
+
+SamplingParams mirrors vLLM's field names, defaults and meanings, so user code ports unchanged.
+The Sampler works on R rows (one per request that samples this step) in this order:
+
+    raw logits -> logprobs (always from the raw logits, like vLLM's default)
+    raw logits -> banned tokens (min_tokens) -> penalties -> greedy rows: argmax
+                                             -> temperature -> top_k -> top_p -> min_p
+                                             -> random rows: exponential race
+
+The exponential race picks argmax(p_i / E_i) with E_i ~ Exponential(1), which draws i with
+probability p_i. A seeded row draws its E from its own generator, so its tokens do not depend on
+the batch it shares a step with nor on its row position.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+_SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, low: int, allowed: str) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
+    assert isinstance(value, int)
+    if value < low:
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def _check_float(name: str, value: object, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _number(name: str, value: object) -> float:
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    assert isinstance(value, (int, float))
+    return float(value)
+
+
+@dataclass(frozen=True, init=False)
+class SamplingParams:
+    """How to sample one request's completion; vLLM's names, defaults and ranges.
+
+    Frozen and hashable: `stop` and `stop_token_ids` are stored as tuples. top_k = -1 (vLLM's
+    old spelling of "disabled") is stored as 0. Greedy requests (temperature < 1e-5) store
+    top_p = 1, top_k = 0 and min_p = 0, as vLLM does, since those cannot change an argmax.
+    """
+
+    n: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    max_tokens: int | None
+    min_tokens: int
+    logprobs: int | None
+    prompt_logprobs: int | None
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    detokenize: bool
+
+    def __init__(
+        self,
+        n: int = 1,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: str | list[str] | tuple[str, ...] | None = None,
+        stop_token_ids: list[int] | tuple[int, ...] | None = None,
+        ignore_eos: bool = False,
+        max_tokens: int | None = 16,
+        min_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        include_stop_str_in_output: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        detokenize: bool = True,
+    ) -> None:
+        values: dict[str, Any] = dict(locals())
+        del values["self"]
+        values["stop"] = _normalize_stop(stop)
+        values["stop_token_ids"] = _normalize_stop_token_ids(stop_token_ids)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            values[name] = _number(name, values[name])
+        for name in ("temperature", "top_p", "min_p"):
+            values[name] = _number(name, values[name])
+        if _is_int(top_k) and top_k == -1:
+            values["top_k"] = 0
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self._validate()
+        if self.temperature < _SAMPLING_EPS:
+            object.__setattr__(self, "top_p", 1.0)
+            object.__setattr__(self, "top_k", 0)
+            object.__setattr__(self, "min_p", 0.0)
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, 1, ">= 1")
+        _check_float("temperature", self.temperature, self.temperature >= 0.0, ">= 0")
+        _check_float("top_p", self.top_p, 0.0 < self.top_p <= 1.0, "in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or an int >= 1, got {self.top_k!r}")
+        _check_float("min_p", self.min_p, 0.0 <= self.min_p <= 1.0, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value, -2.0 <= value <= 2.0, "in [-2, 2]")
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, self.repetition_penalty > 0.0, "> 0"
+        )
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, ">= 1 (or None for up to max_model_len)")
+        _check_int("min_tokens", self.min_tokens, 0, ">= 0 and <= max_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be >= 0 and <= max_tokens ({self.max_tokens}), "
+                f"got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0, f"in [0, {MAX_LOGPROBS}] or None")
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+        if self.seed is not None and not (
+            _is_int(self.seed) and _SEED_MIN <= self.seed <= _SEED_MAX
+        ):
+            raise ValueError(
+                f"seed must be None or an int in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed!r}"
+            )
+        for name in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "detokenize",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True; set detokenize=True or drop stop")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def max_stop_len(self) -> int:
+        """Length of the longest stop string (0 without stop strings)."""
+        return max((len(s) for s in self.stop), default=0)
+
+
+def _normalize_stop(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+    if any(s == "" for s in items):
+        raise ValueError("stop must not contain empty strings")
+    return tuple(items)
+
+
+def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+        raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search request (vLLM's names); validated like SamplingParams."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, 1, ">= 1")
+        _check_int("max_tokens", self.max_tokens, 1, ">= 1")
+        temperature = _number("temperature", self.temperature)
+        _check_float("temperature", temperature, temperature >= 0.0, ">= 0")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "length_penalty", _number("length_penalty", self.length_penalty))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+class LogprobsTensors(NamedTuple):
+    """Logprobs for N positions: column 0 is the chosen token, columns 1..k the top-k."""
+
+    token_ids: torch.Tensor  # (N, k + 1) int64
+    logprobs: torch.Tensor  # (N, k + 1) float32
+    ranks: torch.Tensor  # (N,) int64, 1-based rank of the chosen token
+
+    def tolists(self) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        return self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # (R,) int64
+    logprobs: LogprobsTensors | None
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs for R rows; tensors live on the logits' device.
+
+    A tensor is None when no row needs it, which is what the fast paths test: a batch that is
+    all greedy, without penalties, banned tokens or logprobs, costs one argmax.
+    """
+
+    temperature: torch.Tensor | None  # (R,) float32; None when all rows are greedy
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # (R,) int64, vocab_size where disabled
+    top_p: torch.Tensor | None  # (R,) float32, 1.0 where disabled
+    min_p: torch.Tensor | None  # (R,) float32, 0.0 where disabled
+    presence_penalties: torch.Tensor | None  # (R,) float32; None for no_penalties
+    frequency_penalties: torch.Tensor | None  # (R,) float32
+    repetition_penalties: torch.Tensor | None  # (R,) float32
+    generators: dict[int, torch.Generator]  # row -> generator, random seeded rows only
+    output_token_ids: list[list[int]]
+    prompt_token_ids: list[list[int]]
+    banned_token_ids: list[list[int]]  # masked to -inf (min_tokens not yet reached)
+    max_num_logprobs: int | None
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.repetition_penalties is None
+
+    @property
+    def no_top_k(self) -> bool:
+        return self.top_k is None
+
+    @property
+    def no_top_p(self) -> bool:
+        return self.top_p is None
+
+    @property
+    def no_min_p(self) -> bool:
+        return self.min_p is None
+
+    @classmethod
+    def from_rows(
+        cls,
+        params: list[SamplingParams],
+        output_token_ids: list[list[int]],
+        prompt_token_ids: list[list[int]],
+        generators: dict[int, torch.Generator],
+        banned_token_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+        all_greedy, all_random = all(greedy), bool(params) and not any(greedy)
+        random_rows = [p for p, g in zip(params, greedy) if not g]
+
+        def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        temperature = top_k = top_p = min_p = None
+        if not all_greedy:
+            temperature = column([p.temperature for p in params], torch.float32)
+            if any(0 < p.top_k < vocab_size for p in random_rows):
+                ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+                top_k = column(ks, torch.int64)
+            if any(p.top_p < 1.0 for p in random_rows):
+                top_p = column([p.top_p for p in params], torch.float32)
+            if any(p.min_p > 0.0 for p in random_rows):
+                min_p = column([p.min_p for p in params], torch.float32)
+
+        presence = frequency = repetition = None
+        if any(
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+            for p in params
+        ):
+            presence = column([p.presence_penalty for p in params], torch.float32)
+            frequency = column([p.frequency_penalty for p in params], torch.float32)
+            repetition = column([p.repetition_penalty for p in params], torch.float32)
+
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=temperature,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
+            repetition_penalties=repetition,
+            generators={row: g for row, g in generators.items() if not greedy[row]},
+            output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids,
+            banned_token_ids=banned_token_ids,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+        )
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor(
+        [r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device
+    )
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(R, vocab) float32: how often each token occurs in each row."""
+    ids = _padded(rows, vocab_size, device)  # pad lands in an extra column, dropped below
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
+    """Set the banned tokens of each row to -inf (out of place)."""
+    rows = [r for r, ids in enumerate(banned_token_ids) for _ in ids]
+    if not rows:
+        return logits
+    cols = [t for ids in banned_token_ids for t in ids]
+    index = (
+        torch.tensor(rows, dtype=torch.int64, device=logits.device),
+        torch.tensor(cols, dtype=torch.int64, device=logits.device),
+    )
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Repetition (HF/vLLM), then frequency and presence (OpenAI/vLLM) penalties (out of place).
+
+    repetition: a token seen in the prompt or the output has a positive logit divided by the
+        penalty and a negative one multiplied by it.
+    frequency, presence: logit -= frequency * count_in_output + presence * (count_in_output > 0).
+    """
+    num_rows, vocab_size = logits.shape
+    out_counts = _token_counts(output_token_ids, vocab_size, logits.device)
+    seen = _token_counts(prompt_token_ids, vocab_size, logits.device) > 0
+    seen |= out_counts > 0
+    rep = repetition_penalties.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - frequency_penalties.unsqueeze(1) * out_counts
+    return logits - presence_penalties.unsqueeze(1) * (out_counts > 0).to(logits.dtype)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the k largest logits of each row (ties with the k-th kept); k >= vocab keeps all."""
+    vocab_size = logits.shape[-1]
+    enabled = top_k < vocab_size
+    max_k = int(torch.where(enabled, top_k, 1).max())
+    top_values = logits.topk(max_k, dim=-1).values  # (R, max_k), descending
+    kth = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
+    kth = torch.where(enabled.unsqueeze(1), kth, float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches top_p.
+
+    A token is kept when the probability of the tokens ranked before it is < top_p, so the
+    most likely token always survives; rows with top_p = 1 keep everything.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exponential race: argmax(probs / E), E ~ Exponential(1) per entry; (R,) int64.
+
+    A row in `generators` draws its noise from its own generator only; other rows share the
+    default generator.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def compute_logprobs_for(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
+) -> LogprobsTensors:
+    """Logprob and 1-based rank of `token_ids` (N,) under `logits` (N, vocab), plus the top-k."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    token_ids = token_ids.to(device=logits.device, dtype=torch.int64)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # (N, 1)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    ids = token_ids.unsqueeze(1)
+    if num_logprobs > 0:
+        top = logprobs.topk(num_logprobs, dim=-1)
+        chosen = torch.cat([chosen, top.values], dim=1)
+        ids = torch.cat([ids, top.indices], dim=1)
+    return LogprobsTensors(ids, chosen, ranks)
+
+
+class Sampler:
+    """Picks one token per row from (R, vocab) float32 logits; see the module docstring."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw_logits = logits
+        logits = logits.float()
+        if any(meta.banned_token_ids):
+            logits = apply_banned_tokens(logits, meta.banned_token_ids)
+        if meta.repetition_penalties is not None:
+            assert meta.presence_penalties is not None and meta.frequency_penalties is not None
+            logits = apply_penalties(
+                logits,
+                meta.prompt_token_ids,
+                meta.output_token_ids,
+                meta.presence_penalties,
+                meta.frequency_penalties,
+                meta.repetition_penalties,
+            )
+        sampled = self.sample(logits, meta)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = compute_logprobs_for(raw_logits, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs)
+
+    @staticmethod
+    def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Greedy and random rows of already penalized logits -> (R,) int64 token ids."""
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            assert greedy is not None
+            return greedy
+        temperature = meta.temperature
+        assert temperature is not None
+        is_greedy = temperature < _SAMPLING_EPS
+        logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+        if meta.top_k is not None:
+            logits = apply_top_k(logits, meta.top_k)
+        if meta.top_p is not None:
+            logits = apply_top_p(logits, meta.top_p)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        sampled = random_sample(logits.softmax(dim=-1), meta.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(is_greedy, greedy, sampled)
+
+    compute_logprobs_for = staticmethod(compute_logprobs_for)

@@ -1,0 +1,326 @@
+"""Iteration-level scheduler: CPU bookkeeping over integers that emits plain data.
+
+There is no prefill or decode mode. Every request's `num_computed_tokens` catches up with its
+`num_tokens`; each step the token budget caps how many tokens a request gets (that cap is all
+chunked prefill is). Running requests are served first, then waiting ones by policy. When blocks
+run out, the running request that sorts last (lowest priority, latest arrival) is preempted: its
+blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.kv_cache_manager import KVCacheManager
+from pagoda.request import Request, RequestStatus
+from pagoda.sampling import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # inputs of this step: positions [start, start + len)
+    start: int  # num_computed_tokens before this step
+    block_ids: list[int]
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # Requests that sample from this row's logits: the request itself, plus n > 1 siblings on
+    # the step its prompt completes. Empty while a prompt chunk does not reach the end.
+    sample_ids: list[str] = field(default_factory=list)
+    sample_indices: list[int] = field(default_factory=list)  # each one's index among the n
+    num_prompt_logprob_tokens: int = 0  # leading rows of this chunk that score prompt tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write, before the forward pass
+    finished_request_ids: list[str]  # since the last step: the runner drops their state
+    preempted_request_ids: list[str]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class RunnerOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, tuple[list[int], list[float], int]]  # ids, logprobs (col 0 = sampled), rank
+    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]]
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[tuple[list[int], list[float], int]]
+    new_prompt_logprobs: list[tuple[list[int], list[float], int]]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    parent_id: str = ""
+    sample_index: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_cache_manager: KVCacheManager,
+        max_model_len: int,
+    ) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.kv = kv_cache_manager
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # kept sorted: next to admit first
+        self.running: list[Request] = []  # admission order
+        self.finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # ---- queues -------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request and its n > 1 siblings (which wait for the leader)."""
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+        for sibling in request.siblings:
+            sibling.status = RequestStatus.WAITING_FOR_FORK
+            self.requests[sibling.request_id] = sibling
+
+    def _enqueue(self, request: Request) -> None:
+        """Insert into the waiting queue in policy order (fcfs: arrival; priority: key)."""
+        key = self._waiting_key(request)
+        i = len(self.waiting)
+        while i > 0 and self._waiting_key(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, request)
+
+    def _waiting_key(self, request: Request) -> tuple[float, ...]:
+        # Preempted requests go back in front of everything that arrived after them.
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_time)
+        return (request.arrival_time,)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, all_samples: bool = True
+    ) -> list[Request]:
+        """Finish (e.g. abort) requests in any state; their blocks are freed at once.
+
+        With all_samples, an id also names every n > 1 sample of that user request.
+        """
+        ids = set(request_ids)
+        targets = [
+            r
+            for r in self.requests.values()
+            if r.request_id in ids or (all_samples and r.parent_id in ids)
+        ]
+        for r in targets:
+            self._finish(r, status)
+        return targets
+
+    def _waiting_siblings(self, request: Request) -> list[Request]:
+        return [s for s in request.siblings if s.status == RequestStatus.WAITING_FOR_FORK]
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.finished_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.requests) - len(self.running),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- schedule -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_new: dict[str, int] = {}
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            scheduled = True
+            while not self.kv.allocate_slots(request, n):
+                victim = max(self.running, key=lambda r: r.sort_key)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim.request_id in num_new:
+                    budget += num_new.pop(victim.request_id)
+                if victim is request:
+                    scheduled = False
+                    break
+            if scheduled:
+                num_new[request.request_id] = n
+                budget -= n
+                i += 1
+            # else: `request` left self.running, so index i now holds the next one.
+
+        while self.waiting and budget > 0 and not preempted:
+            request = self.waiting[0]
+            if len(self.running) + 1 + len(self._waiting_siblings(request)) > self.config.max_num_seqs:
+                break
+            hits, num_hit_tokens = ([], 0)
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            n = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, n, hits):
+                break
+            self.waiting.pop(0)
+            request.num_computed_tokens += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.time()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_new[request.request_id] = n
+            budget -= n
+
+        scheduled = [self._scheduled(self.requests[rid], n) for rid, n in num_new.items()]
+        for rid, n in num_new.items():
+            self.requests[rid].num_computed_tokens += n
+        finished, self.finished_ids = self.finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            block_copies=self.kv.take_pending_copies(),
+            finished_request_ids=finished,
+            preempted_request_ids=[r.request_id for r in preempted],
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(request)
+
+    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        sample_ids: list[str] = []
+        sample_indices: list[int] = []
+        if start + n == request.num_tokens:
+            sample_ids.append(request.request_id)
+            sample_indices.append(request.sample_index)
+            for s in self._waiting_siblings(request):
+                sample_ids.append(s.request_id)
+                sample_indices.append(s.sample_index)
+        # Row p's logits score prompt token p + 1, so the last prompt position has no target.
+        num_plp = 0
+        if request.sampling_params.prompt_logprobs is not None:
+            num_plp = max(0, min(start + n, request.num_prompt_tokens - 1) - start)
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start : start + n],
+            start=start,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            sample_ids=sample_ids,
+            sample_indices=sample_indices,
+            num_prompt_logprob_tokens=num_plp,
+        )
+
+    # ---- update -------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, runner: RunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for s in out.scheduled:
+            request = self.requests.get(s.request_id)
+            if request is None:  # finished while the step ran
+                continue
+            prompt_lps = runner.prompt_logprobs.get(s.request_id, [])
+            for rid in s.sample_ids[1:]:
+                self._fork(request, self.requests[rid])
+            self.kv.cache_blocks(request)
+            if not s.sample_ids:
+                if prompt_lps:
+                    outputs.append(self._output(request, [], [], prompt_lps))
+                continue
+            for rid in s.sample_ids:
+                r = self.requests[rid]
+                token = runner.sampled_token_ids[rid]
+                r.append_output_token(token)
+                lp = runner.logprobs.get(rid)
+                status = self._stop_status(r, token)
+                if status is not None:
+                    self._finish(r, status)
+                outputs.append(
+                    self._output(r, [token], [lp] if lp else [], prompt_lps if r is request else [])
+                )
+        return outputs
+
+    def _fork(self, leader: Request, sibling: Request) -> None:
+        self.kv.fork(leader, sibling)
+        sibling.num_computed_tokens = leader.num_computed_tokens
+        sibling.num_cached_tokens = leader.num_cached_tokens
+        sibling.first_scheduled_time = leader.first_scheduled_time
+        sibling.status = RequestStatus.RUNNING
+        self.running.append(sibling)
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    @staticmethod
+    def _output(
+        request: Request,
+        tokens: list[int],
+        logprobs: list[tuple[list[int], list[float], int]],
+        prompt_logprobs: list[tuple[list[int], list[float], int]],
+    ) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            parent_id=request.parent_id,
+            sample_index=request.sample_index,
+        )

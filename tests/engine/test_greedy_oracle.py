@@ -1,0 +1,58 @@
+"""Greedy output of the whole engine equals HF transformers token for token (near-tie rule)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from tests.oracle import assert_greedy_match, hf_greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "List three colors:",
+    "The quick brown fox",
+    "Water boils at a temperature of",
+    "In 1492, Christopher Columbus",
+    "Machine learning is a field of study that",
+    "My favourite recipe for pancakes uses",
+]
+
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name a planet."},
+    ],
+]
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_smollm2_greedy_matches_hf(smollm2_llm: LLM, smollm2_hf) -> None:
+    tok = smollm2_llm.get_tokenizer()
+    chat_texts = [smollm2_llm.apply_chat_template(c) for c in CHATS]
+    prompt_ids = [tok.encode(p) for p in PROMPTS] + [
+        tok.encode(t, add_special_tokens=False) for t in chat_texts
+    ]
+    outs = smollm2_llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], _greedy(32))
+    chat_outs = smollm2_llm.chat(CHATS, _greedy(32), use_tqdm=False)
+    expected = hf_greedy(smollm2_hf, prompt_ids, 32)
+    for out, (hf_tokens, hf_logprobs) in zip(outs, expected):
+        assert_greedy_match(out.outputs[0].token_ids, hf_tokens, hf_logprobs)
+    for out, (hf_tokens, hf_logprobs) in zip(chat_outs, expected[len(PROMPTS) :]):
+        assert_greedy_match(out.outputs[0].token_ids, hf_tokens, hf_logprobs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_models_greedy_match_hf(arch: str, tiny_model_dir, tiny_hf_model) -> None:
+    path = tiny_model_dir(arch)
+    llm = LLM(path, num_gpu_blocks_override=256, max_num_batched_tokens=64)
+    prompt_ids = [[(7 * i + 3 * j) % 1000 + 5 for j in range(5 + 3 * i)] for i in range(6)]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], _greedy(24))
+    expected = hf_greedy(tiny_hf_model(arch), prompt_ids, 24)
+    for out, (hf_tokens, hf_logprobs) in zip(outs, expected):
+        assert_greedy_match(out.outputs[0].token_ids, hf_tokens, hf_logprobs)
