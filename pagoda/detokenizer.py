@@ -63,8 +63,10 @@ class IncrementalDetokenizer:
 
         stop_terminated: the last token is EOS or one of stop_token_ids (the engine stopped on
         it); its text is left out unless include_stop_str_in_output, as in vLLM.
+        Once a stop string has been hit, later tokens are ignored (and None is returned).
         """
-        assert self.stop_reason is None, "update() after a stop string finished the request"
+        if self.stop_reason is not None:
+            return None  # tokens still in flight when the stop string aborted the request
         self.token_ids.extend(new_token_ids)
         if not self.params.detokenize:
             return None

@@ -142,8 +142,9 @@ class ModelRunner:
             n = s.num_prompt_logprob_tokens
             if n:
                 k = s.sampling_params.prompt_logprobs or 0
-                logits = self.model.compute_logits(hidden[token_start : token_start + n])
-                first = s.start + 1
+                row = token_start + s.prompt_logprob_offset
+                logits = self.model.compute_logits(hidden[row : row + n])
+                first = s.start + s.prompt_logprob_offset + 1
                 targets = torch.tensor(s.prompt_token_ids[first : first + n], device=self.device)
                 result[s.request_id] = _logprob_entries(
                     self.sampler.compute_logprobs_for(logits, targets, k)

@@ -100,7 +100,9 @@ class RequestState:
             sample.cumulative_logprob += entry[1][0]
         abort = None
         if sample.detok is not None and out.new_token_ids:
-            stop = sample.detok.update(out.new_token_ids)
+            stop = sample.detok.update(
+                out.new_token_ids, stop_terminated=out.finish_reason == "stop"
+            )
             if stop is not None and out.finish_reason is None:
                 sample.finish_reason, sample.stop_reason = "stop", stop
                 abort = sample_request_id(self.request_id, sample.index)
@@ -126,7 +128,8 @@ class RequestState:
             text = s.detok.output_text if s.detok is not None else ""
             token_ids, logprobs = s.token_ids, s.logprobs
             if delta:
-                text = s.detok.get_delta() if s.detok is not None else ""
+                done = s.finish_reason is not None
+                text = s.detok.get_delta(finished=done) if s.detok is not None else ""
                 token_ids = s.token_ids[s.num_returned_tokens :]
                 if logprobs is not None:
                     logprobs = logprobs[s.num_returned_tokens :]

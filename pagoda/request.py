@@ -89,6 +89,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.num_prompt_logprobs_done = 0  # prompt positions whose logprobs were reported
         self.first_scheduled_time: float | None = None
 
     @property

@@ -25,6 +25,14 @@ import torch
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+_FLOAT_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+)
 
 
 class SamplingType(enum.IntEnum):
@@ -118,9 +126,7 @@ class SamplingParams:
         del values["self"]
         values["stop"] = _normalize_stop(stop)
         values["stop_token_ids"] = _normalize_stop_token_ids(stop_token_ids)
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            values[name] = _number(name, values[name])
-        for name in ("temperature", "top_p", "min_p"):
+        for name in _FLOAT_FIELDS:
             values[name] = _number(name, values[name])
         if _is_int(top_k) and top_k == -1:
             values["top_k"] = 0

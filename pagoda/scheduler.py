@@ -32,7 +32,9 @@ class ScheduledRequest:
     # the step its prompt completes. Empty while a prompt chunk does not reach the end.
     sample_ids: list[str] = field(default_factory=list)
     sample_indices: list[int] = field(default_factory=list)  # each one's index among the n
-    num_prompt_logprob_tokens: int = 0  # leading rows of this chunk that score prompt tokens
+    # Rows [offset, offset + num) of this chunk score prompt tokens (prompt_logprobs).
+    prompt_logprob_offset: int = 0
+    num_prompt_logprob_tokens: int = 0
 
 
 @dataclass
@@ -178,6 +180,8 @@ class Scheduler:
             scheduled = True
             while not self.kv.allocate_slots(request, n):
                 victim = max(self.running, key=lambda r: r.sort_key)
+                if self.running.index(victim) < i:  # keep i on `request` as the list shrinks
+                    i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim.request_id in num_new:
@@ -241,10 +245,15 @@ class Scheduler:
             for s in self._waiting_siblings(request):
                 sample_ids.append(s.request_id)
                 sample_indices.append(s.sample_index)
-        # Row p's logits score prompt token p + 1, so the last prompt position has no target.
-        num_plp = 0
+        # Row p's logits score prompt token p + 1, so the last prompt position has no target;
+        # positions scored before a preemption are not scored again on recompute.
+        plp_offset = num_plp = 0
         if request.sampling_params.prompt_logprobs is not None:
-            num_plp = max(0, min(start + n, request.num_prompt_tokens - 1) - start)
+            lo = max(start, request.num_prompt_logprobs_done)
+            hi = min(start + n, request.num_prompt_tokens - 1)
+            if hi > lo:
+                plp_offset, num_plp = lo - start, hi - lo
+                request.num_prompt_logprobs_done = hi
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start : start + n],
@@ -255,6 +264,7 @@ class Scheduler:
             output_token_ids=request.output_token_ids,
             sample_ids=sample_ids,
             sample_indices=sample_indices,
+            prompt_logprob_offset=plp_offset,
             num_prompt_logprob_tokens=num_plp,
         )
 

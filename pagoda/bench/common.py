@@ -63,7 +63,9 @@ def random_workload(
     return [BenchRequest(prefix + p, n) for p, n in zip(prompts, output_lens)]
 
 
-def random_prompt(length: int, seed: int, token_id_range: tuple[int, int] = TOKEN_ID_RANGE) -> list[int]:
+def random_prompt(
+    length: int, seed: int, token_id_range: tuple[int, int] = TOKEN_ID_RANGE
+) -> list[int]:
     rng = random.Random(seed)
     return [rng.randint(*token_id_range) for _ in range(length)]
 

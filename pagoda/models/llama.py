@@ -166,11 +166,13 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the (packed) parameters; returns the names of the
-        parameters that were written. Unknown names raise ValueError."""
+        """Copy HF-named tensors into the (packed) parameters. Returns what was written, as
+        parameter names and, for packed ones, "name:shard_id" (compare `expected_weights()`).
+        A tensor with no parameter raises ValueError."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for hf_name, tensor in weights:
+            name = hf_name
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
@@ -183,7 +185,7 @@ class LlamaForCausalLM(nn.Module):
                     break
             if name not in params:
                 raise ValueError(
-                    f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
+                    f"checkpoint tensor {hf_name!r} has no parameter in {type(self).__name__}"
                 )
             module = self.get_submodule(name.rpartition(".")[0])
             param = params[name]
@@ -195,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
                 module.weight_loader(param, tensor)
                 loaded.add(name)
             else:
-                _copy_param(param, tensor, name)
+                _copy_param(param, tensor, hf_name)
                 loaded.add(name)
         return loaded
 

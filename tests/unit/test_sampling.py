@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import pickle
 
 import pytest
 import torch
@@ -52,6 +54,7 @@ def test_normalization_and_hashing() -> None:
     r = dataclasses.replace(p, temperature=0.7)
     assert r.temperature == 0.7 and r.stop == ("###",)
     assert SamplingParams(max_tokens=None).max_tokens is None
+    assert pickle.loads(pickle.dumps(p)) == p and copy.deepcopy(p) == p
 
 
 def test_sampling_type() -> None:

@@ -1,0 +1,178 @@
+"""Batch-1 latency (B1): one random-token prompt, greedy decode with ignore_eos; TTFT and
+decode tok/s, median over iterations, optionally against HF transformers in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.bench.common import (
+    add_output_json_arg,
+    decode_tok_s,
+    emit,
+    hf_pad_token_id,
+    left_pad,
+    load_hf_peer,
+    log,
+    median,
+    random_prompt,
+    ratio,
+)
+
+NAME = "latency"
+
+
+@dataclass(frozen=True)
+class IterTiming:
+    """One request's timing, in seconds from its submission."""
+
+    ttft_s: float
+    last_token_s: float
+    num_tokens: int
+    num_cached_tokens: int = 0
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        return decode_tok_s(self.num_tokens, self.ttft_s, self.last_token_s)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # --seed (an engine flag) also seeds the prompts: iteration i uses random_prompt(seed + i),
+    # a fresh prompt each time so that the prefix cache cannot shorten prefill.
+    g = parser.add_argument_group("workload")
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=256)
+    g.add_argument("--num-iters", type=int, default=3)
+    g.add_argument("--num-iters-warmup", type=int, default=1)
+    p = parser.add_argument_group("peer")
+    p.add_argument("--peer", choices=["none", "hf"], default="none")
+    add_output_json_arg(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagoda.cli import engine_kwargs
+
+    if args.input_len < 1 or args.output_len < 2:
+        raise ValueError("--input-len must be >= 1 and --output-len >= 2")
+    if args.num_iters < 1 or args.num_iters_warmup < 0:
+        raise ValueError("--num-iters must be >= 1 and --num-iters-warmup >= 0")
+    total = args.num_iters_warmup + args.num_iters
+    prompts = [random_prompt(args.input_len, args.seed + i) for i in range(total)]
+    kwargs = engine_kwargs(args)
+    record: dict[str, Any] = {
+        "bench": NAME,
+        "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
+        "workload": {
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_iters": args.num_iters,
+            "num_iters_warmup": args.num_iters_warmup,
+            "seed": args.seed,
+            "greedy": True,
+            "ignore_eos": True,
+        },
+        "engine_args": kwargs,
+    }
+    timings = run_pagoda(args.model, kwargs, prompts, args.output_len)
+    record["pagoda"] = summarize(timings[args.num_iters_warmup :])
+    record["peer"] = None
+    if args.peer == "hf":
+        timings = run_hf(args.model, prompts, args.output_len)
+        record["peer"] = {"name": "hf-transformers", **summarize(timings[args.num_iters_warmup :])}
+    peer = record["peer"] or {}
+    # Every ratio is pagoda / peer: above 1 is better for tok/s, below 1 is better for ms.
+    for key in ("ttft_ms", "decode_tok_s", "e2e_ms"):
+        record[f"ratio_{key}"] = ratio(record["pagoda"][key], peer.get(key))
+    emit(record, args.output_json)
+    return 0
+
+
+def summarize(timings: list[IterTiming]) -> dict[str, Any]:
+    """Medians over iterations, plus the per-iteration values."""
+    rates = [t.decode_tok_s for t in timings]
+    known = [r for r in rates if r is not None]
+    return {
+        "ttft_ms": round(median([t.ttft_s * 1e3 for t in timings]), 2),
+        "decode_tok_s": round(median(known), 2) if known else None,
+        "e2e_ms": round(median([t.last_token_s * 1e3 for t in timings]), 2),
+        "num_output_tokens": [t.num_tokens for t in timings],
+        "num_cached_tokens": [t.num_cached_tokens for t in timings],
+        "iters_ttft_ms": [round(t.ttft_s * 1e3, 2) for t in timings],
+        "iters_decode_tok_s": [None if r is None else round(r, 2) for r in rates],
+    }
+
+
+def run_pagoda(
+    model: str | None, kwargs: dict[str, Any], prompts: list[list[int]], output_len: int
+) -> list[IterTiming]:
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(model, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    timings = []
+    for ids in prompts:
+        first = last = None
+        n = cached = 0
+        t0 = time.perf_counter()
+        for out in llm.generate_stream({"prompt_token_ids": ids}, params):
+            k = len(out.outputs[0].token_ids)
+            if k:
+                last = time.perf_counter() - t0
+                first = last if first is None else first
+                n += k
+                cached = out.num_cached_tokens
+        if first is None or last is None:
+            raise RuntimeError("pagoda produced no tokens")
+        if n != output_len:
+            log(f"warning: pagoda produced {n} tokens, {output_len} were asked for")
+        timings.append(IterTiming(first, last, n, cached))
+    return timings
+
+
+def run_hf(model: str | None, prompts: list[list[int]], output_len: int) -> list[IterTiming]:
+    """HF generate with its KV cache, greedy, batch 1; a streamer stamps each new token."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class TimingStreamer(BaseStreamer):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.num_tokens = 0
+            self.prompt_seen = False
+
+        def put(self, value: Any) -> None:
+            if not self.prompt_seen:  # generate() first puts the prompt itself
+                self.prompt_seen = True
+                return
+            self.times.append(time.perf_counter())
+            self.num_tokens += int(value.numel())
+
+        def end(self) -> None:
+            pass
+
+    hf = load_hf_peer(model)
+    pad = hf_pad_token_id(hf)
+    timings = []
+    with torch.inference_mode():
+        for ids in prompts:
+            input_ids, mask = left_pad([ids], pad)
+            streamer = TimingStreamer()
+            t0 = time.perf_counter()
+            hf.generate(
+                input_ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                pad_token_id=pad,
+                use_cache=True,
+                streamer=streamer,
+            )
+            if not streamer.times:
+                raise RuntimeError("HF produced no tokens")
+            timings.append(
+                IterTiming(streamer.times[0] - t0, streamer.times[-1] - t0, streamer.num_tokens)
+            )
+    return timings

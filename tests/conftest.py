@@ -1,0 +1,125 @@
+"""Session fixtures shared by the model and engine tests.
+
+- `smollm2_path`: the embedded SmolLM2-135M-Instruct Q4_1 GGUF.
+- `smollm2_hf`: HF transformers' float32 model from that GGUF, the oracle for SmolLM2 (~17 s).
+- `tiny_model_dir(arch)`: a folder with a tiny random HF model ("llama", "qwen2", "qwen3") saved as
+  safetensors plus SmolLM2's tokenizer, so the tiny models run end to end on strings.
+- `tiny_hf_model(arch)`: HF transformers' float32 model loaded from that folder, the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from pagoda.loader import load_tokenizer, resolve_model
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+_COMMON = dict(
+    vocab_size=49152,  # SmolLM2's tokenizer
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
+def _tiny_config(arch: str) -> Any:
+    if arch == "llama":
+        # llama3 rope scaling with a short original context, so every frequency band is exercised.
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return LlamaConfig(
+            **_COMMON, num_hidden_layers=3, tie_word_embeddings=False, rope_parameters=rope
+        )
+    if arch == "qwen2":
+        return Qwen2Config(**_COMMON, num_hidden_layers=2, tie_word_embeddings=True)
+    if arch == "qwen3":
+        # head_dim 32 != hidden_size / num_heads: the explicit head_dim must be honored.
+        return Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True)
+    raise ValueError(f"unknown tiny arch {arch!r}; one of {TINY_ARCHS}")
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter random and far from HF's init (biases are zero there, norms one), so a
+    weight loaded into the wrong place or skipped changes the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=gen)
+        if "norm" in name:
+            param.copy_(1.0 + 0.1 * noise)
+        else:
+            param.copy_(0.1 * noise)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    folder, gguf_file = resolve_model(None)
+    assert gguf_file is not None
+    return os.path.join(folder, gguf_file)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path: str) -> torch.nn.Module:
+    folder, name = os.path.split(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path: str) -> Any:
+    return load_tokenizer(*os.path.split(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any
+) -> Callable[[str], str]:
+    made: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in made:
+            folder: Path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
+            _randomize(model, seed=TINY_ARCHS.index(arch))
+            # The llama checkpoint is sharded (model.safetensors.index.json); the others are not.
+            shard = "5MB" if arch == "llama" else "1GB"
+            model.save_pretrained(folder, max_shard_size=shard)
+            smollm2_tokenizer.save_pretrained(folder)
+            made[arch] = str(folder)
+        return made[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_model_dir: Callable[[str], str]) -> Callable[[str], torch.nn.Module]:
+    loaded: dict[str, torch.nn.Module] = {}
+
+    def load(arch: str) -> torch.nn.Module:
+        if arch not in loaded:
+            model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), dtype=torch.float32)
+            loaded[arch] = model.eval()
+        return loaded[arch]
+
+    return load

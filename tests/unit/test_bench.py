@@ -1,0 +1,210 @@
+"""Benchmark workload builders and JSON/stat helpers; no model is loaded here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+
+from pagoda.bench import latency, throughput
+from pagoda.bench.common import (
+    BenchRequest,
+    batches,
+    decode_tok_s,
+    emit,
+    hit_rate,
+    left_pad,
+    median,
+    parse_range,
+    random_prompt,
+    random_workload,
+    ratio,
+    throughput_stats,
+)
+
+
+def _parser(module) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, default=0)  # the engine flag both benches reuse
+    module.add_arguments(parser)
+    return parser
+
+
+def test_w1_matches_nano_vllm_recipe():
+    # nano-vllm bench.py, drawn with the global random module.
+    random.seed(0)
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)
+    ]
+    outs = [random.randint(100, 1024) for _ in range(256)]
+    w1 = random_workload(256, (100, 1024), (100, 1024), seed=0)
+    assert [r.prompt_token_ids for r in w1] == prompts
+    assert [r.output_len for r in w1] == outs
+    assert sum(r.output_len for r in w1) == 133_966  # DESIGN.md section 5
+
+
+def test_w_cpu_output_tokens():
+    w = random_workload(64, (16, 256), (16, 256), seed=0)
+    assert sum(r.output_len for r in w) == 8_224  # DESIGN.md section 5
+
+
+def test_lengths_and_ids_within_ranges():
+    w = random_workload(50, (3, 9), (5, 7), seed=123)
+    assert len(w) == 50
+    for r in w:
+        assert 3 <= len(r.prompt_token_ids) <= 9
+        assert 5 <= r.output_len <= 7
+        assert all(0 <= t <= 10_000 for t in r.prompt_token_ids)
+    assert {len(r.prompt_token_ids) for r in w} == set(range(3, 10))
+
+
+def test_deterministic_with_seed():
+    a = random_workload(20, (1, 50), (1, 50), seed=7)
+    assert a == random_workload(20, (1, 50), (1, 50), seed=7)
+    assert a != random_workload(20, (1, 50), (1, 50), seed=8)
+
+
+def test_does_not_touch_global_random_state():
+    random.seed(5)
+    expected = random.random()
+    random.seed(5)
+    random_workload(10, (1, 5), (1, 5), seed=0)
+    assert random.random() == expected
+
+
+def test_shared_prefix_prepended_rest_unchanged():
+    base = random_workload(10, (4, 12), (2, 8), seed=0)
+    shared = random_workload(10, (4, 12), (2, 8), seed=0, shared_prefix_len=32)
+    prefix = shared[0].prompt_token_ids[:32]
+    assert len(prefix) == 32
+    for b, s in zip(base, shared):
+        assert s.prompt_token_ids == prefix + b.prompt_token_ids
+        assert s.output_len == b.output_len
+
+
+def test_workload_rejects_bad_sizes():
+    with pytest.raises(ValueError):
+        random_workload(0, (1, 2), (1, 2))
+    with pytest.raises(ValueError):
+        random_workload(1, (1, 2), (1, 2), shared_prefix_len=-1)
+
+
+def test_random_prompt():
+    p = random_prompt(128, seed=3)
+    assert len(p) == 128 and p == random_prompt(128, seed=3) and p != random_prompt(128, seed=4)
+
+
+def test_parse_range():
+    assert parse_range("100,1024") == (100, 1024)
+    assert parse_range("5,5") == (5, 5)
+    for bad in ("5", "a,b", "9,3", "0,4", "1,2,3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_range(bad)
+
+
+def test_throughput_stats():
+    s = throughput_stats(
+        2.0, num_prompt_tokens=300, num_output_tokens=100, prefix_cache_hit_rate=0.5
+    )
+    assert s == {
+        "elapsed_s": 2.0,
+        "output_tok_s": 50.0,
+        "total_tok_s": 200.0,
+        "num_prompt_tokens": 300,
+        "num_output_tokens": 100,
+        "prefix_cache_hit_rate": 0.5,
+    }
+    with pytest.raises(ValueError):
+        throughput_stats(0.0, 1, 1)
+
+
+def test_small_helpers():
+    assert hit_rate(25, 100) == 0.25
+    assert hit_rate(0, 0) is None
+    assert ratio(300.0, 100.0) == 3.0
+    assert ratio(1.0, None) is None and ratio(1.0, 0.0) is None
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([1.0, 2.0]) == 1.5
+    with pytest.raises(ValueError):
+        median([])
+    assert decode_tok_s(11, 1.0, 2.0) == 10.0
+    assert decode_tok_s(1, 1.0, 1.0) is None
+    assert [list(b) for b in batches(list(range(5)), 2)] == [[0, 1], [2, 3], [4]]
+
+
+def test_left_pad():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_token_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_emit_prints_one_json_line_and_writes_file(tmp_path, capsys):
+    path = tmp_path / "out.json"
+    emit({"a": 1, "b": [1.5, None]}, str(path))
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    assert json.loads(out) == {"a": 1, "b": [1.5, None]}
+    assert json.loads(path.read_text()) == {"a": 1, "b": [1.5, None]}
+
+
+def test_throughput_defaults_are_w1():
+    args = _parser(throughput).parse_args([])
+    assert args.num_prompts == 256
+    assert args.input_len_range == (100, 1024) and args.output_len_range == (100, 1024)
+    assert args.temperature == 0.6 and args.seed == 0 and args.shared_prefix_len == 0
+    assert args.peer == "none" and args.peer_batch_size == 16 and args.peer_num_prompts is None
+    record = throughput.workload_record(args, [BenchRequest([1, 2, 3], 4)])
+    assert record["num_prompt_tokens"] == 3 and record["num_output_tokens"] == 4
+
+
+def test_throughput_flags():
+    args = _parser(throughput).parse_args(
+        [
+            "--num-prompts",
+            "8",
+            "--input-len-range",
+            "16,64",
+            "--peer",
+            "hf",
+            "--peer-num-prompts",
+            "4",
+        ]
+    )
+    assert args.num_prompts == 8 and args.input_len_range == (16, 64)
+    assert throughput._peer_num_prompts(args) == 4
+    args.peer_num_prompts = 9
+    with pytest.raises(ValueError):
+        throughput._peer_num_prompts(args)
+
+
+def test_latency_defaults_and_summary():
+    args = _parser(latency).parse_args([])
+    assert (args.input_len, args.output_len, args.num_iters) == (128, 256, 3)
+    timings = [
+        latency.IterTiming(0.1, 1.1, 11),
+        latency.IterTiming(0.3, 2.3, 11),
+        latency.IterTiming(0.2, 0.7, 11),
+    ]
+    s = latency.summarize(timings)
+    assert s["ttft_ms"] == 200.0
+    assert s["decode_tok_s"] == 10.0  # per-iteration 10, 5, 20
+    assert s["e2e_ms"] == 1100.0
+    assert s["iters_decode_tok_s"] == [10.0, 5.0, 20.0]
+
+
+@pytest.mark.slow
+def test_cli_benches_run_end_to_end(capsys):
+    from pagoda.cli import main
+
+    argv = ["bench", "throughput", "--num-prompts", "2", "--input-len-range", "8,16"]
+    assert main(argv + ["--output-len-range", "4,8"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["pagoda"]["output_tok_s"] > 0
+    assert (
+        main(["bench", "latency", "--input-len", "16", "--output-len", "8", "--num-iters", "1"])
+        == 0
+    )
+    record = json.loads(capsys.readouterr().out)
+    assert record["pagoda"]["num_output_tokens"] == [8]
