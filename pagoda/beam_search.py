@@ -64,7 +64,9 @@ def beam_search(
                 if len(live[i]) == width:
                     break
             done[i] = sorted(
-                done[i], key=lambda s: _score(s, len(prompts[i]), params.length_penalty), reverse=True
+                done[i],
+                key=lambda s: _score(s, len(prompts[i]), params.length_penalty),
+                reverse=True,
             )[:width]
             if _is_done(done[i], live[i], len(prompts[i]), params):
                 live[i] = []
@@ -73,7 +75,9 @@ def beam_search(
         for seq in live[i]:
             seq.finish_reason = "length"
         ranked = sorted(
-            done[i] + live[i], key=lambda s: _score(s, len(prompt), params.length_penalty), reverse=True
+            done[i] + live[i],
+            key=lambda s: _score(s, len(prompt), params.length_penalty),
+            reverse=True,
         )[:width]
         for seq in ranked:
             seq.text = llm.tokenizer.decode(seq.tokens, skip_special_tokens=True)

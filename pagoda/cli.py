@@ -21,9 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=None)
-    g.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
-    )
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -102,7 +100,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
     prompts = args.prompt or [sys.stdin.read()]
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False
+        )
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     for out in outputs:

@@ -60,7 +60,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two in [1, 128], got {self.block_size}")
+            raise ValueError(
+                f"block_size must be a power of two in [1, 128], got {self.block_size}"
+            )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("num_gpu_blocks_override must be >= 1")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -68,7 +70,9 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use 'auto'")
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use 'auto'"
+            )
 
 
 @dataclass(frozen=True)

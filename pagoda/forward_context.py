@@ -30,7 +30,7 @@ class PrefillSeq:
     token_start: int
     token_end: int
     seq_len: int
-    gather_slots: torch.Tensor  # (seq_len,) cache slot of each position
+    block_ids: torch.Tensor  # (num_blocks,) int64, covering positions [0, seq_len)
     mask: torch.Tensor | None  # (query_len, seq_len) bool, None when query_len == seq_len (causal)
 
 
@@ -40,10 +40,10 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens: list[int]
     slot_mapping: torch.Tensor  # (num_tokens,) int64 flat slot each new key/value is written to
-    # Decode rows (one query token), batched into one padded attention call.
+    # Decode rows (one query token), batched into one padded attention call over whole blocks.
     decode_token_idx: torch.Tensor  # (num_decodes,) int64 token index in the flat batch
-    decode_gather_slots: torch.Tensor  # (num_decodes, max_decode_len) int64
-    decode_mask: torch.Tensor  # (num_decodes, 1, 1, max_decode_len) bool, True = attend
+    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int64, padded with block 0
+    decode_mask: torch.Tensor  # (num_decodes, 1, 1, max_blocks * block_size) bool, True = attend
     prefills: list[PrefillSeq]
 
     @property
@@ -81,10 +81,6 @@ def get_forward_context() -> ForwardContext:
     return ctx
 
 
-def _slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
 def build_attention_metadata(
     query_lens: list[int],
     seq_lens: list[int],
@@ -99,45 +95,44 @@ def build_attention_metadata(
     assert len(query_lens) == len(seq_lens) == len(block_tables)
     slot_mapping: list[int] = []
     decode_token_idx: list[int] = []
-    decode_rows: list[list[int]] = []
+    decode_rows: list[int] = []
     prefills: list[PrefillSeq] = []
     token_start = 0
-    for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+    for i, (q_len, s_len, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
         assert 0 < q_len <= s_len and len(table) * block_size >= s_len
-        slot_mapping.extend(_slots_for(table, s_len - q_len, s_len, block_size))
-        all_slots = _slots_for(table, 0, s_len, block_size)
+        slot_mapping.extend(
+            table[p // block_size] * block_size + p % block_size
+            for p in range(s_len - q_len, s_len)
+        )
+        num_blocks = -(-s_len // block_size)
         if q_len == 1:
             decode_token_idx.append(token_start)
-            decode_rows.append(all_slots)
+            decode_rows.append(i)
         else:
             mask = None
             if q_len != s_len:
                 q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
                 mask = (torch.arange(s_len).unsqueeze(0) <= q_pos).to(device)
-            prefills.append(
-                PrefillSeq(
-                    token_start,
-                    token_start + q_len,
-                    s_len,
-                    torch.tensor(all_slots, dtype=torch.int64, device=device),
-                    mask,
-                )
-            )
+            blocks = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
+            prefills.append(PrefillSeq(token_start, token_start + q_len, s_len, blocks, mask))
         token_start += q_len
 
-    max_len = max((len(r) for r in decode_rows), default=0)
-    gather = torch.zeros((len(decode_rows), max_len), dtype=torch.int64)
-    mask_d = torch.zeros((len(decode_rows), 1, 1, max_len), dtype=torch.bool)
-    for i, row in enumerate(decode_rows):
-        gather[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
-        mask_d[i, 0, 0, : len(row)] = True
+    decode_lens = torch.tensor([seq_lens[i] for i in decode_rows], dtype=torch.int64)
+    max_blocks = -(-int(decode_lens.max()) // block_size) if decode_rows else 0
+    tables = torch.zeros((len(decode_rows), max_blocks), dtype=torch.int64)
+    for row, i in enumerate(decode_rows):
+        n = min(len(block_tables[i]), max_blocks)
+        tables[row, :n] = torch.tensor(block_tables[i][:n], dtype=torch.int64)
+    positions = torch.arange(max_blocks * block_size)
+    mask_d = positions.unsqueeze(0) < decode_lens.unsqueeze(1)
+    mask_d = mask_d.view(len(decode_rows), 1, 1, max_blocks * block_size)
     return AttentionMetadata(
         num_tokens=token_start,
         query_lens=list(query_lens),
         seq_lens=list(seq_lens),
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         decode_token_idx=torch.tensor(decode_token_idx, dtype=torch.int64, device=device),
-        decode_gather_slots=gather.to(device),
+        decode_block_tables=tables.to(device),
         decode_mask=mask_d.to(device),
         prefills=prefills,
     )

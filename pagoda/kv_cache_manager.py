@@ -52,7 +52,9 @@ class KVCacheManager:
             j = len(hashes)
             parent = hashes[-1] if hashes else None
             extra = request.cache_salt if j == 0 else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[j * bs : (j + 1) * bs], extra))
+            hashes.append(
+                hash_block_tokens(parent, request.all_token_ids[j * bs : (j + 1) * bs], extra)
+            )
         return hashes[:num_full_blocks]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
@@ -88,8 +90,10 @@ class KVCacheManager:
         num_have = len(blocks) + len(new_computed_blocks)
         num_fresh = max(0, num_required - num_have)
         cow_index = self._cow_index(blocks, num_computed)
-        num_needed = num_fresh + (cow_index is not None) + sum(
-            1 for b in new_computed_blocks if b.ref_cnt == 0
+        num_needed = (
+            num_fresh
+            + (cow_index is not None)
+            + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         )
         if num_needed > self.pool.num_free_blocks:
             return False

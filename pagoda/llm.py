@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any, Union
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -15,7 +15,7 @@ from pagoda.outputs import BeamSearchOutput, RequestOutput
 from pagoda.request import EngineRequest
 from pagoda.sampling import BeamSearchParams, SamplingParams
 
-PromptType = Union[str, dict[str, Any]]
+PromptType = str | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
 
@@ -52,7 +52,8 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params)):
                 text, ids = self._tokenize(prompt)
-                states.append(self._add(text, ids, p, priority[i] if priority else 0))
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                states.append(self._add(text, ids, p, priority[i] if priority else 0, salt))
         except Exception:
             self.engine.abort_request([s.request_id for s in states])
             raise
@@ -89,10 +90,17 @@ class LLM:
         )
 
     def _add(
-        self, text: str | None, ids: list[int], params: SamplingParams, priority: int = 0
+        self,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestState:
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
         rid = str(next(self._ids))
-        request = EngineRequest(rid, ids, params, priority=priority)
+        request = EngineRequest(rid, ids, params, priority=priority, cache_salt=cache_salt)
         self.engine.add_request(request)
         arrival = self.engine.scheduler.requests[rid].arrival_time
         return RequestState(rid, text, ids, params, self.tokenizer, arrival)
@@ -167,7 +175,9 @@ class LLM:
                 "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
             }
             for text in (
-                self.apply_chat_template(c, chat_template, add_generation_prompt, continue_final_message)
+                self.apply_chat_template(
+                    c, chat_template, add_generation_prompt, continue_final_message
+                )
                 for c in conversations
             )
         ]

@@ -6,10 +6,10 @@ The model runner owns every device tensor: weights, the paged KV cache, per-requ
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from pagoda.config import ModelConfig
 from pagoda.forward_context import build_attention_metadata, forward_context
+from pagoda.models.llama import LlamaForCausalLM
 from pagoda.sampling import LogprobsTensors, Sampler, SamplingMetadata
 from pagoda.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -19,7 +19,7 @@ LogprobEntry = tuple[list[int], list[float], int]
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: LlamaForCausalLM,
         model_config: ModelConfig,
         num_blocks: int,
         block_size: int,
@@ -34,7 +34,10 @@ class ModelRunner:
         shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
         dtype = model_config.dtype
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(model_config.num_layers)
         ]
         self.sampler = Sampler()
@@ -115,7 +118,11 @@ class ModelRunner:
             entries = _logprob_entries(result.logprobs)
             for rid, p, entry in zip(row_ids, params, entries):
                 if p.logprobs is not None:
-                    logprobs[rid] = (entry[0][: p.logprobs + 1], entry[1][: p.logprobs + 1], entry[2])
+                    logprobs[rid] = (
+                        entry[0][: p.logprobs + 1],
+                        entry[1][: p.logprobs + 1],
+                        entry[2],
+                    )
         return sampled, logprobs
 
     def _banned(self, min_tokens: int, stop_token_ids: tuple[int, ...], num_out: int) -> list[int]:

@@ -440,14 +440,16 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Exponential race: argmax(probs / E), E ~ Exponential(1) per entry; (R,) int64.
 
+    E is drawn as -log(U), U ~ Uniform[0, 1) (on CPU several times faster than exponential_).
     A row in `generators` draws its noise from its own generator only; other rows share the
     default generator.
     """
-    noise = torch.empty_like(probs)
+    uniform = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
-        noise.exponential_()
+        uniform.uniform_()
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
+        uniform[row].uniform_(generator=generator)
+    noise = uniform.log_().neg_()  # U == 0 gives E == inf: that entry cannot win
     return (probs / noise).argmax(dim=-1)
 
 

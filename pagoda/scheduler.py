@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.block_pool import KVCacheBlock
 from pagoda.kv_cache_manager import KVCacheManager
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling import SamplingParams
@@ -197,9 +198,13 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
-            if len(self.running) + 1 + len(self._waiting_siblings(request)) > self.config.max_num_seqs:
+            if (
+                len(self.running) + 1 + len(self._waiting_siblings(request))
+                > self.config.max_num_seqs
+            ):
                 break
-            hits, num_hit_tokens = ([], 0)
+            hits: list[KVCacheBlock] = []
+            num_hit_tokens = 0
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
@@ -215,12 +220,12 @@ class Scheduler:
             num_new[request.request_id] = n
             budget -= n
 
-        scheduled = [self._scheduled(self.requests[rid], n) for rid, n in num_new.items()]
+        batch = [self._scheduled(self.requests[rid], n) for rid, n in num_new.items()]
         for rid, n in num_new.items():
             self.requests[rid].num_computed_tokens += n
         finished, self.finished_ids = self.finished_ids, []
         return SchedulerOutput(
-            scheduled=scheduled,
+            scheduled=batch,
             block_copies=self.kv.take_pending_copies(),
             finished_request_ids=finished,
             preempted_request_ids=[r.request_id for r in preempted],
@@ -312,7 +317,10 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

@@ -55,6 +55,12 @@ def write_kv_cache(
     v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """(num_blocks, block_size, kv_heads, head_dim)[ids] -> (*ids.shape[:-1], n * block_size, ...)."""
+    out = cache.index_select(0, block_ids.reshape(-1))
+    return out.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -64,21 +70,20 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """Reference paged attention. q: (num_tokens, num_heads, head_dim) -> same shape."""
     out = torch.empty_like(q)
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
     gqa = q.shape[1] != k_cache.shape[2]
     if meta.num_decodes:
         qd = q.index_select(0, meta.decode_token_idx).unsqueeze(2)  # (B, H, 1, D)
-        kd = k_flat[meta.decode_gather_slots].transpose(1, 2).to(q.dtype)  # (B, Hkv, L, D)
-        vd = v_flat[meta.decode_gather_slots].transpose(1, 2).to(q.dtype)
+        tables = meta.decode_block_tables
+        kd = _gather_blocks(k_cache, tables).transpose(1, 2).to(q.dtype)  # (B, Hkv, L, D)
+        vd = _gather_blocks(v_cache, tables).transpose(1, 2).to(q.dtype)
         od = F.scaled_dot_product_attention(
             qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         )
         out.index_copy_(0, meta.decode_token_idx, od.squeeze(2))
     for p in meta.prefills:
         qp = q[p.token_start : p.token_end].transpose(0, 1)  # (H, q_len, D)
-        kp = k_flat[p.gather_slots].transpose(0, 1).to(q.dtype)  # (Hkv, seq_len, D)
-        vp = v_flat[p.gather_slots].transpose(0, 1).to(q.dtype)
+        kp = _gather_blocks(k_cache, p.block_ids)[: p.seq_len].transpose(0, 1).to(q.dtype)
+        vp = _gather_blocks(v_cache, p.block_ids)[: p.seq_len].transpose(0, 1).to(q.dtype)
         op = F.scaled_dot_product_attention(
             qp,
             kp,

@@ -8,7 +8,29 @@ import torch
 from pagoda import LLM, BeamSearchParams, EngineRequest, SamplingParams
 from pagoda.request import RequestStatus
 
-PROMPT = {"prompt_token_ids": [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 222, 333, 444, 555, 666, 777, 888, 999, 1234]}
+PROMPT = {
+    "prompt_token_ids": [
+        11,
+        22,
+        33,
+        44,
+        55,
+        66,
+        77,
+        88,
+        99,
+        111,
+        222,
+        333,
+        444,
+        555,
+        666,
+        777,
+        888,
+        999,
+        1234,
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +56,10 @@ def test_request_output_shape(llm: LLM) -> None:
 def test_one_params_per_prompt_and_mismatch(llm: LLM) -> None:
     outs = llm.generate(
         [PROMPT, PROMPT],
-        [SamplingParams(max_tokens=2, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)],
+        [
+            SamplingParams(max_tokens=2, ignore_eos=True),
+            SamplingParams(max_tokens=4, ignore_eos=True),
+        ],
     )
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 4]
     with pytest.raises(ValueError, match="SamplingParams"):
@@ -43,7 +68,9 @@ def test_one_params_per_prompt_and_mismatch(llm: LLM) -> None:
 
 def test_top_k_1_equals_greedy(llm: LLM) -> None:
     greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    topk1 = llm.generate(PROMPT, SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True))
+    topk1 = llm.generate(
+        PROMPT, SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True)
+    )
     assert greedy[0].outputs[0].token_ids == topk1[0].outputs[0].token_ids
 
 
@@ -96,7 +123,11 @@ def test_stop_strings_cut_text(llm: LLM) -> None:
     kept = llm.generate(
         PROMPT,
         SamplingParams(
-            temperature=0, max_tokens=30, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+            temperature=0,
+            max_tokens=30,
+            ignore_eos=True,
+            stop=[stop],
+            include_stop_str_in_output=True,
         ),
     )[0].outputs[0]
     assert kept.text == text[: text.index(stop) + len(stop)]
@@ -109,7 +140,8 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     stop_tok = tokens[2]
     first = tokens.index(stop_tok)
     out = llm.generate(
-        PROMPT, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_tok])
+        PROMPT,
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_tok]),
     )[0].outputs[0]
     assert out.token_ids == tokens[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
@@ -124,7 +156,9 @@ def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
     for token, step in zip(c.token_ids, c.logprobs):
         assert step[token].rank == 1  # greedy picks the top token
         assert len(step) == 3  # the sampled token is also the top-1
-    assert c.cumulative_logprob == pytest.approx(sum(s[t].logprob for t, s in zip(c.token_ids, c.logprobs)))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(s[t].logprob for t, s in zip(c.token_ids, c.logprobs))
+    )
     plp = out.prompt_logprobs
     assert plp is not None and plp[0] is None and len(plp) == len(PROMPT["prompt_token_ids"])
     for token, pos in zip(PROMPT["prompt_token_ids"][1:], plp[1:]):
@@ -195,7 +229,9 @@ def test_abort_mid_run_frees_blocks(llm: LLM) -> None:
     engine = llm.engine
     for i in range(3):
         engine.add_request(
-            EngineRequest(f"a{i}", PROMPT["prompt_token_ids"], SamplingParams(max_tokens=50, ignore_eos=True))
+            EngineRequest(
+                f"a{i}", PROMPT["prompt_token_ids"], SamplingParams(max_tokens=50, ignore_eos=True)
+            )
         )
     engine.step()
     engine.abort_request("a1")
@@ -208,7 +244,12 @@ def test_abort_mid_run_frees_blocks(llm: LLM) -> None:
 
 
 def test_priority_scheduling(tiny_model_dir) -> None:
-    llm = LLM(tiny_model_dir("llama"), scheduling_policy="priority", max_num_seqs=1, num_gpu_blocks_override=64)
+    llm = LLM(
+        tiny_model_dir("llama"),
+        scheduling_policy="priority",
+        max_num_seqs=1,
+        num_gpu_blocks_override=64,
+    )
     outs = llm.generate(
         [PROMPT, PROMPT, PROMPT], SamplingParams(max_tokens=2, ignore_eos=True), priority=[5, 0, 1]
     )
@@ -219,7 +260,9 @@ def test_priority_scheduling(tiny_model_dir) -> None:
 def test_beam_search_matches_hf(tiny_model_dir, tiny_hf_model) -> None:
     llm = LLM(tiny_model_dir("llama"), num_gpu_blocks_override=256)
     ids = PROMPT["prompt_token_ids"][:8]
-    result = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    result = llm.beam_search(
+        [{"prompt_token_ids": ids}], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    )
     hf = tiny_hf_model("llama")
     with torch.no_grad():
         expected = hf.generate(
@@ -235,3 +278,16 @@ def test_beam_search_matches_hf(tiny_model_dir, tiny_hf_model) -> None:
         )
     got = [s.tokens for s in result[0].sequences]
     assert got == [row.tolist() for row in expected]
+
+
+def test_cache_salt_isolates_prefix_cache(tiny_model_dir) -> None:
+    llm = LLM(tiny_model_dir("llama"), num_gpu_blocks_override=64)
+    ids = list(range(100, 140))  # 40 tokens: two full 16-token blocks can hit
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.generate({"prompt_token_ids": ids, "cache_salt": "alice"}, params)
+    bob = llm.generate({"prompt_token_ids": ids, "cache_salt": "bob"}, params)[0]
+    alice = llm.generate({"prompt_token_ids": ids, "cache_salt": "alice"}, params)[0]
+    assert bob.num_cached_tokens == 0
+    assert alice.num_cached_tokens == 32
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt_token_ids": ids, "cache_salt": 5}, params)

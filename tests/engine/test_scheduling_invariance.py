@@ -14,9 +14,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 def _prompts(n: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(10, 1000) for _ in range(shared_prefix)]
-    return [
-        prefix + [rng.randrange(10, 1000) for _ in range(rng.randint(3, 60))] for _ in range(n)
-    ]
+    return [prefix + [rng.randrange(10, 1000) for _ in range(rng.randint(3, 60))] for _ in range(n)]
 
 
 def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
