@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.block_pool import KVCacheBlock
+from pagoda.config import CacheConfig, SchedulerConfig
 from pagoda.kv_cache_manager import KVCacheManager
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling import SamplingParams
