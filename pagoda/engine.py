@@ -79,6 +79,9 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute(scheduler_output)
+        if scheduler_output.is_empty and self.scheduler.waiting and not self.scheduler.running:
+            # add_request admits only requests that fit the whole pool, so this is a bug.
+            raise RuntimeError("the scheduler made no progress with an idle KV cache")
         return self.scheduler.update(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
