@@ -15,6 +15,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+def head_dim_of(hf_config: Any) -> int:
+    """Attention head size: explicit `head_dim` (Qwen3) or hidden_size / num_attention_heads."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs to know of a checkpoint, derived once from its HF config."""
@@ -35,9 +41,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        cfg = self.hf_config
-        head_dim = getattr(cfg, "head_dim", None)
-        return int(head_dim or cfg.hidden_size // cfg.num_attention_heads)
+        return head_dim_of(self.hf_config)
 
     @property
     def vocab_size(self) -> int:

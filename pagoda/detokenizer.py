@@ -21,6 +21,11 @@ from pagoda.sampling import SamplingParams
 _PROMPT_CONTEXT = 5
 
 
+def decode_token(tokenizer: Any, token_id: int) -> str:
+    """One token's text on its own (for logprob entries); special tokens are kept."""
+    return str(tokenizer.decode([token_id]))
+
+
 class IncrementalDetokenizer:
     """Output text of one request, with stop strings and stream deltas (vLLM's semantics).
 
@@ -95,7 +100,7 @@ class IncrementalDetokenizer:
 
     def decode_token(self, token_id: int) -> str:
         """One token's text on its own (for logprob entries); special tokens are kept."""
-        return str(self.tokenizer.decode([token_id]))
+        return decode_token(self.tokenizer, token_id)
 
     def _decode_next(self) -> str:
         new_text = self._to_string(self._tokens[self._prefix_offset :])

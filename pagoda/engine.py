@@ -13,7 +13,7 @@ import torch
 
 from pagoda.block_pool import BlockPool
 from pagoda.config import EngineConfig, ModelConfig
-from pagoda.kv_cache_manager import KVCacheManager, cdiv
+from pagoda.kv_cache_manager import KVCacheManager
 from pagoda.loader import load_model
 from pagoda.model_runner import ModelRunner
 from pagoda.request import EngineRequest, Request, RequestStatus, sample_request_id
@@ -38,7 +38,7 @@ class EngineCore:
         pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(pool, self.block_size)
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.kv_cache_manager, model_config.max_model_len
+            config.scheduler, self.kv_cache_manager, model_config.max_model_len
         )
         self.runner = ModelRunner(
             model, model_config, self.num_blocks, self.block_size, self.device, self.eos_token_ids
@@ -161,7 +161,7 @@ class EngineCore:
     def _check_fits_pool(self, prompt_len: int, max_tokens: int, n: int) -> None:
         # n samples share the prompt's full blocks; each needs its own tail blocks.
         shared = prompt_len // self.block_size
-        per_sample = cdiv(prompt_len + max_tokens, self.block_size) - shared
+        per_sample = self.kv_cache_manager.num_blocks_for(prompt_len + max_tokens) - shared
         needed = shared + n * per_sample
         if needed > self.num_blocks:
             raise ValueError(

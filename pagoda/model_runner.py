@@ -11,9 +11,7 @@ from pagoda.config import ModelConfig
 from pagoda.forward_context import build_attention_metadata, forward_context
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.sampling import LogprobsTensors, Sampler, SamplingMetadata
-from pagoda.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput
-
-LogprobEntry = tuple[list[int], list[float], int]
+from pagoda.scheduler import LogprobEntry, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 
 class ModelRunner:
@@ -161,4 +159,4 @@ class ModelRunner:
 
 
 def _logprob_entries(t: LogprobsTensors) -> list[LogprobEntry]:
-    return list(zip(t.token_ids.tolist(), t.logprobs.tolist(), t.ranks.tolist()))
+    return list(zip(*t.tolists()))

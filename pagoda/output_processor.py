@@ -11,13 +11,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.detokenizer import IncrementalDetokenizer
+from pagoda.detokenizer import IncrementalDetokenizer, decode_token
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from pagoda.request import sample_request_id
 from pagoda.sampling import SamplingParams
-from pagoda.scheduler import EngineCoreOutput
-
-LogprobEntry = tuple[list[int], list[float], int]
+from pagoda.scheduler import EngineCoreOutput, LogprobEntry
 
 
 @dataclass
@@ -80,12 +78,14 @@ class RequestState:
     def _decode(self, token_id: int) -> str | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer.decode([token_id])
+        return decode_token(self.tokenizer, token_id)
 
     def add(self, out: EngineCoreOutput) -> str | None:
         """Fold one engine output in; returns the sample's engine id if it must be aborted."""
         now = time.time()
         self.num_cached_tokens = out.num_cached_tokens
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = out.first_scheduled_time
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._logprob_dict(e) for e in out.new_prompt_logprobs)
         sample = self.samples[out.sample_index]

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagoda.block_pool import KVCacheBlock
-from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.config import SchedulerConfig
 from pagoda.kv_cache_manager import KVCacheManager
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling import SamplingParams
@@ -54,22 +54,28 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# One position's logprobs: (token ids, logprobs, rank of column 0); column 0 is the sampled or
+# scored token, the rest the top-k.
+LogprobEntry = tuple[list[int], list[float], int]
+
+
 @dataclass
 class RunnerOutput:
     sampled_token_ids: dict[str, int]
-    logprobs: dict[str, tuple[list[int], list[float], int]]  # ids, logprobs (col 0 = sampled), rank
-    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]]
+    logprobs: dict[str, LogprobEntry]  # ids, logprobs (col 0 = sampled), rank
+    prompt_logprobs: dict[str, list[LogprobEntry]]
 
 
 @dataclass
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[tuple[list[int], list[float], int]]
-    new_prompt_logprobs: list[tuple[list[int], list[float], int]]
+    new_logprobs: list[LogprobEntry]
+    new_prompt_logprobs: list[LogprobEntry]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
     parent_id: str = ""
     sample_index: int = 0
 
@@ -88,12 +94,10 @@ class Scheduler:
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
-        cache_config: CacheConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
     ) -> None:
         self.config = scheduler_config
-        self.cache_config = cache_config
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -328,8 +332,8 @@ class Scheduler:
     def _output(
         request: Request,
         tokens: list[int],
-        logprobs: list[tuple[list[int], list[float], int]],
-        prompt_logprobs: list[tuple[list[int], list[float], int]],
+        logprobs: list[LogprobEntry],
+        prompt_logprobs: list[LogprobEntry],
     ) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=request.request_id,
@@ -339,6 +343,7 @@ class Scheduler:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
             parent_id=request.parent_id,
             sample_index=request.sample_index,
         )

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.config import head_dim_of
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention
 from pagoda.layers.embedding import LMHead, VocabEmbedding
@@ -29,12 +30,6 @@ PACKED_MODULES = (
     ("gate_up_proj", "gate_proj", "gate"),
     ("gate_up_proj", "up_proj", "up"),
 )
-
-
-def head_dim_of(config: Any) -> int:
-    return int(
-        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    )
 
 
 class LlamaMLP(nn.Module):

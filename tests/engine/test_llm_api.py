@@ -50,6 +50,8 @@ def test_request_output_shape(llm: LLM) -> None:
     assert c.text == llm.get_tokenizer().decode(c.token_ids, skip_special_tokens=True)
     m = first.metrics
     assert m is not None and m.arrival_time <= m.first_token_time <= m.finished_time
+    assert m.first_scheduled_time is not None
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time
     assert outs[1].prompt is None and outs[1].prompt_token_ids == PROMPT["prompt_token_ids"]
 
 

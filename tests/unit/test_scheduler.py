@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from pagoda.block_pool import BlockPool
-from pagoda.config import CacheConfig, SchedulerConfig
+from pagoda.config import SchedulerConfig
 from pagoda.kv_cache_manager import KVCacheManager
 from pagoda.request import Request, RequestStatus, sample_request_id
 from pagoda.sampling import SamplingParams
@@ -37,7 +37,6 @@ def make_scheduler(
             max_num_batched_tokens=max_num_batched_tokens,
             policy=policy,
         ),
-        CacheConfig(block_size=BS, enable_prefix_caching=enable_caching),
         kv,
         max_model_len,
     )
