@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pagoda-installed
 
-.PHONY: setup demo test lint typecheck unit bench clean
+.PHONY: setup serve demo test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/pagoda serve --host 127.0.0.1 --port 8000
 
 demo: $(STAMP)
 	$(BIN)/pagoda generate --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64 --temperature 0

@@ -190,21 +190,13 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> str:
-        if not conversation:
-            raise ValueError("messages must not be empty")
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError("each message must be a dict with 'role' and 'content'")
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; pass chat_template=...")
-        text = self.tokenizer.apply_chat_template(
+        return apply_chat_template(
+            self.tokenizer,
             conversation,
-            chat_template=chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
         )
-        return str(text)
 
     # ---- beam search -------------------------------------------------------------------
     def beam_search(
@@ -214,6 +206,31 @@ class LLM:
 
         prompt_ids = [self._tokenize(p)[1] for p in _as_list(prompts)]
         return beam_search(self, prompt_ids, params)
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    conversation: Conversation,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """The prompt text of a conversation under the tokenizer's (or the given) chat template."""
+    if not conversation:
+        raise ValueError("messages must not be empty")
+    for m in conversation:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError("each message must be a dict with 'role' and 'content'")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; pass chat_template=...")
+    text = tokenizer.apply_chat_template(
+        conversation,
+        chat_template=chat_template,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt and not continue_final_message,
+        continue_final_message=continue_final_message,
+    )
+    return str(text)
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -371,15 +371,17 @@ def load_model(config: EngineConfig) -> tuple[LlamaForCausalLM, ModelConfig, Any
     model.eval()
     model.requires_grad_(False)
 
-    if config.tokenizer is not None:
-        tok_folder, tok_gguf = resolve_model(config.tokenizer)
-    else:
-        tok_folder, tok_gguf = folder, gguf_file
-    tokenizer = load_tokenizer(tok_folder, tok_gguf, config.trust_remote_code)
+    tokenizer = load_tokenizer_for(config)
     model_config = ModelConfig(
         hf_config=hf_config, architecture=architecture, dtype=dtype, max_model_len=max_model_len
     )
     return model, model_config, tokenizer
+
+
+def load_tokenizer_for(config: EngineConfig) -> Any:
+    """The tokenizer of `config.tokenizer`, or of the model itself."""
+    folder, gguf_file = resolve_model(config.tokenizer or config.model)
+    return load_tokenizer(folder, gguf_file, config.trust_remote_code)
 
 
 @torch.no_grad()

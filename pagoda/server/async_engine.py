@@ -1,0 +1,343 @@
+"""AsyncEngine: the API process's client of the engine process, with one stream per request.
+
+The engine process owns EngineCore (core_process.py). This side tokenizes, sends RequestIn,
+and folds every OutputsOut into per-request `RequestState`s (output_processor.py: detokenize,
+stop strings, n > 1 grouping). A request's consumer wakes on its stream's event and builds a
+(delta) RequestOutput from the state, so outputs that arrive faster than the consumer reads them
+coalesce instead of queueing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pagoda.config import EngineConfig
+from pagoda.loader import load_tokenizer_for
+from pagoda.output_processor import RequestState
+from pagoda.outputs import RequestOutput
+from pagoda.sampling import SamplingParams
+from pagoda.scheduler import SchedulerStats
+from pagoda.server.core_process import (
+    ABORT,
+    ABORT_SAMPLE,
+    ADD,
+    EngineInfo,
+    OutputsOut,
+    RequestIn,
+    params_to_wire,
+    run_engine_process,
+)
+from pagoda.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+ENGINE_START_TIMEOUT_S = 600.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; no request can be served any more."""
+
+
+@dataclass
+class RequestStream:
+    state: RequestState
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    accepted: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    error: Exception | None = None
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        metrics: Metrics,
+        on_dead: Callable[[str], None],
+        log_requests: bool = True,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.on_dead = on_dead
+        self.log_requests = log_requests
+        self.info: EngineInfo | None = None
+        self.tokenizer: Any = None
+        self.stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self.dead_reason: str | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self._unacked: set[str] = set()
+        self._process: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(OutputsOut)
+        # Sends never wait (PUSH to a live peer), so the sending socket is a plain one: an
+        # abort can go out from a `finally` of a cancelled task.
+        self._sync_ctx = zmq.Context()
+        self._ctx = zmq.asyncio.Context()
+        base = os.path.join(tempfile.gettempdir(), f"pagoda-{uuid.uuid4().hex[:12]}")
+        self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        self._to_engine = self._sync_ctx.socket(zmq.PUSH)
+        self._to_engine.bind(self._in_addr)
+        self._from_engine = self._ctx.socket(zmq.PULL)
+        self._from_engine.bind(self._out_addr)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.dead_reason is None
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.info.pid if self.info is not None else None
+
+    async def start(self) -> None:
+        """Spawn the engine process and wait until it has loaded the model."""
+        mp = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = mp.Pipe(duplex=False)
+        self._process = mp.Process(
+            target=run_engine_process,
+            args=(self.config, self._in_addr, self._out_addr, child_conn),
+            name="pagoda-engine",
+            daemon=True,
+        )
+        self._process.start()
+        child_conn.close()
+        loop = asyncio.get_running_loop()
+        kind, payload = await loop.run_in_executor(None, _wait_ready, parent_conn, self._process)
+        if kind != "ready":
+            self._die(f"the engine failed to start: {payload}")
+            return
+        self.tokenizer = await loop.run_in_executor(None, load_tokenizer_for, self.config)
+        self.info = msgspec.msgpack.decode(payload, type=EngineInfo)
+        loop.add_reader(self._process.sentinel, self._on_process_exit)
+        self._tasks.append(asyncio.create_task(self._output_loop()))
+        logger.info("engine ready (pid %d, %d KV blocks)", self.info.pid, self.info.num_blocks)
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        proc = self._process
+        if proc is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(proc.sentinel)
+            except (ValueError, OSError):
+                pass
+            if proc.is_alive():
+                proc.terminate()
+                await asyncio.get_running_loop().run_in_executor(None, proc.join, 10)
+                if proc.is_alive():
+                    proc.kill()
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._ctx.term()
+        self._sync_ctx.term()
+        for addr in (self._in_addr, self._out_addr):
+            try:
+                os.unlink(addr.removeprefix("ipc://"))
+            except OSError:
+                pass
+
+    def _on_process_exit(self) -> None:
+        code = self._process.exitcode if self._process is not None else None
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        self._die(f"the engine process exited unexpectedly (exit code {code})")
+
+    def _die(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        logger.error("%s", reason)
+        self.dead_reason = reason
+        for stream in self.streams.values():
+            stream.error = EngineDeadError(reason)
+            if not stream.accepted.done():
+                stream.accepted.set_exception(EngineDeadError(reason))
+                stream.accepted.exception()  # mark retrieved: the consumer may be gone
+            stream.event.set()
+        self.on_dead(reason)
+
+    # ---- requests --------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued in the engine, counting those sent but not yet acknowledged."""
+        return self.stats.num_waiting + len(self._unacked)
+
+    async def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Send a request and wait until the engine accepts it (within one step). ValueError if
+        the engine refuses it, EngineDeadError if the engine is gone. The caller must then read
+        `outputs(stream)` or `release(stream)`."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self.streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        arrival = time.time()
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival)
+        stream = RequestStream(state)
+        self.streams[request_id] = stream
+        self._unacked.add(request_id)
+        msg = RequestIn(
+            ADD,
+            [request_id],
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params_to_wire(params),
+            arrival_time=arrival,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        self._send(msg)
+        try:
+            await stream.accepted
+        except BaseException:
+            self.streams.pop(request_id, None)
+            self._unacked.discard(request_id)
+            raise
+        return stream
+
+    async def outputs(
+        self, stream: RequestStream, delta: bool = False
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs of one request: with delta=True whatever is new each time, else the
+        whole request once it has finished. EngineDeadError if the engine goes away. Leaving
+        early (or being cancelled) aborts the request."""
+        state = stream.state
+        try:
+            while True:
+                await stream.event.wait()
+                stream.event.clear()
+                if stream.error is not None:
+                    raise stream.error
+                if delta:
+                    out = state.make_output(delta=True)
+                    if state.finished or any(c.token_ids or c.text for c in out.outputs):
+                        yield out
+                elif state.finished:
+                    yield state.make_output()
+                if state.finished:
+                    return
+        finally:
+            self.release(stream)
+
+    def release(self, stream: RequestStream) -> None:
+        """Forget a request; abort it in the engine if it is still running."""
+        state = stream.state
+        self.streams.pop(state.request_id, None)
+        if not state.finished and stream.error is None and self.dead_reason is None:
+            state.abort()
+            self._record_finished(state)
+            self._send(RequestIn(ABORT, [state.request_id]))
+
+    def abort(self, request_id: str) -> None:
+        """Finish a request as aborted; its consumer gets a last output with reason "abort"."""
+        stream = self.streams.get(request_id)
+        if stream is not None and not stream.state.finished:
+            stream.state.abort()
+            self._record_finished(stream.state)
+            stream.event.set()
+            self._send(RequestIn(ABORT, [request_id]))
+
+    def _send(self, msg: RequestIn) -> None:
+        self._to_engine.send(self._encoder.encode(msg))
+
+    # ---- outputs ---------------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        while True:
+            raw = await self._from_engine.recv()
+            msg = self._decoder.decode(raw)
+            if msg.fatal is not None:
+                self._die(f"the engine process failed: {msg.fatal}")
+                return
+            self._handle(msg)
+
+    def _handle(self, msg: OutputsOut) -> None:
+        if msg.stats is not None:
+            self.stats = msg.stats
+            self.metrics.set_engine_stats(msg.stats)
+        for rid in msg.accepted:
+            self._unacked.discard(rid)
+            stream = self.streams.get(rid)
+            if stream is not None and not stream.accepted.done():
+                stream.accepted.set_result(None)
+        for rid, why in msg.errors.items():
+            self._unacked.discard(rid)
+            stream = self.streams.get(rid)
+            if stream is not None and not stream.accepted.done():
+                stream.accepted.set_exception(ValueError(why))
+        now = time.time()
+        aborts: list[str] = []
+        touched: dict[str, RequestStream] = {}
+        for out in msg.outputs:
+            stream = self.streams.get(out.parent_id)
+            if stream is None or stream.state.finished:
+                continue
+            state = stream.state
+            was_finished = state.finished
+            previous = state.metrics.last_token_time
+            abort_id = state.add(out)
+            self.metrics.observe_tokens(state, len(out.new_token_ids), previous, now)
+            if abort_id is not None:
+                aborts.append(abort_id)
+            if state.finished and not was_finished:
+                self._record_finished(state)
+            touched[out.parent_id] = stream
+        for stream in touched.values():
+            stream.event.set()
+        if aborts:
+            self._send(RequestIn(ABORT_SAMPLE, aborts))
+
+    def _record_finished(self, state: RequestState) -> None:
+        self.metrics.observe_finished(state)
+        if self.log_requests:
+            logger.info("%s", _finish_line(state))
+
+
+def _finish_line(state: RequestState) -> str:
+    m = state.metrics
+    end = m.finished_time or time.time()
+    queue = (m.first_scheduled_time - m.arrival_time) if m.first_scheduled_time else None
+    ttft = m.time_to_first_token
+    reasons = ",".join(str(s.finish_reason) for s in state.samples)
+    return (
+        f"finished request {state.request_id}: {reasons}, prompt {len(state.prompt_token_ids)} "
+        f"tokens ({state.num_cached_tokens} cached), output "
+        f"{sum(len(s.token_ids) for s in state.samples)} tokens, queue {_ms(queue)}, "
+        f"TTFT {_ms(ttft)}, E2E {_ms(end - m.arrival_time)}"
+    )
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def _wait_ready(conn: Any, process: Any) -> tuple[str, Any]:
+    deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if conn.poll(0.2):
+            try:
+                result: tuple[str, Any] = conn.recv()
+                return result
+            except EOFError:
+                break
+        if not process.is_alive():
+            break
+    code = process.exitcode
+    return ("error", f"the engine process exited during start-up (exit code {code})")

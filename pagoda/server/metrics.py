@@ -1,0 +1,151 @@
+"""Prometheus metrics, named as vLLM names them with the `pagoda:` prefix, so dashboards carry over.
+
+Latencies are observed in the API process as outputs arrive; gauges and engine counters come from
+the SchedulerStats the engine process sends with every message.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from pagoda.output_processor import RequestState
+from pagoda.scheduler import SchedulerStats
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort")
+
+disable_created_metrics()  # no `_created` series, as in vLLM's exposition
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pagoda:{name}", doc, labels, registry=r, buckets=buckets)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagoda:{name}", doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"pagoda:{name}", doc, labels + list(extra), registry=r)
+
+        self.ttft = hist(
+            "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
+        ).labels(model_name)
+        self.e2e = hist(
+            "e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.queue_time = hist(
+            "request_queue_time_seconds", "Time from arrival to first scheduling.", _LATENCY_BUCKETS
+        ).labels(model_name)
+        self.running = gauge("num_requests_running", "Requests in the running batch.").labels(
+            model_name
+        )
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to run.").labels(model_name)
+        self.kv_usage = gauge(
+            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)."
+        ).labels(model_name)
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        ).labels(model_name)
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        ).labels(model_name)
+        self.preemptions = counter("num_preemptions", "Preemptions in the engine.").labels(
+            model_name
+        )
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(
+            model_name
+        )
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(
+            model_name
+        )
+        success = counter(
+            "request_success", "Finished requests (samples) by finish reason.", ("finished_reason",)
+        )
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self._prompt_total = 0  # mirrors of the token counters, for the log line
+        self._generation_total = 0
+        self._last_log = (time.monotonic(), 0, 0)
+
+    # ---- updates ---------------------------------------------------------------------------
+    def set_engine_stats(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        last = self._last_stats
+        self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
+        self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
+        self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self._last_stats = stats
+
+    def observe_tokens(
+        self, state: RequestState, num_new: int, previous_token_time: float | None, now: float
+    ) -> None:
+        """`num_new` tokens of `state` arrived at `now`; the one before came at
+        `previous_token_time` (None: these are the request's first)."""
+        if num_new == 0:
+            return
+        self.generation_tokens.inc(num_new)
+        self._generation_total += num_new
+        if previous_token_time is None:
+            self.ttft.observe(now - state.metrics.arrival_time)
+        else:
+            self.itl.observe(now - previous_token_time)
+
+    def observe_finished(self, state: RequestState) -> None:
+        m = state.metrics
+        end = m.finished_time or time.time()
+        self.e2e.observe(end - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        self.prompt_tokens.inc(len(state.prompt_token_ids))
+        self._prompt_total += len(state.prompt_token_ids)
+        for sample in state.samples:
+            reason = sample.finish_reason if sample.finish_reason in self.success else "abort"
+            self.success[reason].inc()
+
+    # ---- reading ---------------------------------------------------------------------------
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def stats_line(self) -> str:
+        """vLLM's periodic log line: throughputs since the last call, queues, KV usage."""
+        now = time.monotonic()
+        prompt, gen = self._prompt_total, self._generation_total
+        then, last_prompt, last_gen = self._last_log
+        self._last_log = (now, prompt, gen)
+        dt = max(now - then, 1e-9)
+        stats = self._last_stats
+        hit_rate = stats.prefix_cache_hits / max(1, stats.prefix_cache_queries)
+        return (
+            f"Avg prompt throughput: {(prompt - last_prompt) / dt:.1f} tokens/s, "
+            f"Avg generation throughput: {(gen - last_gen) / dt:.1f} tokens/s, "
+            f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+            f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
+            f"Prefix cache hit rate: {hit_rate * 100:.1f}%"
+        )

@@ -1,0 +1,250 @@
+"""Server lifecycle on real processes: API key, admission control (429), client disconnect,
+SIGTERM drain, engine-process death, start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import SMALL_POOL, ServerProcess
+
+StartServer = Callable[..., ServerProcess]
+LONG = {"max_tokens": 900, "ignore_eos": True, "temperature": 0}
+
+
+def _assert_error_shape(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and err["message"]
+    return err
+
+
+def _model(server: ServerProcess) -> str:
+    return str(server.get("/v1/models").json()["data"][0]["id"])
+
+
+class Stream:
+    """A raw streaming completion read on a background thread, event by event."""
+
+    def __init__(self, server: ServerProcess, body: dict[str, Any]) -> None:
+        self.events: list[str] = []
+        self.status: int | None = None
+        self.first = threading.Event()
+        self.done = threading.Event()
+        self._close = threading.Event()
+        self.client = httpx.Client(timeout=120)
+        body = {"model": _model(server), "stream": True, **body}
+        self.thread = threading.Thread(target=self._run, args=(server, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, server: ServerProcess, body: dict[str, Any]) -> None:
+        try:
+            with self.client.stream(
+                "POST", server.url + "/v1/completions", json=body, headers=server.headers
+            ) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[len("data: ") :])
+                        self.first.set()
+                    if self._close.is_set():
+                        break
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.first.set()
+            self.done.set()
+
+    def disconnect(self) -> None:
+        self._close.set()
+        self.done.wait(30)
+        self.client.close()
+
+    def wait(self, timeout: float = 120) -> list[str]:
+        assert self.done.wait(timeout), "the stream did not end"
+        return self.events
+
+    @property
+    def text(self) -> str:
+        return "".join(
+            c["text"]
+            for e in self.events
+            if e != "[DONE]"
+            for c in json.loads(e).get("choices", [])
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        for e in reversed(self.events):
+            if e != "[DONE]":
+                for c in json.loads(e).get("choices", []):
+                    if c.get("finish_reason"):
+                        return str(c["finish_reason"])
+        return None
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_api_key(start_server: StartServer, tiny_llama_dir: str) -> None:
+    server = start_server(tiny_llama_dir, *SMALL_POOL, api_key="sekret")
+    url = server.url
+    _assert_error_shape(httpx.get(url + "/v1/models"), 401)
+    bad = {"Authorization": "Bearer wrong"}
+    _assert_error_shape(httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers=bad), 401)
+    _assert_error_shape(httpx.post(url + "/tokenize", json={"prompt": "x"}), 401)
+    assert httpx.get(url + "/health").status_code == 200
+    assert httpx.get(url + "/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    out = server.client().completions.create(model=_model(server), prompt="hi", max_tokens=3)
+    assert out.usage is not None and out.usage.completion_tokens == 3
+
+
+def test_admission_control_429(start_server: StartServer, tiny_llama_dir: str) -> None:
+    server = start_server(
+        tiny_llama_dir, *SMALL_POOL, "--max-num-seqs", "1", "--max-waiting-requests", "1"
+    )
+    running = Stream(server, {"prompt": "one", **LONG})
+    assert running.first.wait(60) and running.status == 200
+    waiting = Stream(server, {"prompt": "two", **LONG})
+    assert _wait_for(lambda: server.metric("pagoda:num_requests_waiting") == 1)
+    r = server.post("/v1/completions", {"model": _model(server), "prompt": "three"})
+    _assert_error_shape(r, 429)
+    assert r.headers["retry-after"] == "1"
+    assert not running.done.is_set(), "the running request ended before the 429 was checked"
+    running.disconnect()
+    waiting.disconnect()
+    # Once the queue is empty again, requests are admitted.
+    assert _wait_for(lambda: server.metric("pagoda:num_requests_running") == 0)
+    ok = server.post(
+        "/v1/completions", {"model": _model(server), "prompt": "four", "max_tokens": 2}
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def test_disconnect_aborts_and_frees_blocks(start_server: StartServer, tiny_llama_dir: str) -> None:
+    server = start_server(tiny_llama_dir, *SMALL_POOL)
+    idle = server.metric("pagoda:kv_cache_usage_perc")
+    body = {"prompt": "a steady neighbour", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+    expected = server.post("/v1/completions", {"model": _model(server), **body}).json()
+    leaver = Stream(server, {"prompt": "a client that leaves early", **LONG})
+    stayer = Stream(server, body)
+    assert leaver.first.wait(60) and stayer.first.wait(60)
+    leaver.disconnect()
+    assert _wait_for(
+        lambda: server.metric('pagoda:request_success_total{finished_reason="abort"') == 1, 10
+    ), server.log()
+    stayer.wait()
+    assert stayer.finish_reason == "length"
+    assert stayer.text == expected["choices"][0]["text"]
+    assert _wait_for(lambda: server.metric("pagoda:kv_cache_usage_perc") == idle)
+    assert server.metric("pagoda:num_requests_running") == 0
+    # The leaver stopped early: far fewer than its 900 tokens were generated.
+    generated = server.metric("pagoda:generation_tokens_total")
+    assert generated < 300 * 2 + 900
+
+
+def test_sigterm_drains_in_flight_requests(start_server: StartServer, tiny_llama_dir: str) -> None:
+    server = start_server(tiny_llama_dir, *SMALL_POOL, "--shutdown-timeout", "60")
+    model = _model(server)
+    stream = Stream(server, {"prompt": "finish me", **LONG})
+    assert stream.first.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    assert _wait_for(lambda: server.get("/health").status_code == 503, 10)
+    r = server.post("/v1/completions", {"model": model, "prompt": "too late"})
+    _assert_error_shape(r, 503)
+    assert not stream.done.is_set(), "the stream ended before the drain was checked"
+    stream.wait()
+    assert stream.finish_reason == "length"
+    assert stream.events[-1] == "[DONE]"
+    assert server.proc.wait(30) == 0
+
+
+def test_sigterm_aborts_at_the_shutdown_timeout(
+    start_server: StartServer, tiny_llama_dir: str
+) -> None:
+    server = start_server(tiny_llama_dir, *SMALL_POOL, "--shutdown-timeout", "0.2")
+    stream = Stream(server, {"prompt": "too long to finish", **LONG})
+    assert stream.first.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    stream.wait(30)
+    assert stream.finish_reason == "abort"
+    assert server.proc.wait(30) == 0
+
+
+def _engine_pid(server_pid: int) -> int:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline:
+            return int(entry)
+    raise LookupError("no engine process found")
+
+
+def test_engine_death_fails_requests_and_exits(
+    start_server: StartServer, tiny_llama_dir: str
+) -> None:
+    server = start_server(tiny_llama_dir, *SMALL_POOL)
+    stream = Stream(server, {"prompt": "interrupted", **LONG})
+    assert stream.first.wait(60)
+    os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
+    events = stream.wait(30)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "engine" in error["message"]
+    try:
+        assert server.get("/health").status_code == 503
+    except httpx.TransportError:
+        pass  # already gone: exiting is what matters
+    assert server.proc.wait(30) != 0
+
+
+def test_starting_up_is_503(start_server: StartServer, tiny_llama_dir: str) -> None:
+    server = start_server(tiny_llama_dir, *SMALL_POOL, wait=False)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 120
+    while 200 not in seen and time.monotonic() < deadline:
+        try:
+            r = server.get("/health")
+            seen.add(r.status_code)
+            if r.status_code == 503:
+                _assert_error_shape(r, 503)
+                early = server.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
+                if early.status_code != 200:  # unless it became ready in between
+                    _assert_error_shape(early, 503)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    assert 200 in seen and seen <= {200, 503}
+
+
+def test_engine_start_failure_exits_nonzero(start_server: StartServer, tmp_path: Any) -> None:
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    server = start_server(str(bad), wait=False)
+    assert server.proc.wait(120) != 0
+    assert "engine" in server.log()
