@@ -1,4 +1,4 @@
-"""`pagoda generate | chat | bench`: engine flags are named as vLLM names them."""
+"""`pagoda serve | generate | chat | bench`: engine flags are named as vLLM names them."""
 
 from __future__ import annotations
 
@@ -148,6 +148,58 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pagoda.config import EngineConfig
+    from pagoda.server.api import ServerConfig, run_server
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError("give the model once: as the positional MODEL or as --model")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
+        raise ValueError("--max-waiting-requests must be >= 0")
+    engine_config = EngineConfig.from_kwargs(args.model_tag or args.model, **engine_kwargs(args))
+    server_config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_timeout=args.shutdown_timeout,
+        log_requests=not args.disable_log_requests,
+        log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+    return run_server(engine_config, server_config)
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    g.add_argument("--served-model-name", default=None, help="model name in the API")
+    g.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 429 while this many requests wait in the queue (default: no limit)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to let in-flight requests finish",
+    )
+    g.add_argument("--disable-log-requests", action="store_true")
+    g.add_argument("--disable-log-stats", action="store_true")
+    g.add_argument("--log-stats-interval", type=float, default=10.0)
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -166,15 +218,25 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message")
     chat.set_defaults(func=_cmd_chat)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    _add_serve_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
     bench = sub.add_parser("bench", help="benchmarks (print one JSON line)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from pagoda.bench import latency, throughput
+    from pagoda.bench import serve as bench_serve
 
     for module in (throughput, latency):
         p = bench_sub.add_parser(module.NAME, help=module.__doc__)
         add_engine_args(p)
         module.add_arguments(p)
         p.set_defaults(func=module.main)
+    # `bench serve` drives a running server: it takes no engine flags.
+    p = bench_sub.add_parser(bench_serve.NAME, help=bench_serve.__doc__)
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=bench_serve.main)
     return parser
 
 

@@ -299,7 +299,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         param = ".".join(loc) or None
         message = str(first.get("msg", "invalid request"))
         if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
+            message, param = "the request body is not valid JSON", None
         elif param:
             message = f"{param}: {message}"
         return error_response(400, message, param)
@@ -369,14 +369,14 @@ async def _add_all(
             streams.append(
                 await state.engine.add(rid, text, ids, params, body.priority, body.cache_salt)
             )
-    except ValueError as e:
+    except BaseException as e:
         for s in streams:
             state.engine.release(s)
-        raise _bad_field(e) from e
-    except EngineDeadError as e:
-        for s in streams:
-            state.engine.release(s)
-        raise APIError(503, f"the engine is not running: {e}") from e
+        if isinstance(e, ValueError):
+            raise _bad_field(e) from e
+        if isinstance(e, EngineDeadError):
+            raise APIError(503, f"the engine is not running: {e}") from e
+        raise
     return streams
 
 

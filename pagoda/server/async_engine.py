@@ -136,10 +136,8 @@ class AsyncEngine:
             except (ValueError, OSError):
                 pass
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()  # it ignores SIGTERM (see run_engine_process) and holds no state
                 await asyncio.get_running_loop().run_in_executor(None, proc.join, 10)
-                if proc.is_alive():
-                    proc.kill()
         self._to_engine.close(linger=0)
         self._from_engine.close(linger=0)
         self._ctx.term()
@@ -190,6 +188,7 @@ class AsyncEngine:
             raise EngineDeadError(self.dead_reason)
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self._check_before_state(prompt_token_ids, params)
         arrival = time.time()
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival)
         stream = RequestStream(state)
@@ -212,6 +211,17 @@ class AsyncEngine:
             self._unacked.discard(request_id)
             raise
         return stream
+
+    def _check_before_state(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """The checks that must pass before a RequestState is built (its detokenizer reads the
+        prompt ids, and it holds one per sample); the engine checks the rest."""
+        assert self.info is not None
+        vocab = self.info.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        max_seqs = self.config.scheduler.max_num_seqs
+        if params.n > max_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={max_seqs}")
 
     async def outputs(
         self, stream: RequestStream, delta: bool = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from typing import Any
 
@@ -150,6 +151,10 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str, ready:
     """Entry point of the engine process: build EngineCore, report ready on the `ready` pipe,
     loop until the parent goes away. Any exception is reported as `fatal` before exiting 1."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s engine: %(message)s")
+    # Ctrl-C and a SIGTERM sent to the whole process group are the API process's to handle (it
+    # drains first); it ends this process itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     in_socket = ctx.socket(zmq.PULL)
     in_socket.connect(in_addr)
