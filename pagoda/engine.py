@@ -117,6 +117,9 @@ class EngineCore:
         bad = [t for t in params.stop_token_ids if t < 0 or t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad}")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad}")
         max_tokens = self._max_tokens(len(ids), params.max_tokens)
         self._check_fits_pool(len(ids), max_tokens, params.n)
         if params.n > self.config.scheduler.max_num_seqs:

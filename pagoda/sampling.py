@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -89,6 +89,7 @@ class SamplingParams:
     seed: int | None
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
+    logit_bias: tuple[tuple[int, float], ...]  # (token id, bias added to its logit)
     ignore_eos: bool
     max_tokens: int | None
     min_tokens: int
@@ -112,6 +113,7 @@ class SamplingParams:
         seed: int | None = None,
         stop: str | list[str] | tuple[str, ...] | None = None,
         stop_token_ids: list[int] | tuple[int, ...] | None = None,
+        logit_bias: dict[int, float] | Sequence[Sequence[float]] | None = None,
         ignore_eos: bool = False,
         max_tokens: int | None = 16,
         min_tokens: int = 0,
@@ -126,6 +128,7 @@ class SamplingParams:
         del values["self"]
         values["stop"] = _normalize_stop(stop)
         values["stop_token_ids"] = _normalize_stop_token_ids(stop_token_ids)
+        values["logit_bias"] = _normalize_logit_bias(logit_bias)
         for name in _FLOAT_FIELDS:
             values[name] = _number(name, values[name])
         if _is_int(top_k) and top_k == -1:
@@ -208,6 +211,28 @@ def _normalize_stop(stop: object) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _normalize_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """A dict or (token id, bias) pairs -> sorted pairs; biases in [-100, 100] as OpenAI's."""
+    if bias is None:
+        return ()
+    if isinstance(bias, dict):
+        pairs = list(bias.items())
+    elif isinstance(bias, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 for p in bias
+    ):
+        pairs = [(p[0], p[1]) for p in bias]
+    else:
+        raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}")
+    out: dict[int, float] = {}
+    for tid, value in pairs:
+        if not (_is_int(tid) and tid >= 0):
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {tid!r}")
+        if not (_is_number(value) and -100.0 <= float(value) <= 100.0):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r}")
+        out[int(tid)] = float(value)
+    return tuple(sorted(out.items()))
+
+
 def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
     if ids is None:
         return ()
@@ -278,6 +303,7 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]]
     banned_token_ids: list[list[int]]  # masked to -inf (min_tokens not yet reached)
     max_num_logprobs: int | None
+    logit_bias: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per row
 
     @property
     def no_penalties(self) -> bool:
@@ -349,6 +375,7 @@ class SamplingMetadata:
             prompt_token_ids=prompt_token_ids,
             banned_token_ids=banned_token_ids,
             max_num_logprobs=max(logprobs) if logprobs else None,
+            logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else [],
         )
 
 
@@ -365,6 +392,21 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
     counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, logit_bias: list[tuple[tuple[int, float], ...]]
+) -> torch.Tensor:
+    """Add each row's (token id, bias) pairs to its logits (out of place)."""
+    rows = [r for r, pairs in enumerate(logit_bias) for _ in pairs]
+    cols = [t for pairs in logit_bias for t, _ in pairs]
+    values = [b for pairs in logit_bias for _, b in pairs]
+    index = (
+        torch.tensor(rows, dtype=torch.int64, device=logits.device),
+        torch.tensor(cols, dtype=torch.int64, device=logits.device),
+    )
+    bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    return logits.index_put(index, bias, accumulate=True)
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
@@ -475,6 +517,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw_logits = logits
         logits = logits.float()
+        if meta.logit_bias:
+            logits = apply_logit_bias(logits, meta.logit_bias)
         if any(meta.banned_token_ids):
             logits = apply_banned_tokens(logits, meta.banned_token_ids)
         if meta.repetition_penalties is not None:

@@ -68,8 +68,6 @@ class SamplingFields(OpenAIModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams of this request; ValueError names the bad field."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported by this server")
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -82,6 +80,7 @@ class SamplingFields(OpenAIModel):
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
+            logit_bias=_token_keyed(self.logit_bias),
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -94,6 +93,16 @@ class SamplingFields(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _token_keyed(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends logit_bias keys as strings of token ids."""
+    if bias is None:
+        return None
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError as e:
+        raise ValueError(f"logit_bias keys must be token ids, got {list(bias)}") from e
 
 
 class CompletionRequest(SamplingFields):

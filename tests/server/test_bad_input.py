@@ -53,7 +53,9 @@ CASES: dict[str, tuple[str, str, dict[str, Any] | bytes | None, int]] = {
     "ignore_eos_not_bool": ("POST", C, cmpl(ignore_eos="maybe"), 400),
     "priority_string": ("POST", C, cmpl(priority="high"), 400),
     "cache_salt_int": ("POST", C, cmpl(cache_salt=5), 400),
-    "logit_bias_unsupported": ("POST", C, cmpl(logit_bias={"1": 1.0}), 400),
+    "logit_bias_out_of_range": ("POST", C, cmpl(logit_bias={"1": 101.0}), 400),
+    "logit_bias_key_not_a_token_id": ("POST", C, cmpl(logit_bias={"eos": -100.0}), 400),
+    "logit_bias_key_out_of_vocab": ("POST", C, cmpl(logit_bias={str(VOCAB): 1.0}), 400),
     "best_of_not_n": ("POST", C, cmpl(best_of=3), 400),
     "suffix_unsupported": ("POST", C, cmpl(suffix="x"), 400),
     # -- /v1/completions: the prompt

@@ -429,6 +429,25 @@ def test_prompt_as_token_ids(tiny: tuple[ServerProcess, str]) -> None:
     assert out.choices[0].text == greedy_text(server, model, text, 6)
 
 
+def test_logit_bias_forces_and_bans_tokens(tiny: tuple[ServerProcess, str]) -> None:
+    server, model = tiny
+    client = server.client()
+    forced = client.completions.create(
+        model=model, prompt="hello", max_tokens=4, temperature=0, logit_bias={"1234": 100}
+    )
+    assert (
+        forced.choices[0].text
+        == server.post("/detokenize", {"tokens": [1234] * 4}).json()["prompt"]
+    )
+    plain = client.completions.create(model=model, prompt="hello", max_tokens=1, temperature=0)
+    first = server.post("/tokenize", {"prompt": plain.choices[0].text, "add_special_tokens": False})
+    banned = first.json()["tokens"][0]
+    out = client.completions.create(
+        model=model, prompt="hello", max_tokens=1, temperature=0, logit_bias={str(banned): -100}
+    )
+    assert out.choices[0].text != plain.choices[0].text
+
+
 def test_list_of_prompts(tiny: tuple[ServerProcess, str]) -> None:
     server, model = tiny
     expected = [greedy_text(server, model, p, 5) for p in PROMPTS]

@@ -58,9 +58,17 @@ def test_out_of_range_values_raise_value_error_naming_the_field() -> None:
     req = CompletionRequest.model_validate({"prompt": "x", "top_p": 1.5})
     with pytest.raises(ValueError, match="^top_p"):
         req.sampling_params(req.max_tokens, None)
-    req = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"1": 5}})
-    with pytest.raises(ValueError, match="logit_bias"):
+    req = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"1": 500}})
+    with pytest.raises(ValueError, match="^logit_bias"):
         req.sampling_params(req.max_tokens, None)
+    req = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"one": 5}})
+    with pytest.raises(ValueError, match="^logit_bias"):
+        req.sampling_params(req.max_tokens, None)
+
+
+def test_logit_bias_keys_become_token_ids() -> None:
+    req = CompletionRequest.model_validate({"prompt": "x", "logit_bias": {"7": 5, "2": -100}})
+    assert req.sampling_params(16, None).logit_bias == ((2, -100.0), (7, 5.0))
 
 
 def test_wrong_types_fail_validation() -> None:

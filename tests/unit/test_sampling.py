@@ -18,6 +18,7 @@ from pagoda.sampling import (
     SamplingParams,
     SamplingType,
     apply_banned_tokens,
+    apply_logit_bias,
     apply_min_p,
     apply_penalties,
     apply_top_k,
@@ -104,6 +105,10 @@ def test_sampling_type() -> None:
         ({"stop": 5}, "stop"),
         ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"logit_bias": {1: 101.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"1": 1.0}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"skip_special_tokens": "no"}, "skip_special_tokens"),
         ({"detokenize": False, "stop": "x"}, "detokenize"),
@@ -304,6 +309,21 @@ def test_banned_tokens_are_never_sampled() -> None:
     batch[:, 5] = 3.0
     out = sample(batch, [SamplingParams()] * 2000, banned=[[5, 0]] * 2000)
     assert set(out.tolist()) == {1, 2, 3, 4, 6, 7}
+
+
+def test_logit_bias_adds_to_the_named_tokens_of_each_row() -> None:
+    p = SamplingParams(temperature=0.0, logit_bias={6: 1.0, 0: -100})
+    assert p.logit_bias == ((0, -100.0), (6, 1.0))
+    assert SamplingParams(logit_bias=[[6, 1.0], [0, -100]]) == SamplingParams(
+        logit_bias={0: -100, 6: 1.0}
+    )
+    logits = LOGITS.expand(2, -1).clone()
+    out = apply_logit_bias(logits, [p.logit_bias, ()])
+    assert out[0, 6] == 3.5 and out[0, 0] == -98.0 and torch.equal(out[1], LOGITS)
+    assert torch.equal(logits[0], LOGITS)  # input untouched
+    plain = SamplingParams(temperature=0.0)
+    assert sample(logits, [p, plain]).tolist() == [6, 3]  # 2.5 + 1 beats 3.0 only in row 0
+    assert meta_for([plain, plain]).logit_bias == []  # no bias, no work
 
 
 # ---------------------------------------------------------------- penalties
