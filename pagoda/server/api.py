@@ -181,9 +181,8 @@ class ServerState:
         interval = self.config.log_stats_interval
         while interval > 0:
             await asyncio.sleep(interval)
-            stats = self.engine.stats
             line = self.metrics.stats_line()
-            if stats.num_running or stats.num_waiting or "throughput: 0.0" not in line:
+            if line is not None:
                 logger.info("%s", line)
 
 

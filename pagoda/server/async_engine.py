@@ -206,9 +206,12 @@ class AsyncEngine:
         self._send(msg)
         try:
             await stream.accepted
-        except BaseException:
+        except BaseException as e:
             self.streams.pop(request_id, None)
             self._unacked.discard(request_id)
+            if not isinstance(e, (ValueError, EngineDeadError)):
+                # Cancelled while waiting (the client left): the engine may still accept it.
+                self._send(RequestIn(ABORT, [request_id]))
             raise
         return stream
 

@@ -133,14 +133,17 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def stats_line(self) -> str:
-        """vLLM's periodic log line: throughputs since the last call, queues, KV usage."""
+    def stats_line(self) -> str | None:
+        """vLLM's periodic log line: throughputs since the last call, queues, KV usage; None
+        when the server has been idle since the last call."""
         now = time.monotonic()
         prompt, gen = self._prompt_total, self._generation_total
         then, last_prompt, last_gen = self._last_log
         self._last_log = (now, prompt, gen)
         dt = max(now - then, 1e-9)
         stats = self._last_stats
+        if prompt == last_prompt and gen == last_gen and not stats.num_running + stats.num_waiting:
+            return None
         hit_rate = stats.prefix_cache_hits / max(1, stats.prefix_cache_queries)
         return (
             f"Avg prompt throughput: {(prompt - last_prompt) / dt:.1f} tokens/s, "

@@ -72,4 +72,6 @@ def test_request_latencies_and_tokens() -> None:
     assert s["pagoda:prompt_tokens_total"] == 3 and s["pagoda:generation_tokens_total"] == 2
     assert s["pagoda:request_success_total[length]"] == 1
     assert s["pagoda:request_success_total[stop]"] == 0
-    assert "Avg generation throughput" in m.stats_line()
+    line = m.stats_line()
+    assert line is not None and "Avg generation throughput: " in line
+    assert m.stats_line() is None  # idle since the last line
