@@ -721,7 +721,7 @@ async def _chat_stream(
     completion_tokens = 0
     cached = 0
     try:
-        async for _, out in _merge([state.engine.outputs(stream, delta=True)]):
+        async for out in state.engine.outputs(stream, delta=True):
             cached = out.num_cached_tokens
             choices = []
             for c in out.outputs:

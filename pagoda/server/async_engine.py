@@ -303,13 +303,12 @@ class AsyncEngine:
             if stream is None or stream.state.finished:
                 continue
             state = stream.state
-            was_finished = state.finished
             previous = state.metrics.last_token_time
             abort_id = state.add(out)
             self.metrics.observe_tokens(state, len(out.new_token_ids), previous, now)
             if abort_id is not None:
                 aborts.append(abort_id)
-            if state.finished and not was_finished:
+            if state.finished:  # finished requests were skipped above
                 self._record_finished(state)
             touched[out.parent_id] = stream
         for stream in touched.values():

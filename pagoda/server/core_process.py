@@ -69,20 +69,11 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     return {f: getattr(params, f) for f in SamplingParams.__annotations__}
 
 
-def params_from_wire(values: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**values)
-
-
-_SAMPLING_FIELDS = frozenset(SamplingParams.__annotations__)
-
-
 def _to_engine_request(msg: RequestIn) -> EngineRequest:
     return EngineRequest(
         request_id=msg.request_ids[0],
         prompt_token_ids=msg.prompt_token_ids,
-        sampling_params=params_from_wire(
-            {k: v for k, v in msg.sampling_params.items() if k in _SAMPLING_FIELDS}
-        ),
+        sampling_params=SamplingParams(**msg.sampling_params),
         arrival_time=msg.arrival_time,
         priority=msg.priority,
         cache_salt=msg.cache_salt,
