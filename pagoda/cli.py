@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Any
 
+from pagoda.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from pagoda.sampling import SamplingParams
 
 
@@ -25,11 +26,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
-    g.add_argument("--kv-cache-dtype", default=None)
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=list(KV_CACHE_DTYPES),
+        help="auto (the model dtype), int8 or fp8 (alias fp8_e4m3): a scale per token and head",
+    )
     g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument(
         "--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"]
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=list(QUANTIZATION_METHODS),
+        help="weight quantization (default: the checkpoint's own; gguf for a GGUF file on CPU)",
     )
 
 
@@ -49,6 +62,7 @@ ENGINE_ARG_NAMES = (
     "scheduling_policy",
     "device",
     "load_format",
+    "quantization",
 )
 
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -29,6 +31,8 @@ class ModelConfig:
     architecture: str
     dtype: torch.dtype
     max_model_len: int
+    quantization: str = "none"  # the weight scheme in effect (see layers/quant.py)
+    weight_bytes: int = 0  # bytes of every parameter and buffer of the loaded model
 
     @property
     def num_layers(self) -> int:
@@ -47,10 +51,21 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        elem = torch.finfo(self.dtype).bits // 8
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+    def kv_bytes_per_token(self, kv_quant_dtype: torch.dtype | None = None) -> int:
+        """K and V bytes of one token over all layers: head_dim values per kv head in the model
+        dtype, or in `kv_quant_dtype` plus one KV_SCALE_DTYPE scale (CacheConfig.kv_quant_dtype)."""
+        if kv_quant_dtype is None:
+            per_head = self.head_dim * self.dtype.itemsize
+        else:
+            per_head = self.head_dim * kv_quant_dtype.itemsize + KV_SCALE_DTYPE.itemsize
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+
+# --kv-cache-dtype values (vLLM's) -> storage dtype of quantized K/V, each (token, kv head) row
+# beside one KV_SCALE_DTYPE scale; "auto" stores the model dtype without scales.
+KV_QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = ("auto", *KV_QUANT_DTYPES)
+KV_SCALE_DTYPE = torch.float32
 
 
 @dataclass(frozen=True)
@@ -73,10 +88,16 @@ class CacheConfig:
             raise ValueError("kv_cache_memory_bytes must be > 0")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.kv_cache_dtype != "auto":
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported yet; use 'auto'"
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}"
             )
+
+    @property
+    def kv_quant_dtype(self) -> torch.dtype | None:
+        """Storage dtype of quantized K/V (int8, float8_e4m3fn); None for auto (model dtype)."""
+        return KV_QUANT_DTYPES.get(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -109,6 +130,9 @@ class EngineConfig:
     max_model_len: int | None = None
     device: str = "auto"
     load_format: str = "auto"
+    # None: the checkpoint's own (gguf for a GGUF file on CPU, its quantization_config for an
+    # HF folder), else none. See layers/quant.py.
+    quantization: str | None = None
     trust_remote_code: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -123,6 +147,11 @@ class EngineConfig:
         if self.load_format not in ("auto", "safetensors", "gguf", "dummy"):
             raise ValueError(
                 f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}"
+            )
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
+                f"got {self.quantization!r}"
             )
 
     @property

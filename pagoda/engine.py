@@ -40,15 +40,30 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, model_config.max_model_len
         )
+        kv_quant_dtype = config.cache.kv_quant_dtype
         self.runner = ModelRunner(
-            model, model_config, self.num_blocks, self.block_size, self.device, self.eos_token_ids
-        )
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)",
+            model,
+            model_config,
             self.num_blocks,
             self.block_size,
-            self.num_blocks * self.block_size,
-            self.num_blocks * self.block_size * model_config.kv_bytes_per_token / 2**30,
+            self.device,
+            self.eos_token_ids,
+            kv_quant_dtype,
+        )
+        num_tokens = self.num_blocks * self.block_size
+        blocks_per_seq = -(-model_config.max_model_len // self.block_size)
+        logger.info(
+            "KV cache %s (%s%s): %d blocks of %d tokens = %d tokens, %.1f MiB; "
+            "max concurrency %.2fx at max_model_len %d",
+            config.cache.kv_cache_dtype,
+            str(kv_quant_dtype or model_config.dtype).removeprefix("torch."),
+            "" if kv_quant_dtype is None else " + a scale per token and kv head",
+            self.num_blocks,
+            self.block_size,
+            num_tokens,
+            num_tokens * model_config.kv_bytes_per_token(kv_quant_dtype) / 2**20,
+            self.num_blocks / blocks_per_seq,
+            model_config.max_model_len,
         )
 
     @property
@@ -59,7 +74,7 @@ class EngineCore:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        block_bytes = self.block_size * self.model_config.kv_bytes_per_token
+        block_bytes = self.block_size * self.model_config.kv_bytes_per_token(cache.kv_quant_dtype)
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":

@@ -17,10 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagoda.layers.attention import KVCache
+
+# Per layer: a KVCache, or a bare (k, v) pair of tensors in the model dtype (unquantized).
+KVCaches = Sequence["KVCache | tuple[torch.Tensor, torch.Tensor]"]
 
 
 @dataclass
@@ -54,7 +61,7 @@ class AttentionMetadata:
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) caches
+    kv_caches: KVCaches
 
 
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -64,7 +71,7 @@ _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar
 
 @contextlib.contextmanager
 def forward_context(
-    attn_metadata: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    attn_metadata: AttentionMetadata, kv_caches: KVCaches
 ) -> Iterator[ForwardContext]:
     ctx = ForwardContext(attn_metadata, kv_caches)
     token = _CONTEXT.set(ctx)

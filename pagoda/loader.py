@@ -37,7 +37,10 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoTokenizer
 
 from pagoda.config import EngineConfig, ModelConfig
+from pagoda.layers.gguf import GGUFWeight
+from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.quant import QUANTIZED_EMBEDDING_METHODS, make_method, stored_bytes
 from pagoda.models import MODEL_REGISTRY, get_model_class
 from pagoda.models.llama import LlamaForCausalLM
 
@@ -74,6 +77,7 @@ _GGUF_LAYER_NAMES = {
 # Derived from the config instead (llama3 rope factors).
 _GGUF_SKIPPED = {"rope_freqs"}
 _GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+_GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,10 +212,13 @@ def _gguf_string_field(gguf_path: str, key: str) -> str | None:
 # Weights
 
 
-def iter_weights(folder: str, gguf_file: str | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF parameter name, tensor) for every tensor of the checkpoint, on CPU."""
+def iter_weights(
+    folder: str, gguf_file: str | None, raw_gguf: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """(HF parameter name, tensor) for every tensor of the checkpoint, on CPU. With `raw_gguf`,
+    quantized GGUF tensors come as GGUFWeight (their blocks) instead of float32."""
     if gguf_file is not None:
-        yield from _iter_gguf(os.path.join(folder, gguf_file))
+        yield from _iter_gguf(os.path.join(folder, gguf_file), raw_gguf)
     else:
         yield from _iter_safetensors(folder)
 
@@ -272,7 +279,7 @@ def unpermute_qk(tensor: torch.Tensor, n_head: int) -> torch.Tensor:
     )
 
 
-def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     from gguf import GGUFReader, dequantize
 
     reader = GGUFReader(path)
@@ -288,16 +295,24 @@ def _iter_gguf(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(
                 f"GGUF tensor {tensor.name!r} has type {qtype}; supported: {', '.join(_GGUF_TYPES)}"
             )
+        heads = None
+        # llama.cpp permutes q/k rows (weights and biases) only for its "llama" architecture.
+        if arch == "llama" and ".attn_q." in tensor.name:
+            heads = int(n_head)
+        elif arch == "llama" and ".attn_k." in tensor.name:
+            heads = int(n_kv_head)
+        if raw and qtype not in _GGUF_FLOAT_TYPES:
+            rows = int(np.prod(tensor.shape[1:]))
+            weight = GGUFWeight(qtype, tensor.data, (rows, int(tensor.shape[0])))
+            if heads is not None:
+                weight = weight.permute_rows(unpermute_qk(torch.arange(rows), heads))
+            yield name, weight
+            continue
         array = dequantize(tensor.data, tensor.tensor_type)
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, copy=True)  # a view of the read-only memory map
-        weight = torch.from_numpy(array.astype(np.float32, copy=False))
-        # llama.cpp permutes q/k rows (weights and biases) only for its "llama" architecture.
-        if arch == "llama" and ".attn_q." in tensor.name:
-            weight = unpermute_qk(weight, int(n_head))
-        elif arch == "llama" and ".attn_k." in tensor.name:
-            weight = unpermute_qk(weight, int(n_kv_head))
-        yield name, weight
+        dense = torch.from_numpy(array.astype(np.float32, copy=False))
+        yield name, dense if heads is None else unpermute_qk(dense, heads)
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -356,26 +371,93 @@ def load_model(config: EngineConfig) -> tuple[LlamaForCausalLM, ModelConfig, Any
         )
 
     dtype, device = config.torch_dtype, config.torch_device
+    quantization, quant_config = resolve_quantization(config, hf_config, gguf_file)
     with torch.device(device):
         model = model_cls(hf_config, dtype)
+    method = make_method(quantization, quant_config)
+    if method is not None:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.set_quant_method(method)
     if config.load_format == "dummy":
         _init_dummy(model, config.seed, float(getattr(hf_config, "initializer_range", 0.02)))
     else:
-        loaded = model.load_weights(iter_weights(folder, gguf_file))
+        raw_gguf = quantization == "gguf"
+        loaded = model.load_weights(iter_weights(folder, gguf_file, raw_gguf))
         missing = model.expected_weights() - loaded
         if missing:
             raise ValueError(
                 f"the checkpoint in {folder} lacks {len(missing)} tensors the model needs, "
                 f"e.g. {sorted(missing)[:5]}"
             )
+    model.finalize_weights()
+    if quantization in QUANTIZED_EMBEDDING_METHODS:
+        model.model.embed_tokens.quantize_int8()
+        model.lm_head.quantize_int8()
     model.eval()
     model.requires_grad_(False)
+    weight_bytes = stored_bytes(model)
+    logger.info("weights: quantization=%s, %.1f MiB", quantization, weight_bytes / 2**20)
 
     tokenizer = load_tokenizer_for(config)
     model_config = ModelConfig(
-        hf_config=hf_config, architecture=architecture, dtype=dtype, max_model_len=max_model_len
+        hf_config=hf_config,
+        architecture=architecture,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        quantization=quantization,
+        weight_bytes=weight_bytes,
     )
     return model, model_config, tokenizer
+
+
+def resolve_quantization(
+    config: EngineConfig, hf_config: Any, gguf_file: str | None
+) -> tuple[str, dict[str, Any]]:
+    """The weight scheme in effect and the checkpoint's quantization_config (vLLM's rules: the
+    checkpoint's own method unless --quantization names another that can apply)."""
+    requested = config.quantization
+    dummy = config.load_format == "dummy"
+    raw_config = getattr(hf_config, "quantization_config", None)
+    if raw_config is None or isinstance(raw_config, dict):
+        ckpt: dict[str, Any] = dict(raw_config or {})
+    else:
+        ckpt = raw_config.to_dict()
+    ckpt_method = str(ckpt.get("quant_method", "")).lower() or None
+    if gguf_file is not None:
+        ckpt_method = "gguf"
+    if ckpt_method not in (None, "gguf", "awq", "gptq"):
+        raise ValueError(
+            f"the checkpoint is quantized with {ckpt_method!r}, which pagoda cannot load; "
+            "supported: gguf, awq, gptq"
+        )
+    if requested is None:
+        if dummy:
+            return "none", ckpt
+        if ckpt_method == "gguf":
+            return ("gguf" if config.torch_device.type == "cpu" else "none"), ckpt
+        return ckpt_method or "none", ckpt
+    if requested in ("awq", "gptq") and (dummy or ckpt_method != requested):
+        raise ValueError(
+            f"--quantization {requested} needs a {requested.upper()} checkpoint (qweight, qzeros, "
+            f"scales and a quantization_config); this one is {ckpt_method or 'not quantized'}"
+        )
+    if requested == "gguf" and (dummy or ckpt_method != "gguf"):
+        raise ValueError("--quantization gguf needs a .gguf model file (and real weights)")
+    if ckpt_method in ("awq", "gptq") and requested != ckpt_method:
+        raise ValueError(
+            f"the checkpoint is {ckpt_method.upper()}-quantized; pass --quantization "
+            f"{ckpt_method} or leave it unset"
+        )
+    if requested == "fp8" and not _fp8_supported(config.torch_device):
+        raise ValueError("--quantization fp8 needs torch._scaled_mm for float8 on this device")
+    return requested, ckpt
+
+
+def _fp8_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return hasattr(torch, "float8_e4m3fn")
 
 
 def load_tokenizer_for(config: EngineConfig) -> Any:

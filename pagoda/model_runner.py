@@ -9,6 +9,7 @@ import torch
 
 from pagoda.config import ModelConfig
 from pagoda.forward_context import build_attention_metadata, forward_context
+from pagoda.layers.attention import KVCache
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.sampling import LogprobsTensors, Sampler, SamplingMetadata
 from pagoda.scheduler import LogprobEntry, RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -23,18 +24,23 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         eos_token_ids: frozenset[int],
+        kv_quant_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = sorted(eos_token_ids)
-        shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-        dtype = model_config.dtype
+        # One per layer; kv_quant_dtype (CacheConfig.kv_quant_dtype) None keeps the model dtype.
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
+            KVCache.allocate(
+                num_blocks,
+                block_size,
+                model_config.num_kv_heads,
+                model_config.head_dim,
+                model_config.dtype,
+                kv_quant_dtype,
+                device,
             )
             for _ in range(model_config.num_layers)
         ]
@@ -75,9 +81,8 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
+        for cache in self.kv_caches:
+            cache.copy_blocks(src, dst)
 
     def _sample(
         self, scheduled: list[ScheduledRequest], hidden: torch.Tensor

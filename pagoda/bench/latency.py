@@ -47,7 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-iters", type=int, default=3)
     g.add_argument("--num-iters-warmup", type=int, default=1)
     p = parser.add_argument_group("peer")
-    p.add_argument("--peer", choices=["none", "hf"], default="none")
+    p.add_argument(
+        "--peer",
+        choices=["none", "hf", "llama.cpp"],
+        default="none",
+        help="hf: transformers fp32; llama.cpp: llama-cpp-python on the same GGUF, 2 threads",
+    )
     add_output_json_arg(parser)
 
 
@@ -75,12 +80,16 @@ def main(args: argparse.Namespace) -> int:
         },
         "engine_args": kwargs,
     }
-    timings = run_pagoda(args.model, kwargs, prompts, args.output_len)
-    record["pagoda"] = summarize(timings[args.num_iters_warmup :])
+    timings, weights = run_pagoda(args.model, kwargs, prompts, args.output_len)
+    record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
     record["peer"] = None
     if args.peer == "hf":
         timings = run_hf(args.model, prompts, args.output_len)
         record["peer"] = {"name": "hf-transformers", **summarize(timings[args.num_iters_warmup :])}
+    elif args.peer == "llama.cpp":
+        timings = run_llama_cpp(args.model, prompts, args.output_len)
+        peer_summary = summarize(timings[args.num_iters_warmup :])
+        record["peer"] = {"name": "llama-cpp-python, 2 threads", **peer_summary}
     peer = record["peer"] or {}
     # Every ratio is pagoda / peer: above 1 is better for tok/s, below 1 is better for ms.
     for key in ("ttft_ms", "decode_tok_s", "e2e_ms"):
@@ -106,10 +115,13 @@ def summarize(timings: list[IterTiming]) -> dict[str, Any]:
 
 def run_pagoda(
     model: str | None, kwargs: dict[str, Any], prompts: list[list[int]], output_len: int
-) -> list[IterTiming]:
+) -> tuple[list[IterTiming], dict[str, Any]]:
+    """Timings, and the weight scheme with its bytes in memory."""
     from pagoda import LLM, SamplingParams
 
     llm = LLM(model, **kwargs)
+    mc = llm.engine.model_config
+    weights = {"quantization": mc.quantization, "weight_mib": round(mc.weight_bytes / 2**20, 2)}
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     timings = []
     for ids in prompts:
@@ -128,6 +140,34 @@ def run_pagoda(
         if n != output_len:
             log(f"warning: pagoda produced {n} tokens, {output_len} were asked for")
         timings.append(IterTiming(first, last, n, cached))
+    return timings, weights
+
+
+def run_llama_cpp(model: str | None, prompts: list[list[int]], output_len: int) -> list[IterTiming]:
+    """llama-cpp-python on the same GGUF file: 2 threads, greedy, no stop at EOS (its token
+    generator runs until we stop it); each token is stamped as it is yielded."""
+    import os
+
+    from pagoda.loader import resolve_model
+
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        raise ValueError("--peer llama.cpp needs `pip install -e '.[peers]'`") from e
+    folder, gguf_file = resolve_model(model)
+    if gguf_file is None:
+        raise ValueError("--peer llama.cpp needs a GGUF model")
+    n_ctx = max(len(p) for p in prompts) + output_len + 8
+    llm = Llama(os.path.join(folder, gguf_file), n_threads=2, n_ctx=n_ctx, verbose=False)
+    timings = []
+    for ids in prompts:
+        stamps: list[float] = []
+        t0 = time.perf_counter()
+        for _ in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) == output_len:
+                break
+        timings.append(IterTiming(stamps[0] - t0, stamps[-1] - t0, len(stamps)))
     return timings
 
 

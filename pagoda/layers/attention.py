@@ -4,15 +4,74 @@ Contract: `Attention.forward(q, k, v)` takes the projected, rotated q/k/v of all
 batch, writes k/v to this layer's paged cache at `slot_mapping`, then attends each query to its
 request's keys [0, position] read back from the cache. Any mix of chunked prefills and decodes is
 allowed in one batch (see forward_context.py for the layout).
+
+A quantized cache (`--kv-cache-dtype int8|fp8`) is quantized here on write and dequantized here
+on read, to the query dtype, before attention: nothing else reads the cache's values.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.config import KV_SCALE_DTYPE
 from pagoda.forward_context import AttentionMetadata, get_forward_context
+
+# An all-zero row gets this scale rather than 0, so quantizing it divides by a positive number.
+_MIN_SCALE = torch.finfo(KV_SCALE_DTYPE).tiny
+
+
+@dataclass
+class KVCache:
+    """One layer's paged KV cache.
+
+    k, v: (num_blocks, block_size, num_kv_heads, head_dim) in the model dtype, or quantized
+    (int8, float8_e4m3fn) with k_scale, v_scale: (num_blocks, block_size, num_kv_heads) float32
+    such that a stored row dequantizes to values * scale. Scales are None when not quantized.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        quant_dtype: torch.dtype | None,
+        device: torch.device | str,
+    ) -> KVCache:
+        """Zeroed cache in `dtype`, or in `quant_dtype` with scales when that is not None."""
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        if quant_dtype is None:
+            k = torch.zeros(shape, dtype=dtype, device=device)
+            v = torch.zeros(shape, dtype=dtype, device=device)
+            return cls(k, v)
+        k = torch.zeros(shape, dtype=quant_dtype, device=device)
+        v = torch.zeros(shape, dtype=quant_dtype, device=device)
+        k_scale = torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device)
+        v_scale = torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device)
+        return cls(k, v, k_scale, v_scale)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block id first: k, v and, when quantized, their scales."""
+        tensors = [self.k, self.v]
+        if self.k_scale is not None and self.v_scale is not None:
+            tensors += [self.k_scale, self.v_scale]
+        return tensors
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Block dst[i] becomes a copy of block src[i] (copy-on-write), scales included."""
+        for t in self.tensors():
+            t[dst] = t[src]
 
 
 class Attention(nn.Module):
@@ -30,64 +89,112 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (num_tokens, num_heads * head_dim); k, v: (num_tokens, num_kv_heads * head_dim)
         ctx = get_forward_context()
-        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        cache = ctx.kv_caches[self.layer_idx]
+        if not isinstance(cache, KVCache):  # a bare (k, v) pair is an unquantized cache
+            cache = KVCache(*cache)
         meta = ctx.attn_metadata
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = paged_attention_torch(q, k_cache, v_cache, meta, self.scale)
+        write_kv_cache(k, v, cache, meta.slot_mapping)
+        out = paged_attention_torch(q, cache, meta, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric quantization of each row of the last dim: x ~= values * scale[..., None].
+
+    x: (..., head_dim) -> values (..., head_dim) in `dtype` (int8 or float8_e4m3fn) and scale (...)
+    float32 = max|row| / 127 (int8, rounded to nearest) or / 448 (fp8, the e4m3 maximum).
+    """
+    xf = x.to(KV_SCALE_DTYPE)
+    qmax = 127.0 if dtype == torch.int8 else torch.finfo(dtype).max
+    scale = (xf.abs().amax(dim=-1) / qmax).clamp_min_(_MIN_SCALE)
+    y = (xf / scale.unsqueeze(-1)).clamp_(-qmax, qmax)
+    if dtype == torch.int8:
+        y = y.round_()
+    return y.to(dtype), scale
+
+
+def dequantize_kv(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """values (..., head_dim), scale (...) -> values * scale as `dtype` (computed in float32)."""
+    return (values.to(KV_SCALE_DTYPE) * scale.unsqueeze(-1)).to(dtype)
+
+
 def write_kv_cache(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
 ) -> None:
-    # k, v: (num_tokens, num_kv_heads, head_dim); caches: (num_blocks, block_size, kv_heads, head_dim)
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    # k, v: (num_tokens, num_kv_heads, head_dim); slot_mapping: (num_tokens,) flat slot ids
+    if cache.k_scale is None or cache.v_scale is None:
+        k_flat = cache.k.view(-1, *cache.k.shape[2:])
+        v_flat = cache.v.view(-1, *cache.v.shape[2:])
+        k_flat.index_copy_(0, slot_mapping, k.to(cache.k.dtype))
+        v_flat.index_copy_(0, slot_mapping, v.to(cache.v.dtype))
+        return
+    _write_quantized(k, cache.k, cache.k_scale, slot_mapping)
+    _write_quantized(v, cache.v, cache.v_scale, slot_mapping)
 
 
-def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """(num_blocks, block_size, kv_heads, head_dim)[ids] -> (*ids.shape[:-1], n * block_size, ...)."""
+def _write_quantized(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    q, scale = quantize_kv(x, values.dtype)
+    # Copied as bytes: CPU index_copy_ has no float8 kernel (torch 2.13); int8 copies the same.
+    flat = values.view(torch.uint8).view(-1, *values.shape[2:])
+    flat.index_copy_(0, slot_mapping, q.view(torch.uint8))
+    scales.view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, scale)
+
+
+def _gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, length: int | None = None
+) -> torch.Tensor:
+    """(num_blocks, block_size, *rest)[ids] -> (*ids.shape[:-1], n * block_size, *rest),
+    cut to the first `length` positions when given."""
     out = cache.index_select(0, block_ids.reshape(-1))
-    return out.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+    out = out.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+    return out if length is None else out.narrow(block_ids.dim() - 1, 0, length)
+
+
+def _read_kv(
+    cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype, seq_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of blocks `block_ids` in `dtype`, positions [0, seq_len) when given:
+    each (*block_ids.shape[:-1], seq_len or n * block_size, num_kv_heads, head_dim)."""
+    k = _gather_blocks(cache.k, block_ids, seq_len)
+    v = _gather_blocks(cache.v, block_ids, seq_len)
+    if cache.k_scale is None or cache.v_scale is None:
+        return k.to(dtype), v.to(dtype)
+    k_scale = _gather_blocks(cache.k_scale, block_ids, seq_len)
+    v_scale = _gather_blocks(cache.v_scale, block_ids, seq_len)
+    return dequantize_kv(k, k_scale, dtype), dequantize_kv(v, v_scale, dtype)
 
 
 def paged_attention_torch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
+    q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Reference paged attention. q: (num_tokens, num_heads, head_dim) -> same shape."""
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k_cache.shape[2]
+    gqa = q.shape[1] != cache.k.shape[2]
     if meta.num_decodes:
         qd = q.index_select(0, meta.decode_token_idx).unsqueeze(2)  # (B, H, 1, D)
-        tables = meta.decode_block_tables
-        kd = _gather_blocks(k_cache, tables).transpose(1, 2).to(q.dtype)  # (B, Hkv, L, D)
-        vd = _gather_blocks(v_cache, tables).transpose(1, 2).to(q.dtype)
+        kd, vd = _read_kv(cache, meta.decode_block_tables, q.dtype)  # (B, L, Hkv, D)
         od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+            qd,
+            kd.transpose(1, 2),  # (B, Hkv, L, D)
+            vd.transpose(1, 2),
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=gqa,
         )
         out.index_copy_(0, meta.decode_token_idx, od.squeeze(2))
     for p in meta.prefills:
         qp = q[p.token_start : p.token_end].transpose(0, 1)  # (H, q_len, D)
-        kp = _gather_blocks(k_cache, p.block_ids)[: p.seq_len].transpose(0, 1).to(q.dtype)
-        vp = _gather_blocks(v_cache, p.block_ids)[: p.seq_len].transpose(0, 1).to(q.dtype)
+        kp, vp = _read_kv(cache, p.block_ids, q.dtype, p.seq_len)  # (seq_len, Hkv, D)
         op = F.scaled_dot_product_attention(
             qp,
-            kp,
-            vp,
+            kp.transpose(0, 1),  # (Hkv, seq_len, D)
+            vp.transpose(0, 1),
             attn_mask=p.mask,
             is_causal=p.mask is None,
             scale=scale,

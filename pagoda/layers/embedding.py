@@ -1,13 +1,26 @@
-"""Token embedding and LM head. With tied embeddings the head shares the embedding's weight."""
+"""Token embedding and LM head. With tied embeddings the head shares the embedding's weight.
+
+`quantize_int8()` (weight-quantized models) replaces the float weight with int8 rows and one scale
+per row: the embedding gathers and scales rows, the head runs the int8 matmul. A tied head reads
+the embedding's stored form, so the vocabulary matrix exists once.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.quant import apply_stored, set_int8
+
 
 class VocabEmbedding(nn.Module):
+    kernel = "float"
+    qweight: torch.Tensor  # int8 rows, once quantized
+    weight_scale: torch.Tensor
+
     def __init__(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None
     ) -> None:
@@ -16,17 +29,29 @@ class VocabEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype))
 
+    def quantize_int8(self) -> None:
+        self.device = self.weight.device
+        self.dtype = self.weight.dtype
+        w = self.weight.data
+        del self.weight
+        set_int8(self, w)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: (num_tokens,) -> (num_tokens, embedding_dim)
-        return F.embedding(input_ids, self.weight)
+        if self.kernel == "float":
+            return F.embedding(input_ids, self.weight)
+        rows = F.embedding(input_ids, self.qweight).to(self.dtype)
+        return rows * self.weight_scale[input_ids, None].to(self.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kernel}"
 
 
 class LMHead(nn.Module):
     """Projects hidden states to float32 logits over the vocabulary."""
 
+    kernel = "float"
+
     def __init__(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None
     ) -> None:
@@ -34,13 +59,29 @@ class LMHead(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype))
+        self._tied: list[VocabEmbedding] = []  # a list keeps it out of the module tree
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
+        self._tied = [embedding]
+
+    def quantize_int8(self) -> None:
+        if self._tied:
+            del self.weight  # the embedding holds (and quantizes) the shared matrix
+            return
+        self.device = self.weight.device
+        self.dtype = self.weight.dtype
+        w = self.weight.data
+        del self.weight
+        set_int8(self, w)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: (n, embedding_dim) -> logits (n, num_embeddings) float32
-        return F.linear(hidden_states, self.weight).float()
+        owner: Any = self._tied[0] if self._tied else self
+        if owner.kernel == "float":
+            return F.linear(hidden_states, owner.weight).float()
+        return apply_stored(owner, hidden_states).float()
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        tied = ", tied" if self._tied else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{tied}"

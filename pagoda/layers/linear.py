@@ -9,9 +9,13 @@ into its row slice by `weight_loader(param, loaded, shard_id)`:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagoda.layers.quant import QuantMethod
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -25,7 +29,13 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W: (output_size, input_size), as torch.nn.Linear and HF store it."""
+    """y = x W^T + b with W: (output_size, input_size), as torch.nn.Linear and HF store it.
+
+    With a quantization method set (`set_quant_method`, before loading) the method owns the
+    weight: it stores it in its own form and runs the matmul; the bias stays float.
+    """
+
+    quant_method: QuantMethod | None = None
 
     def __init__(
         self,
@@ -42,7 +52,42 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, input_size) -> (num_tokens, output_size)
-        return F.linear(x, self.weight, self.bias)
+        if self.quant_method is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x)
+        return y if self.bias is None else y + self.bias
+
+    def set_quant_method(self, method: QuantMethod) -> None:
+        self.device = self.weight.device
+        self.dtype = self.weight.dtype
+        self.quant_method = method
+        method.prepare(self)
+
+    def required_tensors(self) -> tuple[str, ...]:
+        """The checkpoint tensors this layer needs besides its bias."""
+        return ("weight",) if self.quant_method is None else self.quant_method.required_names
+
+    def load(self, name: str, tensor: Any, shard_id: str | None = None) -> None:
+        """Take checkpoint tensor `<layer>.<name>` (of shard `shard_id` in a packed layer)."""
+        if self.quant_method is not None and self.quant_method.loads_raw and name != "bias":
+            if name not in self.quant_method.tensor_names:
+                raise ValueError(
+                    f"a {self.quant_method.name} layer takes {self.quant_method.tensor_names}, "
+                    f"not {name!r}: does the checkpoint match --quantization?"
+                )
+            self.quant_method.load(self, name, tensor, shard_id)
+            return
+        param = getattr(self, name, None)
+        if not isinstance(param, nn.Parameter):
+            raise ValueError(f"a linear layer has no tensor {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            tensor = tensor.dequantize()  # a GGUF block tensor for a float layer
+        self.weight_loader(param, tensor, shard_id)
+
+    def finalize(self) -> None:
+        """After every tensor is loaded: let the method build its stored form."""
+        if self.quant_method is not None:
+            self.quant_method.finalize(self)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
@@ -51,7 +96,8 @@ class Linear(nn.Module):
         _copy_checked(param.data, loaded, "a linear layer")
 
     def extra_repr(self) -> str:
-        return f"{self.input_size}, {self.output_size}, bias={self.bias is not None}"
+        quant = "" if self.quant_method is None else f", quant={self.quant_method.name}"
+        return f"{self.input_size}, {self.output_size}, bias={self.bias is not None}{quant}"
 
 
 class MergedLinear(Linear):
@@ -88,4 +134,5 @@ class MergedLinear(Linear):
         _copy_checked(rows, loaded, f"shard {shard_id!r} of a packed layer")
 
     def extra_repr(self) -> str:
-        return f"{self.input_size}, {self.output_sizes}, bias={self.bias is not None}"
+        quant = "" if self.quant_method is None else f", quant={self.quant_method.name}"
+        return f"{self.input_size}, {self.output_sizes}, bias={self.bias is not None}{quant}"

@@ -18,6 +18,7 @@ from pagoda.config import head_dim_of
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention
 from pagoda.layers.embedding import LMHead, VocabEmbedding
+from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import apply_rotary, get_rope
@@ -160,11 +161,11 @@ class LlamaForCausalLM(nn.Module):
         # hidden_states: (n, hidden_size) -> (n, vocab_size) float32
         return self.lm_head(hidden_states)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the (packed) parameters. Returns what was written, as
-        parameter names and, for packed ones, "name:shard_id" (compare `expected_weights()`).
-        A tensor with no parameter raises ValueError."""
-        params = dict(self.named_parameters())
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Route HF-named checkpoint tensors to their (packed, possibly quantized) layers.
+        Returns what was written, as "<module>.<tensor>" and, for packed layers,
+        "<module>.<tensor>:<shard id>" (compare `expected_weights()`). A tensor with no place
+        raises ValueError. A tensor may be a GGUF block tensor (layers.gguf.GGUFWeight)."""
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name
@@ -178,34 +179,53 @@ class LlamaForCausalLM(nn.Module):
                     name = name.replace(f".{hf_proj}.", f".{packed}.")
                     shard_id = shard
                     break
-            if name not in params:
+            module_name, _, tensor_name = name.rpartition(".")
+            try:
+                module = self.get_submodule(module_name)
+            except AttributeError:
+                module = None
+            if isinstance(module, Linear):
+                module.load(tensor_name, tensor, shard_id)
+            elif module is not None and isinstance(
+                getattr(module, tensor_name, None), nn.Parameter
+            ):
+                if isinstance(tensor, GGUFWeight):
+                    tensor = tensor.dequantize()
+                _copy_param(getattr(module, tensor_name), tensor, hf_name)
+            else:
                 raise ValueError(
                     f"checkpoint tensor {hf_name!r} has no parameter in {type(self).__name__}"
                 )
-            module = self.get_submodule(name.rpartition(".")[0])
-            param = params[name]
-            if shard_id is not None:
-                assert isinstance(module, MergedLinear)
-                module.weight_loader(param, tensor, shard_id)
-                loaded.add(f"{name}:{shard_id}")
-            elif isinstance(module, Linear):
-                module.weight_loader(param, tensor)
-                loaded.add(name)
-            else:
-                _copy_param(param, tensor, hf_name)
-                loaded.add(name)
+            loaded.add(name if shard_id is None else f"{name}:{shard_id}")
         return loaded
 
     def expected_weights(self) -> set[str]:
         """Names `load_weights` must report for a complete checkpoint."""
         names: set[str] = set()
-        for name, _ in self.named_parameters():
-            module = self.get_submodule(name.rpartition(".")[0])
-            if isinstance(module, MergedLinear):
-                names.update(f"{name}:{shard}" for shard in module.output_sizes)
+        for module_name, module in self.named_modules():
+            if isinstance(module, Linear):
+                tensors = list(module.required_tensors())
+                if module.bias is not None:
+                    tensors.append("bias")
+                shards = list(module.output_sizes) if isinstance(module, MergedLinear) else [None]
+                names.update(
+                    f"{module_name}.{t}" + ("" if s is None else f":{s}")
+                    for t in tensors
+                    for s in shards
+                )
             else:
-                names.add(name)
+                names.update(
+                    f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False)
+                )
+        if self.tie_word_embeddings:
+            names.discard("lm_head.weight")
         return names
+
+    def finalize_weights(self) -> None:
+        """After loading: every quantized layer builds its stored form."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finalize()
 
 
 def _copy_param(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:

@@ -50,7 +50,7 @@ def test_smollm2_greedy_matches_hf(smollm2_llm: LLM, smollm2_hf) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_models_greedy_match_hf(arch: str, tiny_model_dir, tiny_hf_model) -> None:
     path = tiny_model_dir(arch)
-    llm = LLM(path, num_gpu_blocks_override=256, max_num_batched_tokens=64)
+    llm = LLM(path, quantization="none", num_gpu_blocks_override=256, max_num_batched_tokens=64)
     prompt_ids = [[(7 * i + 3 * j) % 1000 + 5 for j in range(5 + 3 * i)] for i in range(6)]
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], _greedy(24))
     expected = hf_greedy(tiny_hf_model(arch), prompt_ids, 24)

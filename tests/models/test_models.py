@@ -97,7 +97,7 @@ def tiny_pagoda(tiny_model_dir: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def smollm2_pagoda() -> tuple[LlamaForCausalLM, Any]:
-    model, model_config, tokenizer = load_model(EngineConfig(device="cpu"))
+    model, model_config, tokenizer = load_model(EngineConfig(device="cpu", quantization="none"))
     assert model_config.architecture == "LlamaForCausalLM"
     assert model_config.max_model_len == 8192
     return model, tokenizer

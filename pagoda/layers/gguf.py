@@ -1,0 +1,138 @@
+"""GGUF quantized blocks -> group-quantized codes, without dequantizing to float.
+
+A GGUF tensor of `rows x cols` values is stored row by row in blocks along `cols`. The 4-bit
+types all decode to one form, 4-bit codes with a float scale and offset per group of 32 columns:
+
+    w[r, c] = scale[r, c // 32] * code[r, c] + offset[r, c // 32]      code in [0, 15]
+
+    Q4_0  (18 bytes / 32):  d (f16), 16 bytes of nibbles        scale d,      offset -8 d
+    Q4_1  (20 bytes / 32):  d, m (f16), 16 bytes of nibbles     scale d,      offset m
+    Q4_K  (144 bytes / 256): d, dmin (f16), 12 bytes of 6-bit sub-block scales and mins,
+                            128 bytes of nibbles                scale d*sc_j, offset -dmin*m_j
+
+Inside a 32-value block, value j < 16 is the low nibble of byte j and value j + 16 its high nibble.
+A Q4_K super-block holds 8 sub-blocks of 32; its 128 nibble bytes are 4 chunks of 32 bytes whose
+low nibbles are sub-block 2i and high nibbles sub-block 2i + 1.
+
+Q8_0 (34 bytes / 32: d (f16), 32 int8) decodes to int8 codes with one scale per 32 values.
+Every decoder reproduces `gguf.dequantize` bit for bit through `dequantize_groups` (tested).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GROUP = 32
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+_BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A GGUF tensor kept in its file encoding, on its way to a quantized layer.
+
+    `data` holds the raw bytes, (rows, bytes per row) uint8; `shape` is (rows, cols) in torch order.
+    """
+
+    qtype: str
+    data: np.ndarray
+    shape: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (rows, cols), through the gguf package (the reference)."""
+        from gguf import GGMLQuantizationType, dequantize
+
+        array = dequantize(self.data, GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(self.shape)
+
+    def permute_rows(self, order: torch.Tensor) -> GGUFWeight:
+        """Rows reordered (blocks never straddle rows, so this is exact on the raw bytes)."""
+        data = np.ascontiguousarray(self.data[order.numpy()])
+        return GGUFWeight(self.qtype, data, self.shape)
+
+
+@dataclass(frozen=True)
+class GroupCodes:
+    """w = scale[:, g] * codes + offset[:, g] for columns of group g (offset None: no offset).
+
+    codes: (rows, cols) uint8 (4-bit) or int8 (Q8_0); scale, offset: (rows, cols // 32) float32.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+
+
+def _blocks(w: GGUFWeight) -> np.ndarray:
+    per_block, nbytes = _BLOCK_BYTES[w.qtype]
+    rows, cols = w.shape
+    if cols % per_block:
+        raise ValueError(f"GGUF {w.qtype} tensor with {cols} columns is not whole blocks")
+    return np.ascontiguousarray(w.data).reshape(rows * cols // per_block, nbytes)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(n, 16) bytes -> (n, 32) codes: low nibbles then high nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def decode(w: GGUFWeight) -> GroupCodes:
+    """The group codes of a Q4_0, Q4_1, Q4_K or Q8_0 tensor."""
+    rows, cols = w.shape
+    blocks = _blocks(w)
+    if w.qtype == "Q8_0":
+        scale = _f16(blocks[:, :2])
+        codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
+        return _group_codes(codes, scale, None, rows, cols)
+    if w.qtype == "Q4_0":
+        d = _f16(blocks[:, :2])
+        return _group_codes(_nibbles(blocks[:, 2:]), d, -8 * d, rows, cols)
+    if w.qtype == "Q4_1":
+        d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        return _group_codes(_nibbles(blocks[:, 4:]), d, m, rows, cols)
+    if w.qtype == "Q4_K":
+        return _decode_q4_k(blocks, rows, cols)
+    raise ValueError(f"GGUF type {w.qtype} has no group decoding; dequantize it instead")
+
+
+def _decode_q4_k(blocks: np.ndarray, rows: int, cols: int) -> GroupCodes:
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    packed = blocks[:, 4:16].reshape(n, 3, 4)
+    lo, hi, mix = packed[:, 0], packed[:, 1], packed[:, 2]
+    sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    scale = d * sc.astype(np.float32)  # (n, 8)
+    offset = -(dmin * mn.astype(np.float32))
+    qs = blocks[:, 16:].reshape(n, 4, 32)
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 256)
+    return _group_codes(codes, scale.reshape(-1, 1), offset.reshape(-1, 1), rows, cols)
+
+
+def _group_codes(
+    codes: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, rows: int, cols: int
+) -> GroupCodes:
+    groups = cols // GROUP
+    return GroupCodes(
+        codes=torch.from_numpy(np.ascontiguousarray(codes)).reshape(rows, cols),
+        scale=torch.from_numpy(np.ascontiguousarray(scale)).reshape(rows, groups),
+        offset=None
+        if offset is None
+        else torch.from_numpy(np.ascontiguousarray(offset)).reshape(rows, groups),
+    )
+
+
+def dequantize_groups(g: GroupCodes) -> torch.Tensor:
+    """float32 (rows, cols) with gguf's own order of operations (scale * code, then + offset)."""
+    scale = g.scale.repeat_interleave(GROUP, dim=1)
+    w = scale * g.codes.to(torch.float32)
+    if g.offset is not None:
+        w = w + g.offset.repeat_interleave(GROUP, dim=1)
+    return w

@@ -1,0 +1,533 @@
+"""Quantized linear layers: one method object per scheme, chosen by `--quantization`.
+
+A method attaches to a `Linear` before the checkpoint is read (`prepare`), takes the checkpoint's
+tensors for it (`load`, once per tensor and shard of a packed layer), turns them into the layout its
+kernel wants once all are in (`finalize`), and runs the matmul (`apply`). Float weights that are
+quantized at load (int8, int4, fp8) arrive through the layer's ordinary float `weight`; GGUF blocks
+and AWQ / GPTQ tensors replace it.
+
+Two kernel forms serve every integer scheme (torch's packed CPU ops; bf16 activations):
+
+    int4 (group g):  w[n, k] = (code[n, k] - 8) * scale[n, k // g] + zero[n, k // g]
+                     codes packed by _convert_weight_to_int4pack_for_cpu, (scale, zero) bf16
+                     GGUF Q4_0 / Q4_1 / Q4_K (g = 32), int4 (g = 128, 64 or 32), AWQ, GPTQ
+    int8 (group 32): w[n, k] = code[n, k] * scale[n, k // 32], code = 16 hi + lo, run as the
+                     int4 op over both halves stacked along N: int8, GGUF Q8_0
+    int8 (per row):  w[n, k] = code[n, k] * scale[n]   (_weight_int8pack_mm)
+                     embeddings and LM heads, GGUF Q6_K / others (re-quantized per row)
+
+GPTQ act-order (g_idx not sorted) permutes input channels so groups are contiguous and applies the
+same permutation to x. On devices other than CPU the integer schemes dequantize before the matmul
+(correct, not fast); fp8 uses torch._scaled_mm with per-row weight and per-token activation scales.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.config import QUANTIZATION_METHODS
+from pagoda.layers import gguf
+
+logger = logging.getLogger(__name__)
+
+INT4_GROUP_SIZES = (32, 64, 128)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+
+
+def int4_supported(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether torch's packed int4 op takes this shape (rows in 16s, whole groups)."""
+    return out_features % 16 == 0 and in_features % group_size == 0 and group_size % 32 == 0
+
+
+def int4_pack(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes (N, K) in [0, 15], scale / zero (N, K // g) -> (packed weight, scale_zeros (K // g, N, 2))."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        codes.to(torch.int32).cpu().contiguous(), 1
+    )
+    scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scale_zeros
+
+
+def int4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scale_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    # x: (M, K) -> (M, N) in x's dtype
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(_bf16(x), packed, group_size, scale_zeros)
+    return y.to(x.dtype)
+
+
+def int4_dequantize(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The reference: float32 (N, K) from the unpacked form."""
+    s = scale.float().repeat_interleave(group_size, dim=1)
+    z = zero.float().repeat_interleave(group_size, dim=1)
+    return (codes.float() - 8) * s + z
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # x: (M, K), codes: (N, K) int8, scale: (N,) bf16 -> (M, N) in x's dtype
+    return torch.ops.aten._weight_int8pack_mm(_bf16(x), codes, scale).to(x.dtype)
+
+
+def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (codes (N, K) int8, scale (N,) float32), w ~ codes * scale."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def quantize_int8_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric group-wise int8: (codes (N, K) int8, scale (N, K // g)), w ~ codes * scale."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    codes = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(n, k), scale
+
+
+def split_int8_groups(
+    codes: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise int8 as two int4 halves stacked along N, for the int4 kernel:
+    c = 16 * hi + lo with hi in [-8, 7], lo in [0, 15], so
+    w = c * s = (hi + 8 - 8) * 16 s + 0  +  (lo - 8) * s + 8 s.
+    Returns (codes (2N, K), scale (2N, G), zero (2N, G)); y = y[:, :N] + y[:, N:]."""
+    c = codes.to(torch.int16)
+    hi = torch.div(c, 16, rounding_mode="floor")
+    lo = c - 16 * hi
+    half_codes = torch.cat([hi + 8, lo]).to(torch.uint8)
+    half_scale = torch.cat([16 * scale, scale])
+    half_zero = torch.cat([torch.zeros_like(scale), 8 * scale])
+    return half_codes, half_scale, half_zero
+
+
+def quantize_int4_groups(
+    w: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise 4-bit (min-max, float zero point, as GGUF Q4_1) in the int4
+    kernel's form: (codes, scale, zero) with w ~ (codes - 8) * scale + zero."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo = g.amin(dim=-1)
+    scale = ((g.amax(dim=-1) - lo) / 15.0).clamp(min=1e-12)
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    return codes.reshape(n, k).to(torch.uint8), scale, lo + 8 * scale
+
+
+def int4_group_size(in_features: int) -> int:
+    """The smallest standard group that divides the input width (ValueError if none does)."""
+    for g in INT4_GROUP_SIZES:
+        if in_features % g == 0:
+            return g
+    raise ValueError(
+        f"int4 needs an input width divisible by 32; this layer has {in_features}: "
+        "use --quantization int8"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Stored forms a method leaves on its layer (buffers, so .to(device) and memory counts see them)
+
+
+def set_int4(
+    layer: Any,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group_size: int,
+    perm: torch.Tensor | None = None,
+) -> None:
+    device = _device_of(layer)
+    if device.type == "cpu":
+        packed, scale_zeros = int4_pack(codes, scale, zero)
+        layer.register_buffer("qweight", packed)
+        layer.register_buffer("scale_zeros", scale_zeros)
+    else:  # no packed kernel here yet: keep the dequantized weight
+        set_dense(layer, int4_dequantize(codes, scale, zero, group_size))
+    layer.register_buffer("perm", None if perm is None else perm.to(device))
+    layer.group_size = group_size
+    layer.kernel = "int4"
+
+
+def set_int8_groups(layer: Any, codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
+    """Group-wise int8 (Q8_0-like) run as two int4 halves in one packed matrix."""
+    if _device_of(layer).type != "cpu":
+        set_dense(layer, codes.float() * scale.repeat_interleave(group_size, dim=1))
+        return
+    set_int4(layer, *split_int8_groups(codes, scale), group_size)
+    layer.kernel = "int8x2"
+
+
+def set_dense(layer: Any, w: torch.Tensor) -> None:
+    """A dequantized weight, for devices without a packed op (kernel "int4", no scales)."""
+    layer.register_buffer("qweight", w.to(layer_dtype(layer)).to(_device_of(layer)))
+    layer.register_buffer("scale_zeros", None)
+    layer.register_buffer("perm", None)
+    layer.kernel = "int4"
+
+
+def set_int8(layer: Any, w: torch.Tensor) -> None:
+    codes, scale = quantize_int8_rows(w)
+    device = _device_of(layer)
+    layer.register_buffer("qweight", codes.to(device))
+    layer.register_buffer("weight_scale", scale.to(torch.bfloat16).to(device))
+    layer.kernel = "int8"
+
+
+def _device_of(layer: Any) -> torch.device:
+    return torch.device(getattr(layer, "device", "cpu"))
+
+
+def layer_dtype(layer: Any) -> torch.dtype:
+    dtype = getattr(layer, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def apply_stored(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """The matmul of whatever `set_int4` / `set_int8` left on the layer (no bias)."""
+    if layer.kernel == "float":
+        return F.linear(x, layer.weight)
+    if layer.kernel == "int8x2":
+        y = int4_matmul(x, layer.qweight, layer.scale_zeros, layer.group_size)
+        n = y.shape[-1] // 2
+        return y[..., :n] + y[..., n:]
+    if layer.kernel == "int4":
+        if layer.perm is not None:
+            x = x.index_select(-1, layer.perm)
+        if layer.scale_zeros is None:
+            return F.linear(x, layer.qweight)
+        return int4_matmul(x, layer.qweight, layer.scale_zeros, layer.group_size)
+    if x.device.type == "cpu":
+        return int8_matmul(x, layer.qweight, layer.weight_scale)
+    return F.linear(x, layer.qweight.to(x.dtype) * layer.weight_scale.to(x.dtype)[:, None])
+
+
+def stored_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer of a module tree, each tensor counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods
+
+
+class QuantMethod:
+    """Base: float weights quantized after loading. Subclasses override what differs."""
+
+    name: ClassVar[str]
+    # Checkpoint tensors a layer takes (AWQ / GPTQ: in place of `weight`), and those it needs.
+    tensor_names: ClassVar[tuple[str, ...]] = ("weight",)
+    required_names: ClassVar[tuple[str, ...]] = ("weight",)
+    # Whether the float `weight` parameter is dropped before loading (raw tensors replace it).
+    loads_raw: ClassVar[bool] = False
+
+    def prepare(self, layer: Any) -> None:
+        if self.loads_raw:
+            del layer.weight
+            layer.pending = {}
+
+    def load(self, layer: Any, name: str, tensor: Any, shard_id: str | None) -> None:
+        """Keep one raw checkpoint tensor until `finalize` (only for `loads_raw` methods)."""
+        layer.pending.setdefault(shard_id, {})[name] = tensor
+
+    def finalize(self, layer: Any) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        return apply_stored(layer, x)
+
+    def _take_float_weight(self, layer: Any) -> torch.Tensor:
+        w = layer.weight.data
+        del layer.weight
+        return w
+
+    def _pending_shards(self, layer: Any) -> list[tuple[str | None, dict[str, Any]]]:
+        """Loaded tensors in packing order; ValueError if a shard is missing."""
+        shards = list(getattr(layer, "output_sizes", {None: layer.output_size}))
+        missing = [
+            f"{s}.{n}" if s else n
+            for s in shards
+            for n in self.required_names
+            if n not in layer.pending.get(s, {})
+        ]
+        if missing:
+            raise ValueError(f"the checkpoint lacks quantized tensors {missing} of a layer")
+        out = [(s, layer.pending[s]) for s in shards]
+        del layer.pending
+        return out
+
+
+class Int8Method(QuantMethod):
+    """Weight-only int8, symmetric with one scale per 32 input channels (as GGUF Q8_0), quantized
+    from float weights at load; per output channel where the int4 op cannot take the shape."""
+
+    name = "int8"
+    group_size = 32
+
+    def finalize(self, layer: Any) -> None:
+        w = self._take_float_weight(layer)
+        if not int4_supported(2 * layer.output_size, layer.input_size, self.group_size):
+            set_int8(layer, w)
+            return
+        set_int8_groups(layer, *quantize_int8_groups(w, self.group_size), self.group_size)
+
+
+class Int4Method(QuantMethod):
+    """Weight-only int4, asymmetric group-wise with a float zero point per group of 32 inputs
+    (as GGUF Q4_1), quantized from float weights at load; int8 per row where the int4 op cannot
+    take the shape. On SmolLM2, groups of 64 / 128 with integer zero points gave 74% top-1
+    agreement with float32; this gives the figure in tests/models/test_quant_quality.py."""
+
+    name = "int4"
+
+    def finalize(self, layer: Any) -> None:
+        w = self._take_float_weight(layer)
+        group = int4_group_size(layer.input_size)
+        if not int4_supported(layer.output_size, layer.input_size, group):
+            logger.warning("int4: %s rows do not fit the kernel; using int8", layer.output_size)
+            set_int8(layer, w)
+            return
+        codes, scale, zero = quantize_int4_groups(w, group)
+        set_int4(layer, codes, scale, zero, group)
+
+
+class FP8Method(QuantMethod):
+    """float8 e4m3 weights with one scale per output channel; activations quantized per token at
+    run time; torch._scaled_mm (H100 and CPU)."""
+
+    name = "fp8"
+
+    def finalize(self, layer: Any) -> None:
+        w = self._take_float_weight(layer).float()
+        scale = (w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX).to(torch.float32)
+        codes = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        device = _device_of(layer)
+        layer.register_buffer("qweight", codes.to(device))
+        layer.register_buffer("weight_scale", scale[None, :].contiguous().to(device))  # (1, N)
+        layer.kernel = "fp8"
+
+    def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+        x8 = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(
+            x8,
+            layer.qweight.t(),
+            scale_a=x_scale,
+            scale_b=layer.weight_scale,
+            out_dtype=torch.bfloat16,
+        )
+        return y.to(x.dtype)
+
+
+class GGUFMethod(QuantMethod):
+    """GGUF blocks kept quantized: Q4_0 / Q4_1 / Q4_K repacked for the int4 op and Q8_0 as two
+    int4 halves (group 32, no re-quantization); Q6_K, other types and mixed layers re-quantized
+    per row to int8; float tensors (F32 / F16) stay float."""
+
+    name = "gguf"
+    loads_raw = True
+
+    def finalize(self, layer: Any) -> None:
+        parts = [tensors["weight"] for _, tensors in self._pending_shards(layer)]
+        if all(isinstance(p, torch.Tensor) for p in parts):
+            w = torch.cat(parts, dim=0).to(layer_dtype(layer))
+            layer.weight = nn.Parameter(w.to(_device_of(layer)), requires_grad=False)
+            layer.kernel = "float"
+            return
+        four_bit = all(
+            isinstance(p, gguf.GGUFWeight) and p.qtype in gguf.FOUR_BIT_TYPES for p in parts
+        )
+        if four_bit and int4_supported(layer.output_size, layer.input_size, gguf.GROUP):
+            groups = [gguf.decode(p) for p in parts]
+            codes = torch.cat([g.codes for g in groups])
+            scale = torch.cat([g.scale for g in groups])
+            offset = torch.cat([g.offset for g in groups if g.offset is not None])
+            # scale * c + offset == (c - 8) * scale + (offset + 8 * scale)
+            set_int4(layer, codes, scale, offset + 8 * scale, gguf.GROUP)
+            return
+        q8 = all(isinstance(p, gguf.GGUFWeight) and p.qtype == "Q8_0" for p in parts)
+        if q8 and int4_supported(2 * layer.output_size, layer.input_size, gguf.GROUP):
+            groups = [gguf.decode(p) for p in parts]
+            codes = torch.cat([g.codes for g in groups])
+            set_int8_groups(layer, codes, torch.cat([g.scale for g in groups]), gguf.GROUP)
+            return
+        floats = [p.dequantize() if isinstance(p, gguf.GGUFWeight) else p.float() for p in parts]
+        set_int8(layer, torch.cat(floats, dim=0))
+
+
+# codes (N, K) uint8, scale (N, G), zero point (N, G), g_idx (K,) or None
+Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+class _Int4CheckpointMethod(QuantMethod):
+    """AWQ / GPTQ: 4-bit codes, fp16 scales and packed zero points from the checkpoint."""
+
+    loads_raw = True
+    tensor_names: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
+    required_names: ClassVar[tuple[str, ...]] = ("qweight", "qzeros", "scales")
+
+    def __init__(self, group_size: int, bits: int = 4) -> None:
+        if bits != 4:
+            raise ValueError(f"{self.name} checkpoints with {bits} bits are not supported; only 4")
+        if group_size <= 0:
+            raise ValueError(f"{self.name} group_size must be > 0 (per-channel -1 is unsupported)")
+        self.group_size = group_size
+
+    def decode(self, tensors: dict[str, torch.Tensor]) -> Decoded:
+        raise NotImplementedError
+
+    def finalize(self, layer: Any) -> None:
+        decoded = []
+        for shard, tensors in self._pending_shards(layer):
+            codes, scale, zero_point, g_idx = self.decode(tensors)
+            rows = layer.output_sizes[shard] if shard else layer.output_size
+            k, groups = layer.input_size, layer.input_size // self.group_size
+            for name, t, shape in [
+                ("qweight", codes, (rows, k)),
+                ("scales", scale, (rows, groups)),
+                ("qzeros", zero_point, (rows, groups)),
+                ("g_idx", g_idx, (k,)),
+            ]:
+                if t is not None and tuple(t.shape) != shape:
+                    raise ValueError(
+                        f"{self.name} tensor {name} of shard {shard} decodes to shape "
+                        f"{tuple(t.shape)}, the layer needs {shape} with group_size "
+                        f"{self.group_size}: does quantization_config match the checkpoint?"
+                    )
+            decoded.append((codes, scale, zero_point, g_idx))
+        codes = torch.cat([d[0] for d in decoded])
+        scale = torch.cat([d[1] for d in decoded]).float()
+        zero_point = torch.cat([d[2] for d in decoded]).float()
+        perm = _act_order_perm([d[3] for d in decoded], self.group_size, layer.input_size)
+        if perm is not None:
+            codes = codes[:, perm]
+        if not int4_supported(layer.output_size, layer.input_size, self.group_size):
+            raise ValueError(
+                f"{self.name}: a layer of shape {layer.output_size}x{layer.input_size} with group "
+                f"{self.group_size} does not fit the int4 kernel (rows in 16s, groups of 32k)"
+            )
+        # (c - z) * s == (c - 8) * s + (8 - z) * s
+        set_int4(layer, codes, scale, (8 - zero_point) * scale, self.group_size, perm)
+
+
+def unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...]) -> torch.Tensor:
+    """Eight 4-bit values per int32 along `dim`; nibble i (bits 4i..4i+3) holds element order[i]
+    of each group of eight."""
+    shifts = torch.tensor([4 * order.index(j) for j in range(8)], dtype=torch.int32)
+    p = packed.to(torch.int32).unsqueeze(dim + 1 if dim >= 0 else dim)
+    shape = [1] * p.dim()
+    shape[dim + 1 if dim >= 0 else dim] = 8
+    vals = (p >> shifts.view(shape)) & 0xF
+    out_shape = list(packed.shape)
+    out_shape[dim] *= 8
+    return vals.reshape(out_shape).to(torch.uint8)
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an int32 holds column AWQ_ORDER[i]
+SEQUENTIAL = (0, 1, 2, 3, 4, 5, 6, 7)
+
+
+class AWQMethod(_Int4CheckpointMethod):
+    """AutoAWQ GEMM checkpoints: qweight (K, N/8), qzeros (G, N/8) packed along N in AWQ's
+    interleaved order, scales (G, N); w = (q - z) * s."""
+
+    name = "awq"
+
+    def decode(self, tensors: dict[str, torch.Tensor]) -> Decoded:
+        q = unpack_int32(tensors["qweight"], 1, AWQ_ORDER)  # (K, N)
+        z = unpack_int32(tensors["qzeros"], 1, AWQ_ORDER)  # (G, N)
+        return q.t().contiguous(), tensors["scales"].t(), z.t(), None
+
+
+class GPTQMethod(_Int4CheckpointMethod):
+    """GPTQ (AutoGPTQ / GPTQModel): qweight (K/8, N) packed along K, qzeros (G, N/8) packed along
+    N storing z - 1 (checkpoint_format gptq) or z (gptq_v2), scales (G, N), g_idx (K,) the group
+    of each input channel."""
+
+    name = "gptq"
+    tensor_names = ("qweight", "qzeros", "scales", "g_idx")
+
+    def __init__(self, group_size: int, bits: int = 4, checkpoint_format: str = "gptq") -> None:
+        super().__init__(group_size, bits)
+        if checkpoint_format not in ("gptq", "gptq_v2"):
+            raise ValueError(
+                f"GPTQ checkpoint_format {checkpoint_format!r} is not supported; gptq or gptq_v2"
+            )
+        self.zero_offset = 1 if checkpoint_format == "gptq" else 0  # v1 stores z - 1
+
+    def decode(self, tensors: dict[str, torch.Tensor]) -> Decoded:
+        q = unpack_int32(tensors["qweight"], 0, SEQUENTIAL)  # (K, N)
+        z = unpack_int32(tensors["qzeros"], 1, SEQUENTIAL).float() + self.zero_offset  # (G, N)
+        return q.t().contiguous(), tensors["scales"].t(), z.t(), tensors.get("g_idx")
+
+
+def _act_order_perm(
+    g_idxs: list[torch.Tensor | None], group_size: int, in_features: int
+) -> torch.Tensor | None:
+    """The input permutation that makes GPTQ groups contiguous; None when they already are."""
+    present = [g for g in g_idxs if g is not None]
+    if not present:
+        return None
+    g_idx = present[0].to(torch.int64)
+    if any(not torch.equal(g.to(torch.int64), g_idx) for g in present[1:]):
+        raise ValueError("the shards of a packed GPTQ layer have different g_idx")
+    if torch.equal(g_idx, torch.arange(in_features) // group_size):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], torch.arange(in_features) // group_size):
+        raise ValueError(f"GPTQ g_idx does not give every group {group_size} channels")
+    return perm
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole model
+
+
+def make_method(name: str, quant_config: dict[str, Any] | None = None) -> QuantMethod | None:
+    """The method object for --quantization `name` (None for "none")."""
+    cfg = quant_config or {}
+    if name == "none":
+        return None
+    if name == "int8":
+        return Int8Method()
+    if name == "int4":
+        return Int4Method()
+    if name == "fp8":
+        return FP8Method()
+    if name == "gguf":
+        return GGUFMethod()
+    if name == "awq":
+        return AWQMethod(int(cfg.get("group_size", 128)), int(cfg.get("bits", cfg.get("w_bit", 4))))
+    if name == "gptq":
+        fmt = str(cfg.get("checkpoint_format", cfg.get("format", "gptq")))
+        return GPTQMethod(int(cfg.get("group_size", 128)), int(cfg.get("bits", 4)), fmt)
+    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {name!r}")
+
+
+# Schemes whose embedding and LM head are stored as int8 rows too. int8 keeps them float (as
+# vLLM's weight-only schemes do): per-row int8 there costs 1% of top-1 agreement on SmolLM2;
+# AWQ / GPTQ checkpoints keep them float; fp8 has no gather kernel.
+QUANTIZED_EMBEDDING_METHODS = ("int4", "gguf")
