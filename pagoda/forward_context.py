@@ -26,8 +26,8 @@ import torch
 if TYPE_CHECKING:
     from pagoda.layers.attention import KVCache
 
-# Per layer: a KVCache, or a bare (k, v) pair of tensors in the model dtype (unquantized).
-KVCaches = Sequence["KVCache | tuple[torch.Tensor, torch.Tensor]"]
+# One KVCache per layer.
+KVCaches = Sequence["KVCache"]
 
 
 @dataclass

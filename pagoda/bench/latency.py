@@ -4,6 +4,7 @@ decode tok/s, median over iterations, optionally against HF transformers in the 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -146,8 +147,6 @@ def run_pagoda(
 def run_llama_cpp(model: str | None, prompts: list[list[int]], output_len: int) -> list[IterTiming]:
     """llama-cpp-python on the same GGUF file: 2 threads, greedy, no stop at EOS (its token
     generator runs until we stop it); each token is stamped as it is yielded."""
-    import os
-
     from pagoda.loader import resolve_model
 
     try:

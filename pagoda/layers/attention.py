@@ -90,8 +90,6 @@ class Attention(nn.Module):
         # q: (num_tokens, num_heads * head_dim); k, v: (num_tokens, num_kv_heads * head_dim)
         ctx = get_forward_context()
         cache = ctx.kv_caches[self.layer_idx]
-        if not isinstance(cache, KVCache):  # a bare (k, v) pair is an unquantized cache
-            cache = KVCache(*cache)
         meta = ctx.attn_metadata
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)

@@ -13,13 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.quant import apply_stored, set_int8
+from pagoda.layers.quant import apply_stored, set_int8, take_float_weight
 
 
 class VocabEmbedding(nn.Module):
     kernel = "float"
     qweight: torch.Tensor  # int8 rows, once quantized
     weight_scale: torch.Tensor
+    dtype: torch.dtype  # of the float weight the rows replace
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None
@@ -30,11 +31,7 @@ class VocabEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype))
 
     def quantize_int8(self) -> None:
-        self.device = self.weight.device
-        self.dtype = self.weight.dtype
-        w = self.weight.data
-        del self.weight
-        set_int8(self, w)
+        set_int8(self, take_float_weight(self))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: (num_tokens,) -> (num_tokens, embedding_dim)
@@ -69,11 +66,7 @@ class LMHead(nn.Module):
         if self._tied:
             del self.weight  # the embedding holds (and quantizes) the shared matrix
             return
-        self.device = self.weight.device
-        self.dtype = self.weight.dtype
-        w = self.weight.data
-        del self.weight
-        set_int8(self, w)
+        set_int8(self, take_float_weight(self))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states: (n, embedding_dim) -> logits (n, num_embeddings) float32

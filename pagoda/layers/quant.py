@@ -35,7 +35,7 @@ from pagoda.layers import gguf
 
 logger = logging.getLogger(__name__)
 
-INT4_GROUP_SIZES = (32, 64, 128)
+INT4_GROUP_SIZE = 32
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -131,17 +131,6 @@ def quantize_int4_groups(
     return codes.reshape(n, k).to(torch.uint8), scale, lo + 8 * scale
 
 
-def int4_group_size(in_features: int) -> int:
-    """The smallest standard group that divides the input width (ValueError if none does)."""
-    for g in INT4_GROUP_SIZES:
-        if in_features % g == 0:
-            return g
-    raise ValueError(
-        f"int4 needs an input width divisible by 32; this layer has {in_features}: "
-        "use --quantization int8"
-    )
-
-
 # ---------------------------------------------------------------------------------------------
 # Stored forms a method leaves on its layer (buffers, so .to(device) and memory counts see them)
 
@@ -154,7 +143,7 @@ def set_int4(
     group_size: int,
     perm: torch.Tensor | None = None,
 ) -> None:
-    device = _device_of(layer)
+    device = layer.device
     if device.type == "cpu":
         packed, scale_zeros = int4_pack(codes, scale, zero)
         layer.register_buffer("qweight", packed)
@@ -168,7 +157,7 @@ def set_int4(
 
 def set_int8_groups(layer: Any, codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
     """Group-wise int8 (Q8_0-like) run as two int4 halves in one packed matrix."""
-    if _device_of(layer).type != "cpu":
+    if layer.device.type != "cpu":
         set_dense(layer, codes.float() * scale.repeat_interleave(group_size, dim=1))
         return
     set_int4(layer, *split_int8_groups(codes, scale), group_size)
@@ -177,7 +166,7 @@ def set_int8_groups(layer: Any, codes: torch.Tensor, scale: torch.Tensor, group_
 
 def set_dense(layer: Any, w: torch.Tensor) -> None:
     """A dequantized weight, for devices without a packed op (kernel "int4", no scales)."""
-    layer.register_buffer("qweight", w.to(layer_dtype(layer)).to(_device_of(layer)))
+    layer.register_buffer("qweight", w.to(layer.dtype).to(layer.device))
     layer.register_buffer("scale_zeros", None)
     layer.register_buffer("perm", None)
     layer.kernel = "int4"
@@ -185,19 +174,20 @@ def set_dense(layer: Any, w: torch.Tensor) -> None:
 
 def set_int8(layer: Any, w: torch.Tensor) -> None:
     codes, scale = quantize_int8_rows(w)
-    device = _device_of(layer)
+    device = layer.device
     layer.register_buffer("qweight", codes.to(device))
     layer.register_buffer("weight_scale", scale.to(torch.bfloat16).to(device))
     layer.kernel = "int8"
 
 
-def _device_of(layer: Any) -> torch.device:
-    return torch.device(getattr(layer, "device", "cpu"))
-
-
-def layer_dtype(layer: Any) -> torch.dtype:
-    dtype = getattr(layer, "dtype", None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+def take_float_weight(module: Any) -> torch.Tensor:
+    """Remove a module's float `weight` parameter and return its data; the module keeps its
+    device and dtype (`device`, `dtype`) for the stored form that replaces it."""
+    w = module.weight.data
+    module.device = w.device
+    module.dtype = w.dtype
+    del module.weight
+    return w
 
 
 def apply_stored(layer: Any, x: torch.Tensor) -> torch.Tensor:
@@ -259,11 +249,6 @@ class QuantMethod:
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         return apply_stored(layer, x)
 
-    def _take_float_weight(self, layer: Any) -> torch.Tensor:
-        w = layer.weight.data
-        del layer.weight
-        return w
-
     def _pending_shards(self, layer: Any) -> list[tuple[str | None, dict[str, Any]]]:
         """Loaded tensors in packing order; ValueError if a shard is missing."""
         shards = list(getattr(layer, "output_sizes", {None: layer.output_size}))
@@ -288,7 +273,7 @@ class Int8Method(QuantMethod):
     group_size = 32
 
     def finalize(self, layer: Any) -> None:
-        w = self._take_float_weight(layer)
+        w = take_float_weight(layer)
         if not int4_supported(2 * layer.output_size, layer.input_size, self.group_size):
             set_int8(layer, w)
             return
@@ -304,8 +289,13 @@ class Int4Method(QuantMethod):
     name = "int4"
 
     def finalize(self, layer: Any) -> None:
-        w = self._take_float_weight(layer)
-        group = int4_group_size(layer.input_size)
+        w = take_float_weight(layer)
+        group = INT4_GROUP_SIZE
+        if layer.input_size % group:
+            raise ValueError(
+                f"int4 needs an input width divisible by {group}; this layer has "
+                f"{layer.input_size}: use --quantization int8"
+            )
         if not int4_supported(layer.output_size, layer.input_size, group):
             logger.warning("int4: %s rows do not fit the kernel; using int8", layer.output_size)
             set_int8(layer, w)
@@ -321,10 +311,10 @@ class FP8Method(QuantMethod):
     name = "fp8"
 
     def finalize(self, layer: Any) -> None:
-        w = self._take_float_weight(layer).float()
+        w = take_float_weight(layer).float()
         scale = (w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX).to(torch.float32)
         codes = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        device = _device_of(layer)
+        device = layer.device
         layer.register_buffer("qweight", codes.to(device))
         layer.register_buffer("weight_scale", scale[None, :].contiguous().to(device))  # (1, N)
         layer.kernel = "fp8"
@@ -353,26 +343,23 @@ class GGUFMethod(QuantMethod):
     def finalize(self, layer: Any) -> None:
         parts = [tensors["weight"] for _, tensors in self._pending_shards(layer)]
         if all(isinstance(p, torch.Tensor) for p in parts):
-            w = torch.cat(parts, dim=0).to(layer_dtype(layer))
-            layer.weight = nn.Parameter(w.to(_device_of(layer)), requires_grad=False)
+            w = torch.cat(parts, dim=0).to(layer.dtype)
+            layer.weight = nn.Parameter(w.to(layer.device), requires_grad=False)
             layer.kernel = "float"
             return
-        four_bit = all(
-            isinstance(p, gguf.GGUFWeight) and p.qtype in gguf.FOUR_BIT_TYPES for p in parts
-        )
-        if four_bit and int4_supported(layer.output_size, layer.input_size, gguf.GROUP):
+        qtypes = {p.qtype if isinstance(p, gguf.GGUFWeight) else "float" for p in parts}
+        four_bit = qtypes <= set(gguf.FOUR_BIT_TYPES)
+        rows = layer.output_size if four_bit else 2 * layer.output_size
+        if (four_bit or qtypes == {"Q8_0"}) and int4_supported(rows, layer.input_size, gguf.GROUP):
             groups = [gguf.decode(p) for p in parts]
             codes = torch.cat([g.codes for g in groups])
             scale = torch.cat([g.scale for g in groups])
+            if not four_bit:
+                set_int8_groups(layer, codes, scale, gguf.GROUP)
+                return
             offset = torch.cat([g.offset for g in groups if g.offset is not None])
             # scale * c + offset == (c - 8) * scale + (offset + 8 * scale)
             set_int4(layer, codes, scale, offset + 8 * scale, gguf.GROUP)
-            return
-        q8 = all(isinstance(p, gguf.GGUFWeight) and p.qtype == "Q8_0" for p in parts)
-        if q8 and int4_supported(2 * layer.output_size, layer.input_size, gguf.GROUP):
-            groups = [gguf.decode(p) for p in parts]
-            codes = torch.cat([g.codes for g in groups])
-            set_int8_groups(layer, codes, torch.cat([g.scale for g in groups]), gguf.GROUP)
             return
         floats = [p.dequantize() if isinstance(p, gguf.GGUFWeight) else p.float() for p in parts]
         set_int8(layer, torch.cat(floats, dim=0))

@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagoda.config import EngineConfig
 from pagoda.forward_context import build_attention_metadata, forward_context
+from pagoda.layers.attention import KVCache
 from pagoda.layers.rotary import compute_inv_freq, get_rope, rope_parameters
 from pagoda.loader import (
     gguf_to_hf_name,
@@ -50,10 +51,11 @@ class PagedRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64) -> None:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, head_dim)
         self.model = model
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+            KVCache.allocate(
+                num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, head_dim, model.dtype, None, "cpu"
+            )
             for _ in range(cfg.num_hidden_layers)
         ]
 

@@ -49,6 +49,7 @@ from safetensors.torch import load_file, save_file
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.forward_context import build_attention_metadata, forward_context
+from pagoda.layers.attention import KVCache
 from pagoda.layers.linear import Linear
 from pagoda.layers.quant import stored_bytes
 from pagoda.loader import load_model
@@ -201,9 +202,10 @@ def _prompt_logits(model: LlamaForCausalLM, ids: list[int], block_size: int = 4)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     num_blocks = -(-len(ids) // block_size)
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
     kv_caches = [
-        (torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype))
+        KVCache.allocate(
+            num_blocks, block_size, cfg.num_key_value_heads, head_dim, model.dtype, None, "cpu"
+        )
         for _ in range(cfg.num_hidden_layers)
     ]
     meta = build_attention_metadata([len(ids)], [len(ids)], [list(range(num_blocks))], block_size)

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig
-from pagoda.forward_context import build_attention_metadata, forward_context
+from pagoda.forward_context import build_attention_metadata
 from pagoda.layers.attention import (
-    Attention,
     KVCache,
     dequantize_kv,
     paged_attention_torch,
@@ -173,22 +172,6 @@ def test_quantized_cache_close_to_unquantized_cache(kind: str, dtype: torch.dtyp
     rel_rms = float((got - want).norm() / want.norm())
     assert 0 < diff <= ATTN_ATOL[kind], f"{kind}: max |quantized - unquantized| = {diff:.2e}"
     assert rel_rms <= ATTN_REL_RMS[kind], f"{kind}: relative RMS error {rel_rms:.2e}"
-
-
-def test_bare_pair_is_an_unquantized_cache():
-    """A (k, v) tuple (tests' hand-built caches) and KVCache(k, v) give identical outputs."""
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(6, NUM_HEADS, HEAD_DIM, generator=gen)
-    k = torch.randn(6, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(6, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    meta = build_attention_metadata([5, 1], [5, 3], [[1, 2], [0]], BS)
-    attn = Attention(NUM_HEADS, HEAD_DIM, NUM_KV_HEADS, SCALE, layer_idx=0)
-    results = []
-    for make in (lambda k, v: (k, v), KVCache):
-        cache = make(torch.zeros(4, BS, NUM_KV_HEADS, HEAD_DIM), torch.zeros(4, BS, 2, HEAD_DIM))
-        with forward_context(meta, [cache]):
-            results.append(attn(q.flatten(1), k.flatten(1), v.flatten(1)))
-    assert torch.equal(results[0], results[1])
 
 
 # ---- block copy (copy-on-write) -------------------------------------------------------------
