@@ -80,7 +80,8 @@ def beam_search(
             reverse=True,
         )[:width]
         for seq in ranked:
-            seq.text = llm.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+            if llm.tokenizer is not None:  # None with skip_tokenizer_init: text stays None
+                seq.text = llm.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         results.append(BeamSearchOutput(sequences=ranked))
     return results
 

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from pagoda.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from pagoda.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from pagoda.sampling import SamplingParams
 
 
@@ -16,6 +16,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
     g.add_argument("--tokenizer", default=None)
+    g.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        default=None,
+        help="load no tokenizer: prompts are token ids, outputs have empty text",
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -44,10 +50,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=list(QUANTIZATION_METHODS),
         help="weight quantization (default: the checkpoint's own; gguf for a GGUF file on CPU)",
     )
+    g.add_argument(
+        "--attention-backend",
+        default=None,
+        choices=list(ATTENTION_BACKENDS),
+        help="kernels: triton (the default on CUDA) or torch (the reference; the default on CPU)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="run decode batches eagerly instead of replaying CUDA graphs",
+    )
 
 
 ENGINE_ARG_NAMES = (
     "tokenizer",
+    "skip_tokenizer_init",
     "dtype",
     "seed",
     "max_model_len",
@@ -63,6 +82,8 @@ ENGINE_ARG_NAMES = (
     "device",
     "load_format",
     "quantization",
+    "attention_backend",
+    "enforce_eager",
 )
 
 
@@ -170,6 +191,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("give the model once: as the positional MODEL or as --model")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be >= 0")
+    if args.skip_tokenizer_init:
+        raise ValueError(
+            "pagoda serve needs a tokenizer (its API takes and returns text), so it does not take "
+            "--skip-tokenizer-init; give a model with tokenizer files or --tokenizer PATH "
+            "(token-id-only runs: LLM(..., skip_tokenizer_init=True), pagoda bench throughput / "
+            "latency)"
+        )
     engine_config = EngineConfig.from_kwargs(args.model_tag or args.model, **engine_kwargs(args))
     server_config = ServerConfig(
         host=args.host,

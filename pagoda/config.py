@@ -6,6 +6,7 @@ User errors raise ValueError saying what to change; derived values are propertie
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,8 @@ QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# auto: triton on CUDA, torch on CPU. torch is the reference every kernel is tested against.
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -134,8 +137,13 @@ class EngineConfig:
     # HF folder), else none. See layers/quant.py.
     quantization: str | None = None
     trust_remote_code: bool = False
+    attention_backend: str = "auto"
+    # Decode batches replay CUDA graphs unless this is set (or the backend is torch / on CPU).
+    enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # No tokenizer: prompts are token ids, outputs carry token ids and empty text (vLLM's flag).
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -148,6 +156,17 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be auto, safetensors, gguf or dummy; got {self.load_format!r}"
             )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                f"got {self.attention_backend!r}"
+            )
+        if self.kernel_backend == "triton" and self.torch_device.type != "cuda":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(
+                    "attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to run "
+                    "the kernels in Triton's interpreter on CPU, for tests); use 'torch' on CPU"
+                )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
@@ -159,6 +178,22 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def kernel_backend(self) -> str:
+        """The backend in effect: "triton" or "torch" (auto picks triton on CUDA)."""
+        if self.attention_backend == "auto":
+            return "triton" if self.torch_device.type == "cuda" else "torch"
+        return self.attention_backend
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Decode batches replay captured graphs: CUDA, the triton backend, not enforce_eager."""
+        return (
+            self.torch_device.type == "cuda"
+            and self.kernel_backend == "triton"
+            and not self.enforce_eager
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:

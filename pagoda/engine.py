@@ -34,21 +34,25 @@ class EngineCore:
         self.tokenizer: Any = tokenizer
         self.eos_token_ids = _eos_token_ids(model_config.hf_config, tokenizer)
         self.block_size = config.cache.block_size
-        self.num_blocks = self._num_blocks()
-        pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
-        self.kv_cache_manager = KVCacheManager(pool, self.block_size)
-        self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache_manager, model_config.max_model_len
-        )
         kv_quant_dtype = config.cache.kv_quant_dtype
         self.runner = ModelRunner(
             model,
             model_config,
-            self.num_blocks,
             self.block_size,
             self.device,
             self.eos_token_ids,
             kv_quant_dtype,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            kernel_backend=config.kernel_backend,
+            use_cuda_graphs=config.use_cuda_graphs,
+        )
+        self.num_blocks = self._num_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks)
+        pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(pool, self.block_size)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache_manager, model_config.max_model_len
         )
         num_tokens = self.num_blocks * self.block_size
         blocks_per_seq = -(-model_config.max_model_len // self.block_size)
@@ -65,6 +69,12 @@ class EngineCore:
             self.num_blocks / blocks_per_seq,
             model_config.max_model_len,
         )
+        self.runner.capture_cuda_graphs()
+        logger.info(
+            "kernels: %s; decode CUDA graphs: %s",
+            config.kernel_backend,
+            "on" if config.use_cuda_graphs else "off",
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -78,8 +88,7 @@ class EngineCore:
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = int(free - total * (1 - cache.gpu_memory_utilization))
+                budget = self._profiled_kv_budget()
             else:
                 budget = CPU_DEFAULT_KV_CACHE_BYTES
         num = budget // block_bytes
@@ -89,6 +98,30 @@ class EngineCore:
                 "raise --kv-cache-memory-bytes or --gpu-memory-utilization"
             )
         return int(num)
+
+    def _profiled_kv_budget(self) -> int:
+        """gpu_memory_utilization of the device, less what is in use now (weights, CUDA context,
+        other processes) and the activation peak of the largest step (runner.profile_run)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self.runner.profile_run()
+        torch.cuda.synchronize(self.device)
+        activation = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_cache_budget(total, free, activation, self.config.cache.gpu_memory_utilization)
+        logger.info(
+            "memory profile: %.2f GiB total, %.2f GiB in use, %.2f GiB activation peak at %d "
+            "tokens -> %.2f GiB for the KV cache (gpu_memory_utilization %.2f)",
+            total / 2**30,
+            (total - free) / 2**30,
+            activation / 2**30,
+            self.config.scheduler.max_num_batched_tokens,
+            budget / 2**30,
+            self.config.cache.gpu_memory_utilization,
+        )
+        return budget
 
     # ---- the three verbs -------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -187,6 +220,12 @@ class EngineCore:
                 f"{max_tokens} max tokens, n={n}) but the whole cache has {self.num_blocks}; "
                 "lower max_tokens or raise --kv-cache-memory-bytes"
             )
+
+
+def kv_cache_budget(total: int, free: int, activation_peak: int, utilization: float) -> int:
+    """Bytes for KV blocks: the utilization share of the device less what is in use (total -
+    free: weights, context, other processes) and the activation peak of the largest step."""
+    return int(total * utilization) - (total - free) - activation_peak
 
 
 def _eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:

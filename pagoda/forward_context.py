@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -32,30 +33,42 @@ KVCaches = Sequence["KVCache"]
 
 @dataclass
 class PrefillSeq:
-    """A request with more than one query token this step (torch reference backend)."""
+    """A request with more than one query token this step: flat rows [token_start, token_end)."""
 
     token_start: int
     token_end: int
     seq_len: int
-    block_ids: torch.Tensor  # (num_blocks,) int64, covering positions [0, seq_len)
-    mask: torch.Tensor | None  # (query_len, seq_len) bool, None when query_len == seq_len (causal)
 
 
 @dataclass
 class AttentionMetadata:
+    """Index tensors of one step. Decode rows (one query token) and prefill rows (more) are
+    listed apart, so each backend runs one batched call per kind. Block tables may be views
+    of wider persistent buffers (row stride > width); rows cover positions [0, seq_len).
+
+    Padding (CUDA-graph decode batches padded to a captured size): slot -1 (nothing written)
+    and decode seq_len 0 (nothing read; the backends write zeros)."""
+
     num_tokens: int
     query_lens: list[int]
     seq_lens: list[int]
     slot_mapping: torch.Tensor  # (num_tokens,) int64 flat slot each new key/value is written to
-    # Decode rows (one query token), batched into one padded attention call over whole blocks.
     decode_token_idx: torch.Tensor  # (num_decodes,) int64 token index in the flat batch
-    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int64, padded with block 0
-    decode_mask: torch.Tensor  # (num_decodes, 1, 1, max_blocks * block_size) bool, True = attend
+    decode_seq_lens: torch.Tensor  # (num_decodes,) int32
+    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int32
+    prefill_token_start: torch.Tensor  # (num_prefills,) int32 first flat row of each prefill
+    prefill_query_lens: torch.Tensor  # (num_prefills,) int32
+    prefill_seq_lens: torch.Tensor  # (num_prefills,) int32
+    prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks) int32
     prefills: list[PrefillSeq]
+    max_prefill_query_len: int
+    # Split-K factor of the triton decode kernel; a function of static sizes only, so a
+    # captured graph and an eager step of the same batch size compute identically.
+    decode_num_splits: int = 1
 
     @property
     def num_decodes(self) -> int:
-        return int(self.decode_token_idx.numel())
+        return int(self.decode_token_idx.shape[0])
 
 
 @dataclass
@@ -95,51 +108,165 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    """Derive every index the torch attention backend needs, once per step.
+    """One-off metadata in fresh tensors (tests, profiling); the runner uses `InputBuffers`.
 
     block_tables[i] must cover positions [0, seq_lens[i]) of request i.
     """
-    assert len(query_lens) == len(seq_lens) == len(block_tables)
-    slot_mapping: list[int] = []
-    decode_token_idx: list[int] = []
-    decode_rows: list[int] = []
-    prefills: list[PrefillSeq] = []
-    token_start = 0
-    for i, (q_len, s_len, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
-        assert 0 < q_len <= s_len and len(table) * block_size >= s_len
-        slot_mapping.extend(
-            table[p // block_size] * block_size + p % block_size
-            for p in range(s_len - q_len, s_len)
-        )
-        num_blocks = -(-s_len // block_size)
-        if q_len == 1:
-            decode_token_idx.append(token_start)
-            decode_rows.append(i)
-        else:
-            mask = None
-            if q_len != s_len:
-                q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
-                mask = (torch.arange(s_len).unsqueeze(0) <= q_pos).to(device)
-            blocks = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
-            prefills.append(PrefillSeq(token_start, token_start + q_len, s_len, blocks, mask))
-        token_start += q_len
-
-    decode_lens = torch.tensor([seq_lens[i] for i in decode_rows], dtype=torch.int64)
-    max_blocks = -(-int(decode_lens.max()) // block_size) if decode_rows else 0
-    tables = torch.zeros((len(decode_rows), max_blocks), dtype=torch.int64)
-    for row, i in enumerate(decode_rows):
-        n = min(len(block_tables[i]), max_blocks)
-        tables[row, :n] = torch.tensor(block_tables[i][:n], dtype=torch.int64)
-    positions = torch.arange(max_blocks * block_size)
-    mask_d = positions.unsqueeze(0) < decode_lens.unsqueeze(1)
-    mask_d = mask_d.view(len(decode_rows), 1, 1, max_blocks * block_size)
-    return AttentionMetadata(
-        num_tokens=token_start,
-        query_lens=list(query_lens),
-        seq_lens=list(seq_lens),
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-        decode_token_idx=torch.tensor(decode_token_idx, dtype=torch.int64, device=device),
-        decode_block_tables=tables.to(device),
-        decode_mask=mask_d.to(device),
-        prefills=prefills,
+    max_blocks = max((-(-s // block_size) for s in seq_lens), default=1)
+    buffers = InputBuffers(
+        max(sum(query_lens), 1), max(len(query_lens), 1), max_blocks, torch.device(device)
     )
+    token_ids = [[0] * q for q in query_lens]
+    _, _, meta = buffers.prepare(token_ids, seq_lens, block_tables, block_size)
+    return meta
+
+
+class InputBuffers:
+    """Persistent step inputs. Each step fills host arrays in place (pinned on CUDA) and copies
+    the used rows to device buffers of the same shapes with non_blocking copies; the tensors
+    handed to the model are views of the device buffers, so CUDA graphs captured on them see
+    each step's values. On CPU the host buffers are the device buffers.
+
+    Invariant: host buffers are refilled only after the previous step's copies ran. The runner
+    syncs once per step (sampled ids to the host) after enqueueing them, which guarantees it.
+    """
+
+    def __init__(
+        self, max_tokens: int, max_reqs: int, max_blocks_per_seq: int, device: torch.device
+    ) -> None:
+        self.max_tokens = max_tokens
+        self.max_reqs = max_reqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        int64, int32 = torch.int64, torch.int32
+        self.input_ids = self._pair((max_tokens,), int64)
+        self.positions = self._pair((max_tokens,), int64)
+        self.slot_mapping = self._pair((max_tokens,), int64)
+        self.decode_token_idx = self._pair((max_reqs,), int64)
+        self.decode_seq_lens = self._pair((max_reqs,), int32)
+        self.decode_block_tables = self._pair((max_reqs, max_blocks_per_seq), int32)
+        self.prefill_token_start = self._pair((max_reqs,), int32)
+        self.prefill_query_lens = self._pair((max_reqs,), int32)
+        self.prefill_seq_lens = self._pair((max_reqs,), int32)
+        self.prefill_block_tables = self._pair((max_reqs, max_blocks_per_seq), int32)
+
+    def _pair(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        pin = self.device.type == "cuda"
+        host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        dev = (
+            host
+            if self.device.type == "cpu"
+            else torch.zeros(shape, dtype=dtype, device=self.device)
+        )
+        self._pairs.append((host, dev))
+        return len(self._pairs) - 1
+
+    def host(self, buf: int) -> np.ndarray:
+        return self._pairs[buf][0].numpy()
+
+    def device_view(self, buf: int, rows: int, cols: int | None = None) -> torch.Tensor:
+        """Rows [0, rows) (and columns [0, cols)) of a device buffer, copied from the host first."""
+        host, dev = self._pairs[buf]
+        if dev is not host:
+            dev[:rows].copy_(host[:rows], non_blocking=True)
+        view = dev[:rows]
+        return view if cols is None else view[:, :cols]
+
+    def prepare(
+        self,
+        token_ids: list[list[int]],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        pad_to: int | None = None,
+        decode_num_splits: int = 1,
+        full_width: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, metadata) of a step: request i brings token_ids[i], the last
+        tokens of its first seq_lens[i] positions, and block_tables[i] covers those positions.
+
+        pad_to: a pure-decode batch is padded to that many rows (ids 0, position 0, slot -1,
+        seq_len 0). full_width: decode block tables span every column (a captured graph's view).
+        """
+        query_lens = [len(t) for t in token_ids]
+        num_reqs = len(query_lens)
+        num_tokens = sum(query_lens)
+        rows = num_tokens if pad_to is None else pad_to
+        assert num_tokens <= rows <= self.max_tokens and num_reqs <= self.max_reqs
+        ids, pos, slots = (
+            self.host(b) for b in (self.input_ids, self.positions, self.slot_mapping)
+        )
+        d_idx, d_lens, d_tables = (
+            self.host(b)
+            for b in (self.decode_token_idx, self.decode_seq_lens, self.decode_block_tables)
+        )
+        p_start, p_qlens, p_lens, p_tables = (
+            self.host(b)
+            for b in (
+                self.prefill_token_start,
+                self.prefill_query_lens,
+                self.prefill_seq_lens,
+                self.prefill_block_tables,
+            )
+        )
+        prefills: list[PrefillSeq] = []
+        num_decodes = 0
+        max_blocks_d = max_blocks_p = 0
+        start = 0
+        for tokens, s_len, table in zip(token_ids, seq_lens, block_tables):
+            q_len = len(tokens)
+            end = start + q_len
+            num_blocks = -(-s_len // block_size)
+            assert 0 < q_len <= s_len and len(table) >= num_blocks
+            blocks = np.asarray(table[:num_blocks], dtype=np.int64)
+            p = np.arange(s_len - q_len, s_len)
+            ids[start:end] = tokens
+            pos[start:end] = p
+            slots[start:end] = blocks[p // block_size] * block_size + p % block_size
+            if q_len == 1:
+                d_idx[num_decodes] = start
+                d_lens[num_decodes] = s_len
+                d_tables[num_decodes, :num_blocks] = blocks
+                max_blocks_d = max(max_blocks_d, num_blocks)
+                num_decodes += 1
+            else:
+                i = len(prefills)
+                p_start[i], p_qlens[i], p_lens[i] = start, q_len, s_len
+                p_tables[i, :num_blocks] = blocks
+                max_blocks_p = max(max_blocks_p, num_blocks)
+                prefills.append(PrefillSeq(start, end, s_len))
+            start = end
+        if rows > num_tokens:
+            assert not prefills, "only pure-decode batches are padded"
+            pad = slice(num_tokens, rows)
+            ids[pad], pos[pad], slots[pad] = 0, 0, -1
+            d_idx[pad] = np.arange(num_tokens, rows)
+            d_lens[pad] = 0
+            num_decodes = rows
+        if full_width:
+            max_blocks_d = self.max_blocks_per_seq
+        num_prefills = len(prefills)
+        meta = AttentionMetadata(
+            num_tokens=rows,
+            query_lens=query_lens,
+            seq_lens=list(seq_lens),
+            slot_mapping=self.device_view(self.slot_mapping, rows),
+            decode_token_idx=self.device_view(self.decode_token_idx, num_decodes),
+            decode_seq_lens=self.device_view(self.decode_seq_lens, num_decodes),
+            decode_block_tables=self.device_view(
+                self.decode_block_tables, num_decodes, max_blocks_d
+            ),
+            prefill_token_start=self.device_view(self.prefill_token_start, num_prefills),
+            prefill_query_lens=self.device_view(self.prefill_query_lens, num_prefills),
+            prefill_seq_lens=self.device_view(self.prefill_seq_lens, num_prefills),
+            prefill_block_tables=self.device_view(
+                self.prefill_block_tables, num_prefills, max_blocks_p
+            ),
+            prefills=prefills,
+            max_prefill_query_len=max((p.token_end - p.token_start for p in prefills), default=0),
+            decode_num_splits=decode_num_splits,
+        )
+        input_ids = self.device_view(self.input_ids, rows)
+        positions = self.device_view(self.positions, rows)
+        return input_ids, positions, meta

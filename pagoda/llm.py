@@ -24,7 +24,10 @@ class LLM:
 
     Engine arguments use vLLM's names: dtype, seed, max_model_len, block_size,
     enable_prefix_caching, kv_cache_memory_bytes, num_gpu_blocks_override, max_num_seqs,
-    max_num_batched_tokens, scheduling_policy, device, load_format, tokenizer.
+    max_num_batched_tokens, scheduling_policy, device, load_format, tokenizer,
+    skip_tokenizer_init. With skip_tokenizer_init there is no tokenizer: prompts must be
+    {"prompt_token_ids": [...]}, outputs carry token ids and empty text, and stop strings, chat
+    and text prompts raise ValueError.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -73,9 +76,17 @@ class LLM:
             )
         return params
 
+    def _require_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{what} needs a tokenizer, but this LLM runs with skip_tokenizer_init=True; "
+                "give prompts as {'prompt_token_ids': [...]} or load a model with tokenizer files"
+            )
+        return self.tokenizer
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._require_tokenizer("a text prompt").encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -83,7 +94,8 @@ class LLM:
                     raise ValueError("prompt_token_ids must be a list of ints")
                 return prompt.get("prompt"), list(ids)
             if "prompt" in prompt and isinstance(prompt["prompt"], str):
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                tokenizer = self._require_tokenizer("a text prompt")
+                return prompt["prompt"], tokenizer.encode(prompt["prompt"])
         raise ValueError(
             "a prompt must be a str, {'prompt': str} or {'prompt_token_ids': list[int]}, "
             f"got {type(prompt).__name__}"
@@ -99,6 +111,8 @@ class LLM:
     ) -> RequestState:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        if params.stop:
+            self._require_tokenizer("a stop string")
         rid = str(next(self._ids))
         request = EngineRequest(rid, ids, params, priority=priority, cache_salt=cache_salt)
         self.engine.add_request(request)
@@ -191,7 +205,7 @@ class LLM:
         continue_final_message: bool = False,
     ) -> str:
         return apply_chat_template(
-            self.tokenizer,
+            self._require_tokenizer("chat"),
             conversation,
             chat_template,
             add_generation_prompt,

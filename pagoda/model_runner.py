@@ -1,6 +1,8 @@
 """SchedulerOutput -> flat tensors -> forward -> logits -> sample -> RunnerOutput.
 
-The model runner owns every device tensor: weights, the paged KV cache, per-request generators.
+The model runner owns every device tensor: weights, the paged KV cache, the persistent step
+inputs (forward_context.InputBuffers), CUDA graphs and their outputs, per-request generators.
+One host sync per step: the sampled ids' copy to the host (plus logprobs when asked for).
 """
 
 from __future__ import annotations
@@ -8,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from pagoda.config import ModelConfig
-from pagoda.forward_context import build_attention_metadata, forward_context
+from pagoda.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from pagoda.forward_context import InputBuffers, forward_context
 from pagoda.layers.attention import KVCache
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.sampling import LogprobsTensors, Sampler, SamplingMetadata
@@ -20,32 +23,112 @@ class ModelRunner:
         self,
         model: LlamaForCausalLM,
         model_config: ModelConfig,
-        num_blocks: int,
         block_size: int,
         device: torch.device,
         eos_token_ids: frozenset[int],
         kv_quant_dtype: torch.dtype | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        kernel_backend: str = "torch",
+        use_cuda_graphs: bool = False,
+        pad_decode_batches: bool = False,
     ) -> None:
+        """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay captured
+        graphs for pure-decode batches (CUDA, triton); pad_decode_batches: pad those batches to
+        the graph sizes even without graphs (the eager reference of a replay)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = sorted(eos_token_ids)
-        # One per layer; kv_quant_dtype (CacheConfig.kv_quant_dtype) None keeps the model dtype.
-        self.kv_caches = [
-            KVCache.allocate(
-                num_blocks,
-                block_size,
-                model_config.num_kv_heads,
-                model_config.head_dim,
-                model_config.dtype,
-                kv_quant_dtype,
-                device,
-            )
-            for _ in range(model_config.num_layers)
-        ]
+        self.kv_quant_dtype = kv_quant_dtype  # CacheConfig.kv_quant_dtype; None: model dtype
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kernel_backend = kernel_backend
+        self.use_cuda_graphs = use_cuda_graphs
+        if model is not None:
+            model.set_kernel_backend(kernel_backend)
+        self.max_blocks_per_seq = -(-model_config.max_model_len // block_size)
+        self.buffers = InputBuffers(
+            max(max_num_batched_tokens, max_num_seqs),
+            max_num_seqs,
+            self.max_blocks_per_seq,
+            device,
+        )
+        self.kv_caches: list[KVCache] = []  # one per layer, from allocate_kv_cache
+        self.decode_sizes = (
+            capture_sizes(max_num_seqs) if use_cuda_graphs or pad_decode_batches else None
+        )
+        self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+
+    def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
+        mc = self.model_config
+        return [
+            KVCache.allocate(
+                num_blocks,
+                self.block_size,
+                mc.num_kv_heads,
+                mc.head_dim,
+                mc.dtype,
+                self.kv_quant_dtype,
+                self.device,
+            )
+            for _ in range(mc.num_layers)
+        ]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self._allocate_caches(num_blocks)
+
+    def capture_cuda_graphs(self) -> None:
+        """After allocate_kv_cache: capture the decode graphs when they are enabled."""
+        if self.use_cuda_graphs:
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.buffers,
+                self.block_size,
+                self.max_num_seqs,
+                self._decode_num_splits,
+            )
+            self.graphs.capture()
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """The largest step the scheduler can emit: max_num_batched_tokens prompt tokens (in
+        sequences of at most max_model_len), then the LM head and a softmax over max_num_seqs
+        rows, on a throwaway KV cache. Sets the activation peak the KV cache must leave free."""
+        max_len = self.model_config.max_model_len
+        num_tokens = self.max_num_batched_tokens
+        lens = [max_len] * (num_tokens // max_len) + [num_tokens % max_len]
+        lens = [n for n in lens if n][: self.max_num_seqs]
+        tables: list[list[int]] = []
+        for n in lens:
+            first = sum(len(t) for t in tables)
+            tables.append(list(range(first, first + -(-n // self.block_size))))
+        caches = self._allocate_caches(sum(len(t) for t in tables))
+        ids, pos, meta = self.buffers.prepare(
+            [[0] * n for n in lens],
+            lens,
+            tables,
+            self.block_size,
+            decode_num_splits=self._decode_num_splits(lens.count(1)),
+        )
+        with forward_context(meta, caches):
+            hidden = self.model(ids, pos)
+        rows = min(self.max_num_seqs, hidden.shape[0])
+        torch.softmax(self.model.compute_logits(hidden[:rows]), dim=-1)
+        del caches
+
+    def _decode_num_splits(self, num_decodes: int) -> int:
+        if self.kernel_backend != "triton" or num_decodes == 0:
+            return 1
+        from pagoda.kernels.attention import decode_num_splits
+
+        return decode_num_splits(
+            num_decodes, self.model_config.num_kv_heads, self.max_blocks_per_seq
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -55,22 +138,27 @@ class ModelRunner:
         if out.is_empty:
             return RunnerOutput({}, {}, {})
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        for s in out.scheduled:
-            input_ids.extend(s.token_ids)
-            positions.extend(range(s.start, s.start + len(s.token_ids)))
-        meta = build_attention_metadata(
-            query_lens=[len(s.token_ids) for s in out.scheduled],
-            seq_lens=[s.start + len(s.token_ids) for s in out.scheduled],
-            block_tables=[s.block_ids for s in out.scheduled],
-            block_size=self.block_size,
-            device=self.device,
+        token_ids = [s.token_ids for s in out.scheduled]
+        num_tokens = sum(len(t) for t in token_ids)
+        num_decodes = sum(len(t) == 1 for t in token_ids)
+        size = None  # the padded size of a pure-decode batch that runs as a graph's batch
+        if self.decode_sizes is not None and num_decodes == num_tokens:
+            size = padded_size(self.decode_sizes, num_tokens)
+        ids_t, pos_t, meta = self.buffers.prepare(
+            token_ids,
+            [s.start + len(s.token_ids) for s in out.scheduled],
+            [s.block_ids for s in out.scheduled],
+            self.block_size,
+            pad_to=size,
+            decode_num_splits=self._decode_num_splits(size or num_decodes),
+            full_width=size is not None,
         )
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        with forward_context(meta, self.kv_caches):
-            hidden = self.model(ids_t, pos_t)  # (num_tokens, hidden_size)
+        if size is not None and self.graphs is not None:
+            hidden = self.graphs.replay(size)
+        else:
+            with forward_context(meta, self.kv_caches):
+                hidden = self.model(ids_t, pos_t)  # (num_tokens, hidden_size)
+        hidden = hidden[:num_tokens]
 
         prompt_logprobs = self._prompt_logprobs(out.scheduled, hidden)
         sampled, logprobs = self._sample(out.scheduled, hidden)
@@ -109,7 +197,9 @@ class ModelRunner:
                 banned.append(self._banned(p.min_tokens, p.stop_token_ids, len(out_ids)))
         if not rows:
             return {}, {}
-        logits = self.model.compute_logits(hidden[rows])  # (num_rows, vocab) float32
+        # One row per request in a pure-decode step: no gather (and no index upload) needed.
+        last = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
+        logits = self.model.compute_logits(last)  # (num_rows, vocab) float32
         meta = SamplingMetadata.from_rows(
             params, outputs, prompts, generators, banned, logits.shape[-1], self.device
         )

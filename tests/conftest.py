@@ -16,6 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+
+# Triton kernels run in Triton's interpreter on CPU-only machines; the flag is read when the
+# kernels are defined, so it is set before any test imports pagoda.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from pagoda.loader import load_tokenizer, resolve_model

@@ -135,6 +135,23 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def token_id_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments the user set, for a bench that sends token ids and reads token ids
+    only: a model without tokenizer files (a config-only folder run with --load-format dummy)
+    runs with skip_tokenizer_init. A model with a tokenizer keeps it, so outputs are
+    detokenized as in vLLM's benchmarks."""
+    from pagoda.cli import engine_kwargs
+    from pagoda.loader import has_tokenizer
+
+    kwargs = engine_kwargs(args)
+    if not kwargs.get("skip_tokenizer_init") and not has_tokenizer(
+        kwargs.get("tokenizer") or args.model
+    ):
+        log(f"{args.model} has no tokenizer files: running with --skip-tokenizer-init")
+        kwargs["skip_tokenizer_init"] = True
+    return kwargs
+
+
 def add_output_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None, help="also write the JSON line here")
 

@@ -20,6 +20,7 @@ from pagoda.bench.common import (
     median,
     random_prompt,
     ratio,
+    token_id_engine_kwargs,
 )
 
 NAME = "latency"
@@ -54,19 +55,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="hf: transformers fp32; llama.cpp: llama-cpp-python on the same GGUF, 2 threads",
     )
+    g.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="also profile this many batch-1 decode steps (torch profiler): step time, GPU "
+        "busy fraction, host time per step",
+    )
     add_output_json_arg(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagoda.cli import engine_kwargs
-
     if args.input_len < 1 or args.output_len < 2:
         raise ValueError("--input-len must be >= 1 and --output-len >= 2")
     if args.num_iters < 1 or args.num_iters_warmup < 0:
         raise ValueError("--num-iters must be >= 1 and --num-iters-warmup >= 0")
     total = args.num_iters_warmup + args.num_iters
     prompts = [random_prompt(args.input_len, args.seed + i) for i in range(total)]
-    kwargs = engine_kwargs(args)
+    kwargs = token_id_engine_kwargs(args)
     record: dict[str, Any] = {
         "bench": NAME,
         "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
@@ -81,8 +87,13 @@ def main(args: argparse.Namespace) -> int:
         },
         "engine_args": kwargs,
     }
-    timings, weights = run_pagoda(args.model, kwargs, prompts, args.output_len)
+    timings, weights, llm = run_pagoda(args.model, kwargs, prompts, args.output_len)
     record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
+    if args.profile_steps > 0:
+        record["decode_step_profile"] = profile_decode_steps(
+            llm, random_prompt(args.input_len, args.seed + total), args.profile_steps
+        )
+    del llm
     record["peer"] = None
     if args.peer == "hf":
         timings = run_hf(args.model, prompts, args.output_len)
@@ -116,8 +127,8 @@ def summarize(timings: list[IterTiming]) -> dict[str, Any]:
 
 def run_pagoda(
     model: str | None, kwargs: dict[str, Any], prompts: list[list[int]], output_len: int
-) -> tuple[list[IterTiming], dict[str, Any]]:
-    """Timings, and the weight scheme with its bytes in memory."""
+) -> tuple[list[IterTiming], dict[str, Any], Any]:
+    """Timings, the weight scheme with its bytes in memory, and the LLM."""
     from pagoda import LLM, SamplingParams
 
     llm = LLM(model, **kwargs)
@@ -141,7 +152,79 @@ def run_pagoda(
         if n != output_len:
             log(f"warning: pagoda produced {n} tokens, {output_len} were asked for")
         timings.append(IterTiming(first, last, n, cached))
-    return timings, weights
+    return timings, weights, llm
+
+
+def profile_decode_steps(llm: Any, prompt: list[int], num_steps: int) -> dict[str, Any]:
+    """One request decoding alone, num_steps engine steps under torch.profiler after its
+    prefill and a few warm-up steps. step_ms: wall time of an engine step (schedule, execute,
+    update); GPU busy: the union of device kernel intervals inside the steps over their length
+    (the rest of a step is host time the GPU waits on); top_ops: the host ops by self time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from pagoda import SamplingParams
+    from pagoda.request import EngineRequest
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 8, ignore_eos=True)
+    engine.add_request(EngineRequest("profile", prompt, params))
+    for _ in range(4):  # prefill, then warm-up decodes
+        engine.step()
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    wall: list[float] = []
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            t0 = time.perf_counter()
+            with record_function("pagoda_step"):
+                engine.step()
+            wall.append(time.perf_counter() - t0)
+    engine.abort_request("profile")
+    while engine.has_unfinished_requests():
+        engine.step()
+    events = prof.events()
+    steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == "pagoda_step"]
+    record: dict[str, Any] = {
+        "num_steps": num_steps,
+        "step_ms": round(median(wall) * 1e3, 3),
+        "top_ops": [
+            {
+                "name": a.key,
+                "self_cpu_ms_per_step": round(a.self_cpu_time_total / 1e3 / num_steps, 3),
+            }
+            for a in sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[
+                :10
+            ]
+        ],
+    }
+    if cuda:
+        kernels = [
+            (e.time_range.start, e.time_range.end)
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
+        busy = _covered(kernels, steps)
+        span = sum(end - start for start, end in steps)
+        record["gpu_busy_fraction"] = round(busy / span, 4) if span else None
+        record["gpu_busy_ms_per_step"] = round(busy / 1e3 / num_steps, 3)
+        record["host_ms_per_step"] = round((span - busy) / 1e3 / num_steps, 3)
+    return record
+
+
+def _covered(intervals: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:
+    """Length of the union of `intervals` inside the (disjoint) windows."""
+    total = 0.0
+    for w_start, w_end in windows:
+        clipped = sorted(
+            (max(s, w_start), min(e, w_end)) for s, e in intervals if e > w_start and s < w_end
+        )
+        end = w_start
+        for s, e in clipped:
+            if e > end:
+                total += e - max(s, end)
+                end = e
+    return total
 
 
 def run_llama_cpp(model: str | None, prompts: list[list[int]], output_len: int) -> list[IterTiming]:

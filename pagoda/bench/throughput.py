@@ -22,6 +22,7 @@ from pagoda.bench.common import (
     random_workload,
     ratio,
     throughput_stats,
+    token_id_engine_kwargs,
 )
 
 NAME = "throughput"
@@ -53,8 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagoda.cli import engine_kwargs
-
     requests = random_workload(
         args.num_prompts,
         args.input_len_range,
@@ -63,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
         shared_prefix_len=args.shared_prefix_len,
     )
     peer_n = _peer_num_prompts(args)
-    kwargs = engine_kwargs(args)
+    kwargs = token_id_engine_kwargs(args)
     record: dict[str, Any] = {
         "bench": NAME,
         "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",

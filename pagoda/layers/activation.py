@@ -8,7 +8,13 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
+    backend = "torch"  # or "triton" (pagoda/kernels/activation.py), set by the model runner
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, 2 * d), gate in the first half, up in the second -> (num_tokens, d)
+        if self.backend == "triton":
+            from pagoda.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -3,7 +3,8 @@
 Contract: `Attention.forward(q, k, v)` takes the projected, rotated q/k/v of all tokens in the flat
 batch, writes k/v to this layer's paged cache at `slot_mapping`, then attends each query to its
 request's keys [0, position] read back from the cache. Any mix of chunked prefills and decodes is
-allowed in one batch (see forward_context.py for the layout).
+allowed in one batch (see forward_context.py for the layout). Backend `triton` (the GPU default)
+runs the kernels of pagoda/kernels/ over the same cache and metadata.
 
 A quantized cache (`--kv-cache-dtype int8|fp8`) is quantized here on write and dequantized here
 on read, to the query dtype, before attention: nothing else reads the cache's values.
@@ -75,6 +76,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    backend = "torch"  # or "triton" (pagoda/kernels), set by the model runner
+
     def __init__(
         self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int
     ) -> None:
@@ -95,8 +98,11 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, cache, meta.slot_mapping)
-        out = paged_attention_torch(q, cache, meta, self.scale)
+        if self.backend == "triton":
+            out = paged_attention_triton(q, k, v, cache, meta, self.scale)
+        else:
+            write_kv_cache(k, v, cache, meta.slot_mapping)
+            out = paged_attention_torch(q, cache, meta, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
@@ -177,26 +183,76 @@ def paged_attention_torch(
     if meta.num_decodes:
         qd = q.index_select(0, meta.decode_token_idx).unsqueeze(2)  # (B, H, 1, D)
         kd, vd = _read_kv(cache, meta.decode_block_tables, q.dtype)  # (B, L, Hkv, D)
+        key_pos = torch.arange(kd.shape[1], device=q.device)
+        valid = key_pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (B, L)
         od = F.scaled_dot_product_attention(
             qd,
             kd.transpose(1, 2),  # (B, Hkv, L, D)
             vd.transpose(1, 2),
-            attn_mask=meta.decode_mask,
+            attn_mask=valid[:, None, None, :],
             scale=scale,
             enable_gqa=gqa,
         )
         out.index_copy_(0, meta.decode_token_idx, od.squeeze(2))
-    for p in meta.prefills:
+    block_size = cache.k.shape[1]
+    for i, p in enumerate(meta.prefills):
+        q_len = p.token_end - p.token_start
+        block_ids = meta.prefill_block_tables[i, : -(-p.seq_len // block_size)]
         qp = q[p.token_start : p.token_end].transpose(0, 1)  # (H, q_len, D)
-        kp, vp = _read_kv(cache, p.block_ids, q.dtype, p.seq_len)  # (seq_len, Hkv, D)
+        kp, vp = _read_kv(cache, block_ids, q.dtype, p.seq_len)  # (seq_len, Hkv, D)
+        mask: torch.Tensor | None = None
+        if q_len != p.seq_len:  # chunk after cached context: query i sees keys [0, its position]
+            q_pos = torch.arange(p.seq_len - q_len, p.seq_len, device=q.device).unsqueeze(1)
+            mask = torch.arange(p.seq_len, device=q.device).unsqueeze(0) <= q_pos
         op = F.scaled_dot_product_attention(
             qp,
             kp.transpose(0, 1),  # (Hkv, seq_len, D)
             vp.transpose(0, 1),
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=gqa,
         )
         out[p.token_start : p.token_end] = op.transpose(0, 1)
+    return out
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The triton backend: write k/v by slot (padding slots skipped), then one decode call
+    (split-K) and one prefill call. Launches only; no host sync, so CUDA graphs capture it."""
+    from pagoda.kernels import attention as kernels
+    from pagoda.kernels.kv_cache import write_kv_cache as write_kv_cache_triton
+
+    write_kv_cache_triton(k, v, cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    if meta.num_decodes:
+        kernels.paged_decode_attention(
+            q,
+            out,
+            cache,
+            meta.decode_token_idx,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            meta.decode_num_splits,
+        )
+    if meta.prefills:
+        kernels.paged_prefill_attention(
+            q,
+            out,
+            cache,
+            meta.prefill_token_start,
+            meta.prefill_query_lens,
+            meta.prefill_seq_lens,
+            meta.prefill_block_tables,
+            meta.max_prefill_query_len,
+            scale,
+        )
     return out

@@ -51,6 +51,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     qkv_bias = False  # bias on q/k/v even without `attention_bias` (Qwen2)
+    backend = "torch"  # rotary kernel: "torch" or "triton" (in place), set by the model runner
 
     def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -79,8 +80,13 @@ class LlamaAttention(nn.Module):
         )  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_transform(q, k)
-        q = apply_rotary(q, cos, sin, self.head_dim)  # (num_tokens, num_heads * head_dim)
-        k = apply_rotary(k, cos, sin, self.head_dim)  # (num_tokens, num_kv_heads * head_dim)
+        if self.backend == "triton":
+            from pagoda.kernels.rotary import rotary_qk
+
+            q, k = rotary_qk(q, k, cos, sin, self.head_dim)  # in place
+        else:
+            q = apply_rotary(q, cos, sin, self.head_dim)  # (num_tokens, num_heads * head_dim)
+            k = apply_rotary(k, cos, sin, self.head_dim)  # (num_tokens, num_kv_heads * head_dim)
         out = self.attn(q, k, v)  # (num_tokens, num_heads * head_dim)
         return self.o_proj(out)  # (num_tokens, hidden_size)
 
@@ -220,6 +226,13 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             names.discard("lm_head.weight")
         return names
+
+    def set_kernel_backend(self, backend: str) -> None:
+        """Route attention, norms, activation and rotary to "torch" (the reference) or "triton"
+        (pagoda/kernels, needs CUDA or TRITON_INTERPRET=1)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, RMSNorm, SiluAndMul, LlamaAttention)):
+                module.backend = backend
 
     def finalize_weights(self) -> None:
         """After loading: every quantized layer builds its stored form."""

@@ -391,7 +391,8 @@ def test_load_model_errors(tiny_model_dir: Any, tmp_path: Any) -> None:
         load_model(EngineConfig(model=path, max_model_len=4096, device="cpu"))
     with pytest.raises(ValueError, match="load_format='gguf'"):
         load_model(EngineConfig(model=path, load_format="gguf", device="cpu"))
-    (tmp_path / "config.json").write_text(open(os.path.join(path, "config.json")).read())
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text(open(os.path.join(path, name)).read())
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         load_model(EngineConfig(model=str(tmp_path), device="cpu"))
 

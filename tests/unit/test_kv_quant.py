@@ -198,12 +198,12 @@ def test_runner_allocates_and_copies_blocks_with_scales(kind: str):
     runner = ModelRunner(
         None,  # type: ignore[arg-type]
         mc,
-        num_blocks=6,
         block_size=BS,
         device=torch.device("cpu"),
         eos_token_ids=frozenset(),
         kv_quant_dtype=QUANT.get(kind),
     )
+    runner.allocate_kv_cache(6)
     assert len(runner.kv_caches) == 2
     for cache in runner.kv_caches:
         assert cache.k.shape == cache.v.shape == (6, BS, 3, 64)

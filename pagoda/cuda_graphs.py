@@ -1,0 +1,106 @@
+"""Capture and replay of pure-decode batches as CUDA graphs; eager stays the reference.
+
+A decode step of B requests replays the graph captured for the smallest size >= B in the
+ladder 1, 2, 4, 8, 16, 24, ... (steps of 8 up to max_num_seqs, at most 512); rows B.. of that
+size are padding (slot -1: no KV write; seq_len 0: no KV read). Graphs are captured over views of
+the runner's persistent input buffers (forward_context.InputBuffers) and write the hidden states
+into a static output, so a replay needs nothing but the inputs the runner already placed there.
+Prefill, mixed and oversize batches run eagerly.
+
+Contract that makes replay equal eager: the captured forward launches only device work (no host
+sync, no host value derived from the batch), and the decode split-K factor depends only on the
+padded size, so an eager step of the same size runs the same kernels on the same shapes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from pagoda.forward_context import InputBuffers, forward_context
+from pagoda.layers.attention import KVCache
+from pagoda.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """The batch-size ladder: 1, 2, 4, then multiples of 8, ending at min(max_num_seqs, 512)."""
+    limit = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
+    if sizes[-1] != limit:
+        sizes.append(limit)
+    return sizes
+
+
+def padded_size(sizes: list[int], num_reqs: int) -> int | None:
+    """The smallest captured size >= num_reqs, or None when the batch is larger than all."""
+    i = bisect.bisect_left(sizes, num_reqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[KVCache],
+        buffers: InputBuffers,
+        block_size: int,
+        max_num_seqs: int,
+        num_splits: Callable[[int], int],
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.buffers = buffers
+        self.block_size = block_size
+        self.sizes = capture_sizes(max_num_seqs)
+        self.num_splits = num_splits
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # size -> (size, hidden_size) static output
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        return padded_size(self.sizes, num_reqs)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first so smaller graphs reuse its memory pool."""
+        start = time.perf_counter()
+        pool = None
+        for size in reversed(self.sizes):
+            # An all-padding batch: the launches do not depend on the values, only on shapes.
+            ids, pos, meta = self.buffers.prepare(
+                [],
+                [],
+                [],
+                self.block_size,
+                pad_to=size,
+                full_width=True,
+                decode_num_splits=self.num_splits(size),
+            )
+            with forward_context(meta, self.kv_caches):
+                for _ in range(2):  # compiles the triton kernels, settles the allocator
+                    self.model(ids, pos)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self.model(ids, pos)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info(
+            "captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s",
+            len(self.sizes),
+            self.sizes[-1],
+            time.perf_counter() - start,
+        )
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the graph of `size` on the inputs now in the buffers: (size, hidden_size)."""
+        self.graphs[size].replay()
+        return self.outputs[size]

@@ -1,0 +1,1 @@
+"""Triton kernels; each has a torch reference it is tested against (tests/unit)."""

@@ -1,0 +1,504 @@
+"""Triton paged attention: decode (split-K, flash-decoding) and chunked prefill, over the paged
+KV cache of pagoda/layers/attention.py. Reference: `paged_attention_torch` there; tests:
+tests/unit/test_triton_attention.py.
+
+Both kernels read keys and values only through block tables, one tile of BLOCK_N positions at a
+time. BLOCK_N is a whole number of pages (max(block_size, 32) in decode, max(block_size, 64) in
+prefill) and a tile looks up the block id of each of its positions, so any power-of-two
+block_size from 1 to 128 meets tl.dot's minimum of 16 on every side (head_dim is padded to
+BLOCK_D >= 16 with masks; decode pads a GQA group's query heads to BLOCK_H >= 16 rows). Positions
+past a sequence's length are never loaded, so table entries there may be garbage. Block ids are
+widened to int64 before they meet a stride.
+
+Decode stage 1 runs one program per (sequence, kv head, split) over all query heads of that kv
+head's group, so each key tile is read once per group. Prefill runs one program per (sequence,
+BLOCK_M query rows, head) and reads pages only up to its last row's position (causal).
+
+A quantized cache (int8, float8_e4m3fn) is dequantized in the kernel exactly as `dequantize_kv`
+does: values.float() * scale, cast to the query dtype, then the dot.
+
+Softmax runs in base 2: scores are multiplied by scale * log2(e) and the running max of each
+split is kept in those units; the decode merge uses the same units.
+
+Decode, split s of S for a sequence with n pages, P = cdiv(n, S):
+
+    pages    | 0 ... P-1 | P ... 2P-1 | ... | (S-1)P ... n-1 |   (a split past n has no pages)
+    stage 1  | split 0   | split 1    | ... | split S-1      |   -> partial out, max, sum-exp
+    stage 2  merge the S partials by log-sum-exp -> out[token_idx[b]]
+
+P is computed in the kernel from seq_lens: the launch grids depend only on (B, num_kv_heads,
+num_splits) and (B, num_heads), never on sequence lengths, so a decode step can be captured in
+a CUDA graph and replayed with other lengths.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from pagoda.layers.attention import KVCache
+
+_LOG2E = 1.4426950408889634
+
+# decode_num_splits aims at this many stage-1 programs: two waves on an H100 SXM (132 SMs).
+_TARGET_PROGRAMS = 2 * 132
+_MAX_SPLITS = 32
+# tl.dot needs every side >= 16 on the GPU: query heads of a group, tile positions, head_dim.
+_MIN_DOT = 16
+_DECODE_BLOCK_N = 32
+_PREFILL_BLOCK_M = 64
+_PREFILL_BLOCK_N = 64
+
+
+@triton.jit
+def _load_kv_tile(
+    ptr,
+    scale_ptr,
+    block_row_ptr,  # block table row of this sequence
+    pos,  # (BLOCK_N,) positions in the sequence
+    valid,  # (BLOCK_N,) pos < end: only these are loaded
+    kv_head,
+    d,  # (BLOCK_D,)
+    d_mask,
+    stride_b,
+    stride_s,
+    stride_h,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    out_dtype: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    """(BLOCK_N, BLOCK_D) keys or values at `pos` in `out_dtype`; zeros where not valid."""
+    block = tl.load(block_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    row = block * stride_b + slot * stride_s + kv_head * stride_h
+    ptrs = ptr + row[:, None] + d[None, :]
+    mask = valid[:, None] & d_mask[None, :]
+    if QUANT:
+        # No `other=`: the interpreter cannot cast a Python 0 to float8; zeroed after the cast.
+        x = tl.load(ptrs, mask=mask).to(tl.float32)
+        srow = block * stride_sb + slot * stride_ss + kv_head * stride_sh
+        s = tl.load(scale_ptr + srow, mask=valid, other=0.0)
+        return tl.where(mask, x * s[:, None], 0.0).to(out_dtype)
+    return tl.load(ptrs, mask=mask, other=0).to(out_dtype)
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    q_ptr,
+    out_ptr,
+    k_ptr,
+    v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    token_idx_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    mid_o_ptr,  # (B, num_heads, num_splits, HEAD_DIM) float32, each split's normalized output
+    mid_m_ptr,  # (B, num_heads, num_splits) float32, running max (base-2 units)
+    mid_l_ptr,  # (B, num_heads, num_splits) float32, sum of exp2(score - max)
+    qk_scale,  # scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per kv head
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two >= 16
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # positions per page
+    BLOCK_N: tl.constexpr,  # positions per tile, a multiple of BLOCK_SIZE
+    QUANT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,  # one split: write out[token] instead of the partials
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    pages_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE), num_splits)
+    start = split * pages_per_split * BLOCK_SIZE
+    end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    h_mask = h < GROUP
+    heads = kv_head * GROUP + h
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    token = tl.load(token_idx_ptr + b).to(tl.int64)
+    q_rows = token * stride_qt + heads * stride_qh
+    q = tl.load(
+        q_ptr + q_rows[:, None] + d[None, :], mask=h_mask[:, None] & d_mask[None, :], other=0
+    )  # (BLOCK_H, BLOCK_D)
+    block_row_ptr = block_tables_ptr + b.to(tl.int64) * stride_bt
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    sum_exp = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        k = _load_kv_tile(
+            k_ptr, k_scale_ptr, block_row_ptr, pos, valid, kv_head, d, d_mask,
+            stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
+            q.dtype, BLOCK_SIZE, QUANT,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_H, BLOCK_N)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        sum_exp = sum_exp * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(
+            v_ptr, v_scale_ptr, block_row_ptr, pos, valid, kv_head, d, d_mask,
+            stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
+            q.dtype, BLOCK_SIZE, QUANT,
+        )  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    # A split without pages (or a padding row, seq_len 0) has sum_exp == 0: output 0, max -inf.
+    o = acc / tl.where(sum_exp > 0, sum_exp, 1.0)[:, None]
+    if DIRECT:
+        o_rows = token * stride_ot + heads * stride_oh
+        tl.store(
+            out_ptr + o_rows[:, None] + d[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=h_mask[:, None] & d_mask[None, :],
+        )
+    else:
+        ml_rows = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # (BLOCK_H,)
+        tl.store(
+            mid_o_ptr + ml_rows[:, None] * HEAD_DIM + d[None, :],
+            o,
+            mask=h_mask[:, None] & d_mask[None, :],
+        )
+        tl.store(mid_m_ptr + ml_rows, m, mask=h_mask)
+        tl.store(mid_l_ptr + ml_rows, sum_exp, mask=h_mask)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    out_ptr,
+    token_idx_ptr,
+    mid_o_ptr,
+    mid_m_ptr,
+    mid_l_ptr,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits padded to a power of two
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    rows = (b.to(tl.int64) * num_heads + head) * num_splits + s  # (BLOCK_S,)
+    m = tl.load(mid_m_ptr + rows, mask=s_mask, other=float("-inf"))
+    sum_exp = tl.load(mid_l_ptr + rows, mask=s_mask, other=0.0)
+    o = tl.load(
+        mid_o_ptr + rows[:, None] * HEAD_DIM + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # (BLOCK_S, BLOCK_D)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, sum_exp * tl.exp2(m - m_max))
+    total = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    token = tl.load(token_idx_ptr + b).to(tl.int64)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + d,
+        res.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    out_ptr,
+    k_ptr,
+    v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    token_start_ptr,
+    query_lens_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,  # scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per kv head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query rows per program
+    BLOCK_N: tl.constexpr,  # positions per tile, a multiple of BLOCK_SIZE
+    QUANT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    query_len = tl.load(query_lens_ptr + seq).to(tl.int32)
+    if tile * BLOCK_M >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    context_len = seq_len - query_len
+    kv_head = head // GROUP
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < query_len
+    q_pos = context_len + rows  # (BLOCK_M,) position of each query row
+    tokens = tl.load(token_start_ptr + seq).to(tl.int64) + rows
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (tokens * stride_qt + head * stride_qh)[:, None] + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0,
+    )  # (BLOCK_M, BLOCK_D)
+    block_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    # Causal: the last row of this tile sees keys [0, context_len + (tile + 1) * BLOCK_M).
+    end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    sum_exp = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        k = _load_kv_tile(
+            k_ptr, k_scale_ptr, block_row_ptr, pos, valid, kv_head, d, d_mask,
+            stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
+            q.dtype, BLOCK_SIZE, QUANT,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        # Every row sees position 0, so each row's max is finite after the first tile.
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        sum_exp = sum_exp * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(
+            v_ptr, v_scale_ptr, block_row_ptr, pos, valid, kv_head, d, d_mask,
+            stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
+            q.dtype, BLOCK_SIZE, QUANT,
+        )  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    o = acc / sum_exp[:, None]
+    tl.store(
+        out_ptr + (tokens * stride_ot + head * stride_oh)[:, None] + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+def _block_d(head_dim: int) -> int:
+    return max(triton.next_power_of_2(head_dim), _MIN_DOT)
+
+
+def _cache_args(
+    cache: KVCache, q: torch.Tensor, out: torch.Tensor
+) -> tuple[list[torch.Tensor], list[int], dict[str, int | bool | str]]:
+    """Pointers, strides and constexprs shared by both kernels, after checking the layouts."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.k.shape
+    num_heads = q.shape[1]
+    assert cache.v.shape == cache.k.shape and cache.v.stride() == cache.k.stride()
+    assert cache.k.stride(-1) == 1 and q.stride(-1) == 1 and out.stride(-1) == 1
+    assert q.shape[2] == head_dim and out.shape[1:] == q.shape[1:]
+    assert num_heads % num_kv_heads == 0
+    assert block_size & (block_size - 1) == 0, "block_size must be a power of two"
+    quant = cache.k_scale is not None and cache.v_scale is not None
+    if quant:
+        assert cache.k_scale is not None and cache.v_scale is not None
+        k_scale, v_scale = cache.k_scale, cache.v_scale
+        assert k_scale.stride() == v_scale.stride() and k_scale.dtype == torch.float32
+        scale_strides = list(k_scale.stride())
+    else:
+        k_scale, v_scale = cache.k, cache.v  # never read
+        scale_strides = [0, 0, 0]
+    strides = [
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *cache.k.stride()[:3],
+        *scale_strides,
+    ]
+    constexprs = dict(
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_SIZE=block_size,
+        QUANT=quant,
+        # float32: true float32 products (no tf32); ignored for 16-bit inputs.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return [cache.k, cache.v, k_scale, v_scale], strides, constexprs
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, max_blocks_per_seq: int) -> int:
+    """Split-K factor for `paged_decode_attention`, from static sizes only (CUDA-graph safe).
+
+    Enough splits that the B * num_kv_heads * splits stage-1 programs make about two waves on
+    132 SMs: cdiv(264, batch_size * num_kv_heads), clamped to [1, min(max_blocks_per_seq, 32)]
+    (splits beyond a sequence's pages would read nothing). max_blocks_per_seq is the block table
+    width, the most pages any sequence of the batch can have.
+    """
+    want = triton.cdiv(_TARGET_PROGRAMS, max(batch_size * num_kv_heads, 1))
+    return max(1, min(want, max_blocks_per_seq, _MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    cache: KVCache,
+    token_idx: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+) -> None:
+    """Attention of one query token per sequence to its keys [0, seq_len) in the paged cache.
+
+    q, out: (num_tokens, num_heads, head_dim), last dim contiguous, any token/head strides.
+    token_idx: (B,) int64, the q/out row of each sequence; only those rows of out are written.
+    block_tables: (B, W) int32, row b covering positions [0, seq_lens[b]); later entries unread.
+    seq_lens: (B,) int32; seq_len 0 is a padding row: its out row becomes zeros, nothing is read.
+    num_splits: split-K factor (see `decode_num_splits`); 1 writes out in one pass.
+    The launch depends on (B, num_kv_heads, num_splits) only, never on the values of seq_lens.
+    """
+    batch = token_idx.shape[0]
+    if batch == 0:
+        return
+    assert num_splits >= 1
+    assert block_tables.shape[0] == seq_lens.shape[0] == batch and block_tables.stride(1) == 1
+    cache_ptrs, strides, constexprs = _cache_args(cache, q, out)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = cache.k.shape[2]
+    group = num_heads // num_kv_heads
+    direct = num_splits == 1
+    if direct:
+        mid_o = mid_m = mid_l = out  # never written
+    else:
+        mid_o = torch.empty(
+            (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        mid_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        mid_l = torch.empty_like(mid_m)
+    _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        out,
+        *cache_ptrs,
+        token_idx,
+        block_tables,
+        seq_lens,
+        mid_o,
+        mid_m,
+        mid_l,
+        scale * _LOG2E,
+        *strides,
+        block_tables.stride(0),
+        BLOCK_H=max(triton.next_power_of_2(group), _MIN_DOT),
+        BLOCK_N=max(cache.k.shape[1], _DECODE_BLOCK_N),
+        DIRECT=direct,
+        **constexprs,
+        num_warps=4,
+    )
+    if direct:
+        return
+    _decode_stage2_kernel[(batch, num_heads)](
+        out,
+        token_idx,
+        mid_o,
+        mid_m,
+        mid_l,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=1,
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    cache: KVCache,
+    token_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> None:
+    """Causal attention of chunked prefills: each query attends to keys [0, its position].
+
+    q, out: (num_tokens, num_heads, head_dim), last dim contiguous, any token/head strides.
+    token_start: (P,) int32, first q/out row of prefill p; its query_lens[p] rows are contiguous.
+    query_lens, seq_lens: (P,) int32; the queries sit at positions
+    [seq_len - query_len, seq_len), whose keys and values are already in the cache.
+    block_tables: (P, W) int32, row p covering positions [0, seq_lens[p]).
+    max_query_len: the largest query_lens entry (a host int: it sizes the grid).
+    Only the query rows of out are written.
+    """
+    num_seqs = token_start.shape[0]
+    if num_seqs == 0 or max_query_len == 0:
+        return
+    assert query_lens.shape[0] == seq_lens.shape[0] == block_tables.shape[0] == num_seqs
+    assert block_tables.stride(1) == 1
+    cache_ptrs, strides, constexprs = _cache_args(cache, q, out)
+    num_heads = q.shape[1]
+    grid = (num_seqs, triton.cdiv(max_query_len, _PREFILL_BLOCK_M), num_heads)
+    _prefill_kernel[grid](
+        q,
+        out,
+        *cache_ptrs,
+        token_start,
+        query_lens,
+        seq_lens,
+        block_tables,
+        scale * _LOG2E,
+        *strides,
+        block_tables.stride(0),
+        BLOCK_M=_PREFILL_BLOCK_M,
+        BLOCK_N=max(cache.k.shape[1], _PREFILL_BLOCK_N),
+        **constexprs,
+        num_warps=4,
+    )
