@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -65,6 +66,9 @@ class AttentionMetadata:
     # Split-K factor of the triton decode kernel; a function of static sizes only, so a
     # captured graph and an eager step of the same batch size compute identically.
     decode_num_splits: int = 1
+    # (num_decodes, 1, 1, max_blocks * block_size) additive mask (0 = attend, -inf = not):
+    # built by the torch backend's first layer of a step and reused by the others.
+    decode_mask: torch.Tensor | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -210,33 +214,44 @@ class InputBuffers:
                 self.prefill_block_tables,
             )
         )
-        prefills: list[PrefillSeq] = []
-        num_decodes = 0
-        max_blocks_d = max_blocks_p = 0
-        start = 0
-        for tokens, s_len, table in zip(token_ids, seq_lens, block_tables):
-            q_len = len(tokens)
-            end = start + q_len
-            num_blocks = -(-s_len // block_size)
-            assert 0 < q_len <= s_len and len(table) >= num_blocks
-            blocks = np.asarray(table[:num_blocks], dtype=np.int64)
-            p = np.arange(s_len - q_len, s_len)
-            ids[start:end] = tokens
-            pos[start:end] = p
-            slots[start:end] = blocks[p // block_size] * block_size + p % block_size
-            if q_len == 1:
-                d_idx[num_decodes] = start
-                d_lens[num_decodes] = s_len
-                d_tables[num_decodes, :num_blocks] = blocks
-                max_blocks_d = max(max_blocks_d, num_blocks)
-                num_decodes += 1
-            else:
-                i = len(prefills)
-                p_start[i], p_qlens[i], p_lens[i] = start, q_len, s_len
-                p_tables[i, :num_blocks] = blocks
-                max_blocks_p = max(max_blocks_p, num_blocks)
-                prefills.append(PrefillSeq(start, end, s_len))
-            start = end
+        # Vectorized over requests (a decode step of hundreds of requests is host time).
+        q_lens = np.asarray(query_lens, dtype=np.int64)
+        s_lens = np.asarray(seq_lens, dtype=np.int64)
+        n_blocks = -(-s_lens // block_size)
+        assert (q_lens > 0).all() and (q_lens <= s_lens).all()
+        assert (np.asarray([len(t) for t in block_tables], dtype=np.int64) >= n_blocks).all()
+        starts = np.cumsum(q_lens) - q_lens  # first flat row of each request
+        req = np.repeat(np.arange(num_reqs), q_lens)  # request of each flat row
+        p = np.arange(num_tokens) - starts[req] + (s_lens - q_lens)[req]
+        flat_tables = np.fromiter(
+            itertools.chain.from_iterable(t[:n] for t, n in zip(block_tables, n_blocks.tolist())),
+            dtype=np.int64,
+            count=int(n_blocks.sum()),
+        )
+        table_start = np.cumsum(n_blocks) - n_blocks
+        ids[:num_tokens] = np.fromiter(
+            itertools.chain.from_iterable(token_ids), dtype=np.int64, count=num_tokens
+        )
+        pos[:num_tokens] = p
+        blocks = flat_tables[table_start[req] + p // block_size]
+        slots[:num_tokens] = blocks * block_size + p % block_size
+
+        decode = np.flatnonzero(q_lens == 1)
+        prefill = np.flatnonzero(q_lens > 1)
+        num_decodes = len(decode)
+        d_idx[:num_decodes] = starts[decode]
+        d_lens[:num_decodes] = s_lens[decode]
+        _scatter_rows(d_tables, flat_tables, table_start[decode], n_blocks[decode])
+        num_prefills = len(prefill)
+        p_start[:num_prefills] = starts[prefill]
+        p_qlens[:num_prefills] = q_lens[prefill]
+        p_lens[:num_prefills] = s_lens[prefill]
+        _scatter_rows(p_tables, flat_tables, table_start[prefill], n_blocks[prefill])
+        prefills = [
+            PrefillSeq(int(starts[i]), int(starts[i] + q_lens[i]), int(s_lens[i])) for i in prefill
+        ]
+        max_blocks_d = int(n_blocks[decode].max(initial=0))
+        max_blocks_p = int(n_blocks[prefill].max(initial=0))
         if rows > num_tokens:
             assert not prefills, "only pure-decode batches are padded"
             pad = slice(num_tokens, rows)
@@ -246,7 +261,6 @@ class InputBuffers:
             num_decodes = rows
         if full_width:
             max_blocks_d = self.max_blocks_per_seq
-        num_prefills = len(prefills)
         meta = AttentionMetadata(
             num_tokens=rows,
             query_lens=query_lens,
@@ -270,3 +284,11 @@ class InputBuffers:
         input_ids = self.device_view(self.input_ids, rows)
         positions = self.device_view(self.positions, rows)
         return input_ids, positions, meta
+
+
+def _scatter_rows(dst: np.ndarray, flat: np.ndarray, first: np.ndarray, counts: np.ndarray) -> None:
+    """dst[r, :counts[r]] = flat[first[r] : first[r] + counts[r]] for every row r."""
+    total = int(counts.sum())
+    rows = np.repeat(np.arange(len(counts)), counts)
+    cols = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    dst[rows, cols] = flat[np.repeat(first, counts) + cols]

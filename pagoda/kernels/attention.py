@@ -85,8 +85,12 @@ def _load_kv_tile(
         x = tl.load(ptrs, mask=mask).to(tl.float32)
         srow = block * stride_sb + slot * stride_ss + kv_head * stride_sh
         s = tl.load(scale_ptr + srow, mask=valid, other=0.0)
-        return tl.where(mask, x * s[:, None], 0.0).to(out_dtype)
-    return tl.load(ptrs, mask=mask, other=0).to(out_dtype)
+        tile = tl.where(mask, x * s[:, None], 0.0).to(out_dtype)
+    else:
+        # An `else`, not an early return: the compiler still lowers code after a constexpr-if
+        # that returns, and an fp8 load cannot take `other=0` (int32 -> fp8e4nv does not cast).
+        tile = tl.load(ptrs, mask=mask, other=0).to(out_dtype)
+    return tile
 
 
 @triton.jit

@@ -178,22 +178,29 @@ def paged_attention_torch(
     q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Reference paged attention. q: (num_tokens, num_heads, head_dim) -> same shape."""
-    out = torch.empty_like(q)
     gqa = q.shape[1] != cache.k.shape[2]
+    pure_decode = meta.num_decodes == q.shape[0]
+    out = q if pure_decode else torch.empty_like(q)  # pure decode: replaced below
     if meta.num_decodes:
-        qd = q.index_select(0, meta.decode_token_idx).unsqueeze(2)  # (B, H, 1, D)
+        qd = q if pure_decode else q.index_select(0, meta.decode_token_idx)
         kd, vd = _read_kv(cache, meta.decode_block_tables, q.dtype)  # (B, L, Hkv, D)
-        key_pos = torch.arange(kd.shape[1], device=q.device)
-        valid = key_pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (B, L)
+        if meta.decode_mask is None:
+            key_pos = torch.arange(kd.shape[1], device=q.device)
+            valid = key_pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (B, L)
+            # additive (0 / -inf) in q's dtype: SDPA would convert a bool mask in every layer
+            additive = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
+            meta.decode_mask = additive.masked_fill_(~valid, float("-inf"))[:, None, None, :]
         od = F.scaled_dot_product_attention(
-            qd,
+            qd.unsqueeze(2),  # (B, H, 1, D)
             kd.transpose(1, 2),  # (B, Hkv, L, D)
             vd.transpose(1, 2),
-            attn_mask=valid[:, None, None, :],
+            attn_mask=meta.decode_mask,
             scale=scale,
             enable_gqa=gqa,
-        )
-        out.index_copy_(0, meta.decode_token_idx, od.squeeze(2))
+        ).squeeze(2)
+        if pure_decode:
+            return od
+        out.index_copy_(0, meta.decode_token_idx, od)
     block_size = cache.k.shape[1]
     for i, p in enumerate(meta.prefills):
         q_len = p.token_end - p.token_start

@@ -84,6 +84,10 @@ class LlamaAttention(nn.Module):
             from pagoda.kernels.rotary import rotary_qk
 
             q, k = rotary_qk(q, k, cos, sin, self.head_dim)  # in place
+        elif type(self).qk_transform is LlamaAttention.qk_transform:
+            # q and k are adjacent in qkv: one rotation over both heads' rows
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size], cos, sin, self.head_dim)
+            q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         else:
             q = apply_rotary(q, cos, sin, self.head_dim)  # (num_tokens, num_heads * head_dim)
             k = apply_rotary(k, cos, sin, self.head_dim)  # (num_tokens, num_kv_heads * head_dim)
