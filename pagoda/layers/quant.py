@@ -16,9 +16,18 @@ Two kernel forms serve every integer scheme (torch's packed CPU ops; bf16 activa
     int8 (per row):  w[n, k] = code[n, k] * scale[n]   (_weight_int8pack_mm)
                      embeddings and LM heads, GGUF Q6_K / others (re-quantized per row)
 
+On CUDA the same three forms run as Triton kernels (pagoda/kernels/quant_matmul.py), from codes
+kept quantized; scales and zero points in the model's dtype:
+
+    w4a16 (kernel "w4a16"):  qweight (N, K // 2) uint8, byte j = code[2j] | code[2j + 1] << 4,
+                             scale, zero (N, K // g); every int4 form above
+    w8a16 (kernel "w8a16"):  qweight (N, K) int8, scale (N, K // g); int8 and Q8_0 groups
+    int8 rows (kernel "int8"): qweight (N, K) int8, weight_scale (N,), as on CPU
+
 GPTQ act-order (g_idx not sorted) permutes input channels so groups are contiguous and applies the
-same permutation to x. On devices other than CPU the integer schemes dequantize before the matmul
-(correct, not fast); fp8 uses torch._scaled_mm with per-row weight and per-token activation scales.
+same permutation to x. On devices other than CPU and CUDA the integer schemes dequantize before the
+matmul (correct, not fast); fp8 uses torch._scaled_mm with per-row weight and per-token activation
+scales.
 """
 
 from __future__ import annotations
@@ -135,6 +144,11 @@ def quantize_int4_groups(
 # Stored forms a method leaves on its layer (buffers, so .to(device) and memory counts see them)
 
 
+def triton_weights(device: torch.device) -> bool:
+    """Whether integer weights on `device` take the Triton kernels' forms (CUDA)."""
+    return device.type == "cuda"
+
+
 def set_int4(
     layer: Any,
     codes: torch.Tensor,
@@ -144,6 +158,16 @@ def set_int4(
     perm: torch.Tensor | None = None,
 ) -> None:
     device = layer.device
+    if triton_weights(device):
+        from pagoda.kernels.quant_matmul import pack_int4
+
+        layer.register_buffer("qweight", pack_int4(codes).to(device))
+        layer.register_buffer("scale", scale.to(layer.dtype).to(device).contiguous())
+        layer.register_buffer("zero", zero.to(layer.dtype).to(device).contiguous())
+        layer.register_buffer("perm", None if perm is None else perm.to(device))
+        layer.group_size = group_size
+        layer.kernel = "w4a16"
+        return
     if device.type == "cpu":
         packed, scale_zeros = int4_pack(codes, scale, zero)
         layer.register_buffer("qweight", packed)
@@ -156,8 +180,15 @@ def set_int4(
 
 
 def set_int8_groups(layer: Any, codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> None:
-    """Group-wise int8 (Q8_0-like) run as two int4 halves in one packed matrix."""
-    if layer.device.type != "cpu":
+    """Group-wise int8 (Q8_0-like): on CPU run as two int4 halves in one packed matrix."""
+    device = layer.device
+    if triton_weights(device):
+        layer.register_buffer("qweight", codes.to(torch.int8).to(device).contiguous())
+        layer.register_buffer("scale", scale.to(layer.dtype).to(device).contiguous())
+        layer.group_size = group_size
+        layer.kernel = "w8a16"
+        return
+    if device.type != "cpu":
         set_dense(layer, codes.float() * scale.repeat_interleave(group_size, dim=1))
         return
     set_int4(layer, *split_int8_groups(codes, scale), group_size)
@@ -175,8 +206,10 @@ def set_dense(layer: Any, w: torch.Tensor) -> None:
 def set_int8(layer: Any, w: torch.Tensor) -> None:
     codes, scale = quantize_int8_rows(w)
     device = layer.device
+    # The CPU op takes bf16 scales; the CUDA kernel any float (kept in the model's dtype).
+    scale_dtype = layer.dtype if triton_weights(device) else torch.bfloat16
     layer.register_buffer("qweight", codes.to(device))
-    layer.register_buffer("weight_scale", scale.to(torch.bfloat16).to(device))
+    layer.register_buffer("weight_scale", scale.to(scale_dtype).to(device))
     layer.kernel = "int8"
 
 
@@ -194,6 +227,16 @@ def apply_stored(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """The matmul of whatever `set_int4` / `set_int8` left on the layer (no bias)."""
     if layer.kernel == "float":
         return F.linear(x, layer.weight)
+    if layer.kernel == "w4a16":
+        from pagoda.kernels.quant_matmul import w4a16_matmul
+
+        if layer.perm is not None:
+            x = x.index_select(-1, layer.perm)
+        return w4a16_matmul(x, layer.qweight, layer.scale, layer.zero, layer.group_size)
+    if layer.kernel == "w8a16":
+        from pagoda.kernels.quant_matmul import w8a16_matmul
+
+        return w8a16_matmul(x, layer.qweight, layer.scale, layer.group_size)
     if layer.kernel == "int8x2":
         y = int4_matmul(x, layer.qweight, layer.scale_zeros, layer.group_size)
         n = y.shape[-1] // 2
@@ -204,6 +247,11 @@ def apply_stored(layer: Any, x: torch.Tensor) -> torch.Tensor:
         if layer.scale_zeros is None:
             return F.linear(x, layer.qweight)
         return int4_matmul(x, layer.qweight, layer.scale_zeros, layer.group_size)
+    if triton_weights(x.device):
+        from pagoda.kernels.quant_matmul import w8a16_matmul
+
+        scale = layer.weight_scale[:, None]  # (N, 1): one group of K per row
+        return w8a16_matmul(x, layer.qweight, scale, layer.qweight.shape[1])
     if x.device.type == "cpu":
         return int8_matmul(x, layer.qweight, layer.weight_scale)
     return F.linear(x, layer.qweight.to(x.dtype) * layer.weight_scale.to(x.dtype)[:, None])

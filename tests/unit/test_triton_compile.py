@@ -22,7 +22,8 @@ Configs: SmolLM2-135M (9 / 3 heads, head_dim 64), Qwen3-0.6B (16 / 8, 128), Llam
 (32 / 8, 64); bfloat16 and float16; KV cache in the model dtype, int8 and float8_e4m3fn;
 block_size 16; decode with one split (direct) and with `decode_num_splits` > 1 (stage 2 too, at
 two split counts), prefill, KV write, rotary, RMSNorm (Qwen3's per-head q/k norm too),
-SiLU-and-mul. The slow tests add float32 models and block_size 32.
+SiLU-and-mul; weight-only w4a16 / w8a16 GEMMs (SmolLM2 and Qwen3 layers, `QUANT_LAYERS`). The slow
+tests add float32 models and block_size 32.
 
 As a script, prints the table: python tests/unit/test_triton_compile.py [--slow] [model ...]
 (another triton for the compile: PYTHONPATH=<dir with that triton> python tests/unit/...).
@@ -55,6 +56,22 @@ H100_MAX_SHARED = (
     227 * 1024
 )  # per block, the opt-in maximum (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 LAYER_KERNELS = ["_rms_norm_kernel", "_rotary_qk_kernel", "_silu_and_mul_kernel"]
+# Weight-only quantized GEMMs (pagoda/kernels/quant_matmul.py) per model and model dtype:
+# (format, group size or "row", N, K) of a real layer; the fused kernel at M = 1 and M = 16
+# (M == 1 and M % 16 == 0 specialize differently) and the dequantize kernel of large M.
+QUANT_LAYERS: dict[str, list[tuple[str, int | str, int, int]]] = {
+    "smollm2-135m": [
+        ("w4a16", 32, 3072, 576),
+        ("w8a16", 32, 960, 576),
+        ("w8a16", "row", 49152, 576),
+    ],
+    "qwen3-0.6b": [("w4a16", 128, 1024, 3072), ("w8a16", 128, 6144, 1024)],
+}
+QUANT_MODES = {
+    "m1": "_quant_matmul_kernel",
+    "m16": "_quant_matmul_kernel",
+    "dequant": "_dequantize_kernel",
+}
 CACHE_CASES = [  # (mode, kernel) for every (block_size, kv dtype)
     ("write", "_write_kv_cache_kernel"),
     ("decode_direct", "_decode_stage1_kernel"),
@@ -154,6 +171,12 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
     )
     from pagoda.kernels.kv_cache import write_kv_cache
     from pagoda.kernels.norm import fused_add_rms_norm, rms_norm
+    from pagoda.kernels.quant_matmul import (
+        w4a16_dequantize,
+        w4a16_matmul,
+        w8a16_dequantize,
+        w8a16_matmul,
+    )
     from pagoda.kernels.rotary import rotary_qk
     from pagoda.layers.attention import KVCache
 
@@ -177,6 +200,26 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
         cos, sin = torch.empty(n, head_dim, dtype=dtype).chunk(2, dim=-1)  # as RotaryEmbedding
         rotary_qk(q, k, cos.unsqueeze(1), sin.unsqueeze(1), head_dim)
         silu_and_mul(torch.empty(n, 2 * inter, dtype=dtype))
+        for fmt, group, rows, cols in QUANT_LAYERS.get(model, []):
+            g = cols if group == "row" else int(group)
+            w_scale = torch.empty(rows, cols // g, dtype=dtype)
+            w_zero = torch.empty_like(w_scale)
+            if fmt == "w4a16":
+                qw = torch.empty(rows, cols // 2, dtype=torch.uint8)
+            else:
+                qw = torch.empty(rows, cols, dtype=torch.int8)
+            for m in (1, 16):
+                case.update(mode=f"{fmt}/g{group}/m{m}")
+                x = torch.empty(m, cols, dtype=dtype)
+                if fmt == "w4a16":
+                    w4a16_matmul(x, qw, w_scale, w_zero, g)
+                else:
+                    w8a16_matmul(x, qw, w_scale, g)
+            case.update(mode=f"{fmt}/g{group}/dequant")
+            if fmt == "w4a16":
+                w4a16_dequantize(qw, w_scale, w_zero, g, dtype)
+            else:
+                w8a16_dequantize(qw, w_scale, g, dtype)
 
         q3 = q.view(n, heads, head_dim)
         k3, v3 = k.view(n, kv_heads, head_dim), v.view(n, kv_heads, head_dim)
@@ -246,6 +289,9 @@ def expected_cases(model: str, config: Config) -> set[tuple]:
     cases: set[tuple] = set()
     for dtype in config["dtypes"]:
         cases |= {(dtype, None, None, "layers", kernel) for kernel in LAYER_KERNELS}
+        for fmt, group, _, _ in QUANT_LAYERS.get(model, []):
+            for mode, kernel in QUANT_MODES.items():
+                cases.add((dtype, None, None, f"{fmt}/g{group}/{mode}", kernel))
         for block_size in config["block_sizes"]:
             for kv in KV_DTYPES:
                 cases |= {(dtype, kv, block_size, m, kernel) for m, kernel in CACHE_CASES}
