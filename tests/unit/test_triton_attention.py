@@ -17,27 +17,15 @@ widened exactly to float32, casts rounded to nearest even. The kernels are uncha
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from typing import Any
-
-import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
 
-triton = pytest.importorskip("triton")
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET:
-    from triton.runtime.interpreter import InterpretedFunction
+from tests.triton_interpreter import check_interpreted, interpreter_as_gpu  # noqa: E402, F401
 
-    if not isinstance(triton.language.standard.max, InterpretedFunction):
-        raise RuntimeError(
-            "triton was imported before TRITON_INTERPRET=1 was set, so tl.max / tl.sum are not "
-            "interpreted: set it before anything imports triton (tests/conftest.py)"
-        )
+check_interpreted()
+pytestmark = pytest.mark.usefixtures("interpreter_as_gpu")
 
 from pagoda.forward_context import AttentionMetadata, build_attention_metadata  # noqa: E402
 from pagoda.kernels.attention import (  # noqa: E402
@@ -52,40 +40,6 @@ TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16:
 DTYPES = list(TOL)
 FP8 = torch.float8_e4m3fn
 JUNK_BLOCKS = 3  # blocks no sequence owns, filled with junk; table padding points at them
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_bf16_as_gpu() -> Iterator[None]:
-    """Under the interpreter, bf16 dots and float32 -> bf16 casts compute as on a GPU (see top)."""
-    if not INTERPRET:
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original_dot = interpreter.InterpreterBuilder.create_dot
-    original_convert = interpreter._convert_float
-
-    def widen(h: Any) -> Any:
-        if h.dtype != tl.bfloat16:
-            return h
-        data = (h.data.astype(np.uint32) << 16).view(np.float32)
-        return interpreter.TensorHandle(data, tl.float32)
-
-    def dot(self: Any, a: Any, b: Any, *args: Any) -> Any:
-        return original_dot(self, widen(a), widen(b), *args)
-
-    def convert(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
-        rtne = rounding_mode is None or rounding_mode == interpreter._ir.ROUNDING_MODE.RTNE
-        if src != tl.float32 or dst != tl.bfloat16 or not rtne:
-            return original_convert(data, src, dst, rounding_mode)
-        x = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
-        return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter.InterpreterBuilder, "create_dot", dot)
-        mp.setattr(interpreter, "_convert_float", convert)
-        yield
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -24,27 +24,15 @@ to the GPU's rounding.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from typing import Any
-
-import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
 
-triton = pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from triton.runtime.interpreter import InterpretedFunction
+from tests.triton_interpreter import check_interpreted, interpreter_as_gpu  # noqa: E402, F401
 
-    if not isinstance(triton.language.standard.max, InterpretedFunction):
-        raise RuntimeError(
-            "triton was imported before TRITON_INTERPRET=1 was set, so tl.max / tl.sum are not "
-            "interpreted: set it before anything imports triton (tests/conftest.py imports "
-            "transformers, which does)"
-        )
+check_interpreted()
+pytestmark = pytest.mark.usefixtures("interpreter_as_gpu")
 
 from pagoda.kernels.activation import silu_and_mul  # noqa: E402
 from pagoda.kernels.kv_cache import write_kv_cache  # noqa: E402
@@ -67,31 +55,6 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_rounds_to_nearest_even() -> Iterator[None]:
-    """Under the interpreter, float32 -> bf16 / fp8e4nv casts round as the GPU does (see top)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter._convert_float
-    torch_dtypes = {tl.bfloat16: (torch.bfloat16, np.uint16), tl.float8e4nv: (FP8, np.uint8)}
-
-    def convert(data: Any, src: Any, dst: Any, rounding_mode: Any) -> Any:
-        rtne = rounding_mode is None or rounding_mode == interpreter._ir.ROUNDING_MODE.RTNE
-        if src != tl.float32 or dst not in torch_dtypes or not rtne:
-            return original(data, src, dst, rounding_mode)
-        torch_dtype, np_dtype = torch_dtypes[dst]
-        x = torch.from_numpy(np.ascontiguousarray(data).view(np.float32))
-        return x.to(torch_dtype).view(torch.int16 if np_dtype == np.uint16 else torch.uint8).numpy()
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_convert_float", convert)
-        yield
 
 
 def _ordered(x: torch.Tensor) -> torch.Tensor:
