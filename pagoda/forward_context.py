@@ -131,8 +131,9 @@ class InputBuffers:
     handed to the model are views of the device buffers, so CUDA graphs captured on them see
     each step's values. On CPU the host buffers are the device buffers.
 
-    Invariant: host buffers are refilled only after the previous step's copies ran. The runner
-    syncs once per step (sampled ids to the host) after enqueueing them, which guarantees it.
+    Invariant: host buffers are refilled only after the previous step's copies ran: prepare()
+    records an event after its copies and waits on the previous one before writing (a step that
+    samples nothing does not sync with the host otherwise).
     """
 
     def __init__(
@@ -143,6 +144,7 @@ class InputBuffers:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._copied: torch.cuda.Event | None = None  # after the last step's host-to-device copies
         int64, int32 = torch.int64, torch.int32
         self.input_ids = self._pair((max_tokens,), int64)
         self.positions = self._pair((max_tokens,), int64)
@@ -198,6 +200,8 @@ class InputBuffers:
         num_tokens = sum(query_lens)
         rows = num_tokens if pad_to is None else pad_to
         assert num_tokens <= rows <= self.max_tokens and num_reqs <= self.max_reqs
+        if self._copied is not None:
+            self._copied.synchronize()
         ids, pos, slots = (
             self.host(b) for b in (self.input_ids, self.positions, self.slot_mapping)
         )
@@ -283,6 +287,9 @@ class InputBuffers:
         )
         input_ids = self.device_view(self.input_ids, rows)
         positions = self.device_view(self.positions, rows)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return input_ids, positions, meta
 
 
