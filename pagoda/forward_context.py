@@ -144,7 +144,8 @@ class InputBuffers:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._copied: torch.cuda.Event | None = None  # after the last step's host-to-device copies
+        # Recorded after each step's host-to-device copies (CUDA only).
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         int64, int32 = torch.int64, torch.int32
         self.input_ids = self._pair((max_tokens,), int64)
         self.positions = self._pair((max_tokens,), int64)
@@ -287,8 +288,7 @@ class InputBuffers:
         )
         input_ids = self.device_view(self.input_ids, rows)
         positions = self.device_view(self.positions, rows)
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
+        if self._copied is not None:
             self._copied.record()
         return input_ids, positions, meta
 
