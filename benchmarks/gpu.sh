@@ -16,6 +16,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 
 if [[ "$what" == tests || "$what" == all ]]; then
   python -m pytest -q -p no:cacheprovider tests/unit/test_triton_attention.py \
+    tests/unit/test_triton_quant_matmul.py \
     tests/unit/test_triton_kernels.py tests/gpu -m 'not slow' 2>&1 | tail -30 | tee "$out/tests.txt"
 fi
 
