@@ -70,6 +70,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, attention_bias, dtype)
         scale = self.head_dim**-0.5
+        # q and k are still adjacent in qkv at rotary time unless a subclass transforms them
+        self.joint_rotary = type(self).qk_transform is LlamaAttention.qk_transform
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale, layer_idx)
 
     def forward(
@@ -84,7 +86,7 @@ class LlamaAttention(nn.Module):
             from pagoda.kernels.rotary import rotary_qk
 
             q, k = rotary_qk(q, k, cos, sin, self.head_dim)  # in place
-        elif type(self).qk_transform is LlamaAttention.qk_transform:
+        elif self.joint_rotary:
             # q and k are adjacent in qkv: one rotation over both heads' rows
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size], cos, sin, self.head_dim)
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)

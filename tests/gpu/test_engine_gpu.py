@@ -19,6 +19,7 @@ import torch
 from pagoda import LLM, SamplingParams
 from pagoda.bench.common import random_prompt
 from pagoda.loader import load_tokenizer, resolve_model
+from tests.engine.test_greedy_oracle import PROMPTS as ORACLE_PROMPTS
 from tests.oracle import assert_greedy_match, hf_greedy
 
 pytestmark = [
@@ -29,16 +30,7 @@ pytestmark = [
 CONFIG_ONLY = os.path.join(
     os.path.dirname(__file__), "../../benchmarks/models/SmolLM2-135M-Instruct"
 )
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    "def fibonacci(n):",
-    "List three colors:",
-    "The quick brown fox",
-    "Water boils at a temperature of",
-    "In 1492, Christopher Columbus",
-    "Machine learning is a field of study that",
-]
+PROMPTS = ORACLE_PROMPTS[:8]
 MAX_TOKENS = 32
 TOP = 5
 
