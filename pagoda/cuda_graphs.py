@@ -52,20 +52,19 @@ class DecodeGraphs:
         kv_caches: list[KVCache],
         buffers: InputBuffers,
         block_size: int,
-        max_num_seqs: int,
+        sizes: list[int],
         num_splits: Callable[[int], int],
     ) -> None:
+        """sizes: the batch sizes to capture (capture_sizes); num_splits: the decode split-K
+        factor of a batch size."""
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
         self.block_size = block_size
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = sizes
         self.num_splits = num_splits
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # size -> (size, hidden_size) static output
-
-    def padded_size(self, num_reqs: int) -> int | None:
-        return padded_size(self.sizes, num_reqs)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -31,11 +31,9 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         kernel_backend: str = "torch",
         use_cuda_graphs: bool = False,
-        pad_decode_batches: bool = False,
     ) -> None:
         """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay captured
-        graphs for pure-decode batches (CUDA, triton); pad_decode_batches: pad those batches to
-        the graph sizes even without graphs (the eager reference of a replay)."""
+        graphs for pure-decode batches (CUDA, triton)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -56,9 +54,9 @@ class ModelRunner:
             device,
         )
         self.kv_caches: list[KVCache] = []  # one per layer, from allocate_kv_cache
-        self.decode_sizes = (
-            capture_sizes(max_num_seqs) if use_cuda_graphs or pad_decode_batches else None
-        )
+        # Pure-decode batches are padded to these sizes (the graphs' sizes); setting them
+        # without graphs runs the padded batches eagerly, the reference of a replay.
+        self.decode_sizes = capture_sizes(max_num_seqs) if use_cuda_graphs else None
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
@@ -83,13 +81,13 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         """After allocate_kv_cache: capture the decode graphs when they are enabled."""
-        if self.use_cuda_graphs:
+        if self.decode_sizes is not None and self.use_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
                 self.buffers,
                 self.block_size,
-                self.max_num_seqs,
+                self.decode_sizes,
                 self._decode_num_splits,
             )
             self.graphs.capture()
