@@ -57,10 +57,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="kernels: triton (the default on CUDA) or torch (the reference; the default on CPU)",
     )
     g.add_argument(
+        "-O",
+        "--optimization-level",
+        type=int,
+        default=None,
+        choices=range(4),
+        help="0: every step eager; 1-3: decode steps replay CUDA graphs (CUDA) or run "
+        "through torch.compile (CPU; 20-90 s of compiling at startup). Default: 2 on CUDA, "
+        "0 on CPU",
+    )
+    g.add_argument(
         "--enforce-eager",
         action="store_true",
         default=None,
-        help="run decode batches eagerly instead of replaying CUDA graphs",
+        help="the same as -O0: no CUDA graphs, no torch.compile",
     )
 
 
@@ -83,6 +93,7 @@ ENGINE_ARG_NAMES = (
     "load_format",
     "quantization",
     "attention_backend",
+    "optimization_level",
     "enforce_eager",
 )
 

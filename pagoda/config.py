@@ -138,7 +138,10 @@ class EngineConfig:
     quantization: str | None = None
     trust_remote_code: bool = False
     attention_backend: str = "auto"
-    # Decode batches replay CUDA graphs unless this is set (or the backend is torch / on CPU).
+    # vLLM's -O: 0 runs every step eagerly; 1-3 replay CUDA graphs for decode batches (CUDA,
+    # triton) or run decode steps through torch.compile (CPU). None: 2 on CUDA, 0 on CPU, where
+    # compiling costs 20-90 s of startup. enforce_eager forces 0.
+    optimization_level: int | None = None
     enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -167,6 +170,10 @@ class EngineConfig:
                     "attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to run "
                     "the kernels in Triton's interpreter on CPU, for tests); use 'torch' on CPU"
                 )
+        if self.optimization_level is not None and self.optimization_level not in range(4):
+            raise ValueError(
+                f"optimization_level must be 0, 1, 2 or 3; got {self.optimization_level!r}"
+            )
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
@@ -187,13 +194,25 @@ class EngineConfig:
         return self.attention_backend
 
     @property
+    def level(self) -> int:
+        """The optimization level in effect (see optimization_level)."""
+        if self.enforce_eager:
+            return 0
+        if self.optimization_level is not None:
+            return self.optimization_level
+        return 2 if self.torch_device.type == "cuda" else 0
+
+    @property
     def use_cuda_graphs(self) -> bool:
-        """Decode batches replay captured graphs: CUDA, the triton backend, not enforce_eager."""
+        """Decode batches replay captured graphs: CUDA, the triton backend, level >= 1."""
         return (
-            self.torch_device.type == "cuda"
-            and self.kernel_backend == "triton"
-            and not self.enforce_eager
+            self.torch_device.type == "cuda" and self.kernel_backend == "triton" and self.level > 0
         )
+
+    @property
+    def compile_decode(self) -> bool:
+        """Pure-decode steps run the model through torch.compile: CPU, torch backend, level >= 1."""
+        return self.torch_device.type == "cpu" and self.kernel_backend == "torch" and self.level > 0
 
     @property
     def torch_dtype(self) -> torch.dtype:

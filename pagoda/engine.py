@@ -46,6 +46,7 @@ class EngineCore:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             kernel_backend=config.kernel_backend,
             use_cuda_graphs=config.use_cuda_graphs,
+            compile_decode=config.compile_decode,
         )
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
@@ -70,10 +71,13 @@ class EngineCore:
             model_config.max_model_len,
         )
         self.runner.capture_cuda_graphs()
+        self.runner.compile_decode_step()
         logger.info(
-            "kernels: %s; decode CUDA graphs: %s",
+            "kernels: %s; optimization level %d: decode CUDA graphs %s, compiled decode %s",
             config.kernel_backend,
+            config.level,
             "on" if config.use_cuda_graphs else "off",
+            "on" if config.compile_decode else "off",
         )
 
     @property

@@ -172,13 +172,25 @@ class InputBuffers:
     def host(self, buf: int) -> np.ndarray:
         return self._pairs[buf][0].numpy()
 
-    def device_view(self, buf: int, rows: int, cols: int | None = None) -> torch.Tensor:
-        """Rows [0, rows) (and columns [0, cols)) of a device buffer, copied from the host first."""
+    def device_view(self, buf: int, rows: int) -> torch.Tensor:
+        """Rows [0, rows) of a device buffer, copied from the host first."""
         host, dev = self._pairs[buf]
         if dev is not host:
             dev[:rows].copy_(host[:rows], non_blocking=True)
-        view = dev[:rows]
-        return view if cols is None else view[:, :cols]
+        return dev[:rows]
+
+    def host_table(self, buf: int, rows: int, cols: int) -> np.ndarray:
+        """A block-table buffer as a contiguous (rows, cols) array over its first elements."""
+        return self._pairs[buf][0].view(-1)[: rows * cols].view(rows, cols).numpy()
+
+    def device_table(self, buf: int, rows: int, cols: int) -> torch.Tensor:
+        """The device side of host_table(buf, rows, cols), copied from the host first.
+        Contiguous, so that no consumer depends on the buffer's full width."""
+        host, dev = self._pairs[buf]
+        n = rows * cols
+        if dev is not host:
+            dev.view(-1)[:n].copy_(host.view(-1)[:n], non_blocking=True)
+        return dev.view(-1)[:n].view(rows, cols)
 
     def prepare(
         self,
@@ -206,18 +218,10 @@ class InputBuffers:
         ids, pos, slots = (
             self.host(b) for b in (self.input_ids, self.positions, self.slot_mapping)
         )
-        d_idx, d_lens, d_tables = (
+        d_idx, d_lens = (self.host(b) for b in (self.decode_token_idx, self.decode_seq_lens))
+        p_start, p_qlens, p_lens = (
             self.host(b)
-            for b in (self.decode_token_idx, self.decode_seq_lens, self.decode_block_tables)
-        )
-        p_start, p_qlens, p_lens, p_tables = (
-            self.host(b)
-            for b in (
-                self.prefill_token_start,
-                self.prefill_query_lens,
-                self.prefill_seq_lens,
-                self.prefill_block_tables,
-            )
+            for b in (self.prefill_token_start, self.prefill_query_lens, self.prefill_seq_lens)
         )
         # Vectorized over requests (a decode step of hundreds of requests is host time).
         q_lens = np.asarray(query_lens, dtype=np.int64)
@@ -244,10 +248,16 @@ class InputBuffers:
         decode = np.flatnonzero(q_lens == 1)
         prefill = np.flatnonzero(q_lens > 1)
         num_decodes = len(decode)
+        # A padded batch's rows past num_tokens are decodes too (their tables are never read).
+        num_decode_rows = num_decodes + rows - num_tokens
+        cols_d = self.max_blocks_per_seq if full_width else int(n_blocks[decode].max(initial=0))
+        d_tables = self.host_table(self.decode_block_tables, num_decode_rows, cols_d)
         d_idx[:num_decodes] = starts[decode]
         d_lens[:num_decodes] = s_lens[decode]
         _scatter_rows(d_tables, flat_tables, table_start[decode], n_blocks[decode])
         num_prefills = len(prefill)
+        cols_p = int(n_blocks[prefill].max(initial=0))
+        p_tables = self.host_table(self.prefill_block_tables, num_prefills, cols_p)
         p_start[:num_prefills] = starts[prefill]
         p_qlens[:num_prefills] = q_lens[prefill]
         p_lens[:num_prefills] = s_lens[prefill]
@@ -255,33 +265,26 @@ class InputBuffers:
         prefills = [
             PrefillSeq(int(starts[i]), int(starts[i] + q_lens[i]), int(s_lens[i])) for i in prefill
         ]
-        max_blocks_d = int(n_blocks[decode].max(initial=0))
-        max_blocks_p = int(n_blocks[prefill].max(initial=0))
         if rows > num_tokens:
             assert not prefills, "only pure-decode batches are padded"
             pad = slice(num_tokens, rows)
             ids[pad], pos[pad], slots[pad] = 0, 0, -1
             d_idx[pad] = np.arange(num_tokens, rows)
             d_lens[pad] = 0
-            num_decodes = rows
-        if full_width:
-            max_blocks_d = self.max_blocks_per_seq
         meta = AttentionMetadata(
             num_tokens=rows,
             query_lens=query_lens,
             seq_lens=list(seq_lens),
             slot_mapping=self.device_view(self.slot_mapping, rows),
-            decode_token_idx=self.device_view(self.decode_token_idx, num_decodes),
-            decode_seq_lens=self.device_view(self.decode_seq_lens, num_decodes),
-            decode_block_tables=self.device_view(
-                self.decode_block_tables, num_decodes, max_blocks_d
+            decode_token_idx=self.device_view(self.decode_token_idx, num_decode_rows),
+            decode_seq_lens=self.device_view(self.decode_seq_lens, num_decode_rows),
+            decode_block_tables=self.device_table(
+                self.decode_block_tables, num_decode_rows, cols_d
             ),
             prefill_token_start=self.device_view(self.prefill_token_start, num_prefills),
             prefill_query_lens=self.device_view(self.prefill_query_lens, num_prefills),
             prefill_seq_lens=self.device_view(self.prefill_seq_lens, num_prefills),
-            prefill_block_tables=self.device_view(
-                self.prefill_block_tables, num_prefills, max_blocks_p
-            ),
+            prefill_block_tables=self.device_table(self.prefill_block_tables, num_prefills, cols_p),
             prefills=prefills,
             max_prefill_query_len=max((p.token_end - p.token_start for p in prefills), default=0),
             decode_num_splits=decode_num_splits,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagoda.compilation import CompiledDecode
 from pagoda.config import ModelConfig
 from pagoda.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from pagoda.forward_context import InputBuffers, forward_context
@@ -16,6 +17,9 @@ from pagoda.layers.attention import KVCache
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.sampling import LogprobsTensors, Sampler, SamplingMetadata
 from pagoda.scheduler import LogprobEntry, RunnerOutput, ScheduledRequest, SchedulerOutput
+
+# (batch, block-table width) of the warm-up decode steps: one per compiled graph.
+WARMUP_SHAPES = ((1, 2), (2, 2))
 
 
 class ModelRunner:
@@ -31,9 +35,11 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         kernel_backend: str = "torch",
         use_cuda_graphs: bool = False,
+        compile_decode: bool = False,
     ) -> None:
         """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay captured
-        graphs for pure-decode batches (CUDA, triton)."""
+        graphs for pure-decode batches (CUDA, triton). compile_decode: run pure-decode batches
+        through torch.compile (pagoda/compilation.py)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -58,6 +64,7 @@ class ModelRunner:
         # without graphs runs the padded batches eagerly, the reference of a replay.
         self.decode_sizes = capture_sizes(max_num_seqs) if use_cuda_graphs else None
         self.graphs: DecodeGraphs | None = None
+        self.compiled = CompiledDecode(model) if compile_decode else None
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
 
@@ -91,6 +98,25 @@ class ModelRunner:
                 self._decode_num_splits,
             )
             self.graphs.capture()
+
+    @torch.inference_mode()
+    def compile_decode_step(self) -> None:
+        """After allocate_kv_cache, when decode steps are compiled: compile now, on a decode
+        batch of two requests that each span two blocks, rather than in the first request's
+        step. It writes two keys and values into blocks no request holds yet."""
+        if self.compiled is None:
+            return
+        num_blocks = self.kv_caches[0].k.shape[0]
+        for batch, width in WARMUP_SHAPES:
+            batch = min(batch, self.max_num_seqs)
+            width = min(width, self.max_blocks_per_seq)
+            seq_len = min(self.block_size * (width - 1) + 1, self.model_config.max_model_len)
+            tables = [[(width * i + j) % num_blocks for j in range(width)] for i in range(batch)]
+            ids, pos, meta = self.buffers.prepare(
+                [[0]] * batch, [seq_len] * batch, tables, self.block_size
+            )
+            with forward_context(meta, self.kv_caches) as ctx:
+                self.compiled.warm_up(ids, pos, ctx)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -153,6 +179,9 @@ class ModelRunner:
         )
         if size is not None and self.graphs is not None:
             hidden = self.graphs.replay(size)
+        elif self.compiled is not None and num_decodes == num_tokens:
+            with forward_context(meta, self.kv_caches) as ctx:
+                hidden = self.compiled(ids_t, pos_t, ctx)
         else:
             with forward_context(meta, self.kv_caches):
                 hidden = self.model(ids_t, pos_t)  # (num_tokens, hidden_size)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.config import KV_SCALE_DTYPE
-from pagoda.forward_context import AttentionMetadata, get_forward_context
+from pagoda.forward_context import AttentionMetadata, ForwardContext, get_forward_context
 
 # An all-zero row gets this scale rather than 0, so quantizing it divides by a positive number.
 _MIN_SCALE = torch.finfo(KV_SCALE_DTYPE).tiny
@@ -89,9 +89,12 @@ class Attention(nn.Module):
         self.scale = scale
         self.layer_idx = layer_idx
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext | None = None
+    ) -> torch.Tensor:
         # q: (num_tokens, num_heads * head_dim); k, v: (num_tokens, num_kv_heads * head_dim)
-        ctx = get_forward_context()
+        if ctx is None:
+            ctx = get_forward_context()
         cache = ctx.kv_caches[self.layer_idx]
         meta = ctx.attn_metadata
         num_tokens = q.shape[0]
@@ -155,8 +158,10 @@ def _gather_blocks(
 ) -> torch.Tensor:
     """(num_blocks, block_size, *rest)[ids] -> (*ids.shape[:-1], n * block_size, *rest),
     cut to the first `length` positions when given."""
-    out = cache.index_select(0, block_ids.reshape(-1))
-    out = out.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+    # Indexing keeps ids' shape (flattening ids, or the gathered blocks, makes torch.compile
+    # guard on whether the batch or the table width is 1).
+    dim = block_ids.dim()
+    out = cache[block_ids].flatten(dim - 1, dim)
     return out if length is None else out.narrow(block_ids.dim() - 1, 0, length)
 
 
@@ -183,24 +188,49 @@ def paged_attention_torch(
     out = q if pure_decode else torch.empty_like(q)  # pure decode: replaced below
     if meta.num_decodes:
         qd = q if pure_decode else q.index_select(0, meta.decode_token_idx)
-        kd, vd = _read_kv(cache, meta.decode_block_tables, q.dtype)  # (B, L, Hkv, D)
-        if meta.decode_mask is None:
-            key_pos = torch.arange(kd.shape[1], device=q.device)
-            valid = key_pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (B, L)
-            # additive (0 / -inf) in q's dtype: SDPA would convert a bool mask in every layer
-            additive = torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
-            meta.decode_mask = additive.masked_fill_(~valid, float("-inf"))[:, None, None, :]
-        od = F.scaled_dot_product_attention(
-            qd.unsqueeze(2),  # (B, H, 1, D)
-            kd.transpose(1, 2),  # (B, Hkv, L, D)
-            vd.transpose(1, 2),
-            attn_mask=meta.decode_mask,
-            scale=scale,
-            enable_gqa=gqa,
-        ).squeeze(2)
+        if torch.compiler.is_compiling():
+            od = decode_attention_reductions(
+                qd, cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+            )
+        else:
+            od = _decode_attention_sdpa(qd, cache, meta, scale, gqa)
         if pure_decode:
             return od
         out.index_copy_(0, meta.decode_token_idx, od)
+    return _prefill_attention_torch(q, out, cache, meta, scale, gqa)
+
+
+def _decode_attention_sdpa(
+    qd: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float, gqa: bool
+) -> torch.Tensor:
+    """The decode rows qd (num_decodes, H, D) -> (num_decodes, H, D), by SDPA over the
+    gathered keys and values with an additive mask (built once a step, kept on meta)."""
+    kd, vd = _read_kv(cache, meta.decode_block_tables, qd.dtype)  # (B, L, Hkv, D)
+    if meta.decode_mask is None:
+        key_pos = torch.arange(kd.shape[1], device=qd.device)
+        valid = key_pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (B, L)
+        # additive (0 / -inf) in q's dtype: SDPA would convert a bool mask in every layer
+        additive = torch.zeros(valid.shape, dtype=qd.dtype, device=qd.device)
+        meta.decode_mask = additive.masked_fill_(~valid, float("-inf"))[:, None, None, :]
+    return F.scaled_dot_product_attention(
+        qd.unsqueeze(2),  # (B, H, 1, D)
+        kd.transpose(1, 2),  # (B, Hkv, L, D)
+        vd.transpose(1, 2),
+        attn_mask=meta.decode_mask,
+        scale=scale,
+        enable_gqa=gqa,
+    ).squeeze(2)
+
+
+def _prefill_attention_torch(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    gqa: bool,
+) -> torch.Tensor:
+    """The prefill rows of paged_attention_torch, written into out (num_tokens, H, D)."""
     block_size = cache.k.shape[1]
     for i, p in enumerate(meta.prefills):
         q_len = p.token_end - p.token_start
@@ -222,6 +252,34 @@ def paged_attention_torch(
         )
         out[p.token_start : p.token_end] = op.transpose(0, 1)
     return out
+
+
+def decode_attention_reductions(
+    q: torch.Tensor,
+    cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention as elementwise products and sums, for torch.compile: inductor fuses
+    the block gather (and dequantization) into the reductions and never materializes the
+    keys and values, which SDPA needs. Eagerly this is slow (it builds (B, H, L, D) products);
+    paged_attention_torch is the reference it is tested against.
+
+    q: (B, H, D); block_tables (B, max_blocks); seq_lens (B,) -> (B, H, D) in q's dtype.
+    """
+    batch, num_heads, head_dim = q.shape
+    k, v = _read_kv(cache, block_tables, torch.float32)  # (B, L, Hkv, D)
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.float().view(batch, num_kv_heads, group, 1, head_dim)
+    scores = (qg * k.permute(0, 2, 1, 3).unsqueeze(2)).sum(-1) * scale  # (B, Hkv, g, L)
+    key_pos = torch.arange(k.shape[1], device=q.device)
+    valid = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)  # (B, L)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs.unsqueeze(-1) * v.permute(0, 2, 1, 3).unsqueeze(2)).sum(-2)  # (B, Hkv, g, D)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
 def paged_attention_triton(

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagoda.config import head_dim_of
+from pagoda.forward_context import ForwardContext
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention
 from pagoda.layers.embedding import LMHead, VocabEmbedding
@@ -75,7 +76,11 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale, layer_idx)
 
     def forward(
-        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext | None = None,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(
             hidden_states
@@ -93,7 +98,7 @@ class LlamaAttention(nn.Module):
         else:
             q = apply_rotary(q, cos, sin, self.head_dim)  # (num_tokens, num_heads * head_dim)
             k = apply_rotary(k, cos, sin, self.head_dim)  # (num_tokens, num_kv_heads * head_dim)
-        out = self.attn(q, k, v)  # (num_tokens, num_heads * head_dim)
+        out = self.attn(q, k, v, ctx)  # (num_tokens, num_heads * head_dim)
         return self.o_proj(out)  # (num_tokens, hidden_size)
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +122,7 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        ctx: ForwardContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden_states, residual: (num_tokens, hidden_size); residual is None for layer 0
         if residual is None:
@@ -124,7 +130,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin)
+        hidden_states = self.self_attn(hidden_states, cos, sin, ctx)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -142,12 +148,14 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = get_rope(config, head_dim_of(config), config.max_position_embeddings)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None = None
+    ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, cos, sin)
+            hidden_states, residual = layer(hidden_states, residual, cos, sin, ctx)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states  # (num_tokens, hidden_size)
 

@@ -1,0 +1,82 @@
+"""torch.compile of pure-decode steps on CPU (`-O1` and above; see EngineConfig.level).
+
+A batch-1 decode step of a small model is bound by eager dispatch: some 60 small ops per layer
+(norms, rotary, casts around the quantized matmuls, the KV gather and mask), each a few
+microseconds of host time. Inductor fuses them into a few C++ loops per layer, attention
+included (layers/attention.py: decode_attention_reductions); the quantized matmuls stay
+library calls.
+
+Contract:
+- Only pure-decode batches come here (one query token per request); prefills and mixed
+  steps run eagerly. The step's ForwardContext is passed as an argument, since dynamo cannot
+  trace the context variable.
+- Two graphs, batch 1 and batch >= 2: inductor specializes on the sizes it compiles with, so
+  one graph cannot serve both. `warm_up` compiles each at startup; the batch size (>= 2) and
+  the block-table width are dynamic, backed_size_oblivious keeping a width of 1 from
+  specializing. Each graph lives in its own function's dynamo cache, so a step checks the
+  guards of one entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import torch._dynamo
+import torch.fx.experimental._config as fx_config
+
+from pagoda.forward_context import ForwardContext
+from pagoda.models.llama import LlamaForCausalLM, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+
+# Two functions, so that each graph has a dynamo cache (keyed by code object) of its own.
+def _decode_one(
+    model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+) -> torch.Tensor:
+    return model(input_ids, positions, ctx)
+
+
+def _decode_many(
+    model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+) -> torch.Tensor:
+    return model(input_ids, positions, ctx)
+
+
+class CompiledDecode:
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model.model
+        self._one = torch.compile(_decode_one, fullgraph=True)
+        self._many = torch.compile(_decode_many, fullgraph=True)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Hidden states (num_decodes, hidden_size) of a pure-decode step."""
+        return self._graph(input_ids)(self.model, input_ids, positions, ctx)
+
+    def _graph(self, input_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
+        return self._one if input_ids.shape[0] == 1 else self._many
+
+    def warm_up(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> None:
+        """Compile the graph of this batch's kind (1 or >= 2 requests), with its dynamic dims."""
+        meta = ctx.attn_metadata
+        batch = input_ids.shape[0]
+        if batch > 1:
+            for t in (input_ids, positions, meta.slot_mapping, meta.decode_token_idx):
+                torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(meta.decode_seq_lens, 0)
+        torch._dynamo.mark_dynamic(meta.decode_block_tables, [0, 1] if batch > 1 else 1)
+        start = time.perf_counter()
+        with fx_config.patch(backed_size_oblivious=True):  # type: ignore[attr-defined]
+            self._graph(input_ids)(self.model, input_ids, positions, ctx)
+        logger.info(
+            "compiled the decode step for batch %s in %.1f s",
+            "1" if batch == 1 else ">= 2",
+            time.perf_counter() - start,
+        )

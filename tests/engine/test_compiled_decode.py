@@ -1,0 +1,103 @@
+"""Compiled decode steps on CPU (-O1 and above, pagoda/compilation.py): greedy tokens equal HF's
+(near-tie rule) while prompts arrive in chunks beside other requests' decodes, decode batches
+shrink from five requests to one, and block tables grow from one block to several; no step
+after startup compiles again. Also the level arithmetic of EngineConfig and the CLI flag."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch._dynamo
+
+from pagoda import LLM, SamplingParams
+from pagoda.cli import build_parser, engine_kwargs
+from pagoda.config import EngineConfig
+from tests.oracle import assert_greedy_match, hf_greedy
+
+PROMPTS = [[(5 * i + 11 * j) % 900 + 7 for j in range(2 + 5 * i)] for i in range(5)]
+MAX_TOKENS = [6, 9, 12, 16, 20]  # requests finish one by one: the last steps decode alone
+
+
+def _compiled_llm(path: str, **kwargs: Any) -> LLM:
+    return LLM(
+        path,
+        quantization="none",
+        optimization_level=2,
+        num_gpu_blocks_override=64,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_model_len=64,
+        **kwargs,
+    )
+
+
+# llama: llama3 rope, sharded checkpoint; qwen3: per-head q/k norm, here with an int8 KV cache.
+@pytest.mark.parametrize(("arch", "kv_cache_dtype"), [("llama", "auto"), ("qwen3", "int8")])
+def test_compiled_decode_greedy_matches_hf(
+    arch: str, kv_cache_dtype: str, tiny_model_dir: Any, tiny_hf_model: Any
+) -> None:
+    llm = _compiled_llm(tiny_model_dir(arch), kv_cache_dtype=kv_cache_dtype)
+    runner = llm.engine.runner
+    assert runner.compiled is not None
+    compiled_batches: list[int] = []
+    execute = runner.execute
+
+    def spy(out: Any) -> Any:
+        if out.scheduled and all(len(s.token_ids) == 1 for s in out.scheduled):
+            compiled_batches.append(len(out.scheduled))
+        return execute(out)
+
+    runner.execute = spy  # type: ignore[method-assign]
+    frames_before = torch._dynamo.utils.counters["frames"]["ok"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS
+    ]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames_before  # no recompiles
+    assert 1 in compiled_batches and max(compiled_batches) >= 3, compiled_batches
+    if kv_cache_dtype == "auto":
+        expected = hf_greedy(tiny_hf_model(arch), PROMPTS, max(MAX_TOKENS))
+        for out, n, (hf_tokens, hf_logprobs) in zip(outs, MAX_TOKENS, expected):
+            assert_greedy_match(out.outputs[0].token_ids, hf_tokens[:n], hf_logprobs[:n])
+    else:  # a quantized cache is not HF's: compare with the same engine run eagerly
+        eager = LLM(
+            tiny_model_dir(arch),
+            quantization="none",
+            kv_cache_dtype=kv_cache_dtype,
+            num_gpu_blocks_override=64,
+            block_size=4,
+            max_num_batched_tokens=16,
+            max_model_len=64,
+        )
+        assert eager.engine.runner.compiled is None
+        ref = eager.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
+        for out, r in zip(outs, ref):
+            assert out.outputs[0].token_ids == r.outputs[0].token_ids
+
+
+def test_optimization_levels() -> None:
+    cpu = EngineConfig(device="cpu")
+    assert cpu.level == 0 and not cpu.compile_decode and not cpu.use_cuda_graphs
+    assert EngineConfig(device="cpu", optimization_level=1).compile_decode
+    assert EngineConfig(device="cpu", optimization_level=3).level == 3
+    forced = EngineConfig(device="cpu", optimization_level=2, enforce_eager=True)
+    assert forced.level == 0 and not forced.compile_decode
+    # compiled decode is the torch backend's: the triton interpreter path stays eager
+    assert not EngineConfig(
+        device="cpu", optimization_level=2, attention_backend="triton"
+    ).compile_decode
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="optimization_level must be 0, 1, 2 or 3"):
+            EngineConfig(optimization_level=bad)
+
+
+def test_cli_optimization_flag() -> None:
+    parser = build_parser()
+    assert engine_kwargs(parser.parse_args(["generate", "-O2"]))["optimization_level"] == 2
+    long_form = parser.parse_args(["generate", "--optimization-level", "0"])
+    assert engine_kwargs(long_form)["optimization_level"] == 0
+    assert "optimization_level" not in engine_kwargs(parser.parse_args(["generate"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "-O5"])
