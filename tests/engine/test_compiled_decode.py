@@ -50,9 +50,7 @@ def test_compiled_decode_greedy_matches_hf(
 
     runner.execute = spy  # type: ignore[method-assign]
     frames_before = torch._dynamo.utils.counters["frames"]["ok"]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS
-    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
 
     assert torch._dynamo.utils.counters["frames"]["ok"] == frames_before  # no recompiles
