@@ -3,7 +3,9 @@
 # network (torch, triton and transformers already installed): installs pagoda without deps,
 # runs tests/gpu and the kernel tests compiled, then W1 / B1 with random weights from the
 # config-only folders, writing JSON lines to ${OUT:-benchmarks/results/gpu}.
-#   bash benchmarks/gpu.sh [tests|bench|all]   (default all)
+#   bash benchmarks/gpu.sh [tests|bench|quant|all]   (default all: tests and bench)
+# quant (issue 5): W1 and B1 of Qwen3-0.6B and Llama-3.2-1B with fp8 and int4 weights, to set
+# beside bench's bf16 runs of the same models.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results/gpu}"
@@ -33,4 +35,17 @@ if [[ "$what" == bench || "$what" == all ]]; then
   pagoda bench latency --model benchmarks/models/SmolLM2-135M-Instruct --load-format dummy \
     --max-model-len 2048 --input-len 128 --output-len 512 --enforce-eager --profile-steps 50 \
     --output-json "$out/b1_SmolLM2-135M-Instruct_eager.json" 2>/dev/null | tail -1
+fi
+
+if [[ "$what" == quant ]]; then
+  for m in Qwen3-0.6B Llama-3.2-1B; do
+    for q in fp8 int4; do
+      pagoda bench throughput --model "benchmarks/models/$m" --load-format dummy \
+        --max-model-len 2048 --quantization "$q" --output-json "$out/w1_${m}_$q.json" \
+        2>"$out/w1_${m}_$q.log" | tail -1
+      pagoda bench latency --model "benchmarks/models/$m" --load-format dummy \
+        --max-model-len 2048 --input-len 128 --output-len 512 --quantization "$q" \
+        --output-json "$out/b1_${m}_$q.json" 2>"$out/b1_${m}_$q.log" | tail -1
+    done
+  done
 fi
