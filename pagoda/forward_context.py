@@ -1,8 +1,10 @@
 """Per-step attention metadata, visible to every attention layer through one scoped context.
 
 The model runner builds one `AttentionMetadata` per step and runs the forward pass inside
-`forward_context(...)`; attention layers read it with `get_forward_context()`. Nothing here is a
-bare module global: the context variable is set and reset around each forward.
+`forward_context(...)`; attention layers read it with `get_forward_context()`, unless the forward
+is handed the context as an argument (compiled decode steps: dynamo cannot trace the context
+variable). Nothing here is a bare module global: the context variable is set and reset around
+each forward.
 
 Flat batch layout: the tokens of all scheduled requests are concatenated, request after request.
 Request i owns tokens [query_start_loc[i], query_start_loc[i+1]) of the flat batch; they sit at

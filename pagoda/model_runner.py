@@ -101,9 +101,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compile_decode_step(self) -> None:
-        """After allocate_kv_cache, when decode steps are compiled: compile now, on a decode
-        batch of two requests that each span two blocks, rather than in the first request's
-        step. It writes two keys and values into blocks no request holds yet."""
+        """After allocate_kv_cache, when decode steps are compiled: compile both graphs now
+        (a decode batch of one request and one of two, each request two blocks long) rather
+        than in the first requests' steps. This writes keys and values into blocks 0-3, which
+        no request holds yet and every request overwrites before reading."""
         if self.compiled is None:
             return
         num_blocks = self.kv_caches[0].k.shape[0]

@@ -182,7 +182,9 @@ def _read_kv(
 def paged_attention_torch(
     q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Reference paged attention. q: (num_tokens, num_heads, head_dim) -> same shape."""
+    """Reference paged attention. q: (num_tokens, num_heads, head_dim) -> same shape.
+    Traced by torch.compile (compiled CPU decode steps), decode rows take
+    decode_attention_reductions instead of SDPA."""
     gqa = q.shape[1] != cache.k.shape[2]
     pure_decode = meta.num_decodes == q.shape[0]
     out = q if pure_decode else torch.empty_like(q)  # pure decode: replaced below
