@@ -63,7 +63,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=range(4),
         help="0: every step eager; 1-3: decode steps replay CUDA graphs (CUDA) or run "
-        "through torch.compile (CPU; 20-90 s of compiling at startup). Default: 2 on CUDA, "
+        "through torch.compile (CPU; up to a minute of compiling at startup). Default: 2 on CUDA, "
         "0 on CPU",
     )
     g.add_argument(

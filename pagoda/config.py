@@ -140,7 +140,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     # vLLM's -O: 0 runs every step eagerly; 1-3 replay CUDA graphs for decode batches (CUDA,
     # triton) or run decode steps through torch.compile (CPU). None: 2 on CUDA, 0 on CPU, where
-    # compiling costs 20-90 s of startup. enforce_eager forces 0.
+    # compiling costs up to a minute of startup. enforce_eager forces 0.
     optimization_level: int | None = None
     enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
