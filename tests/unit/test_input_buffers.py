@@ -31,6 +31,10 @@ def test_mixed_step_exact_state() -> None:
     assert meta.decode_token_idx.tolist() == [0, 6]
     assert meta.decode_seq_lens.tolist() == [6, 9]
     assert meta.decode_block_tables.shape == (2, 3)  # widest decode row: 3 blocks
+    # contiguous (rows, used columns), not a slice of the full-width buffer: torch.compile
+    # would otherwise guard on whether the batch or the width is 1
+    assert meta.decode_block_tables.is_contiguous()
+    assert meta.prefill_block_tables.shape == (2, 2) and meta.prefill_block_tables.is_contiguous()
     assert meta.decode_block_tables[0, :2].tolist() == [7, 2]
     assert meta.decode_block_tables[1].tolist() == [1, 4, 6]
     assert meta.prefill_token_start.tolist() == [1, 4]
