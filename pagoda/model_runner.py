@@ -117,7 +117,13 @@ class ModelRunner:
                 [[0]] * batch, [seq_len] * batch, tables, self.block_size
             )
             with forward_context(meta, self.kv_caches) as ctx:
-                self.compiled.warm_up(ids, pos, ctx)
+                try:
+                    self.compiled.warm_up(ids, pos, ctx)
+                except Exception as e:  # inductor needs a C++ compiler and Python headers
+                    raise RuntimeError(
+                        f"compiling the decode step failed ({type(e).__name__}: {e}); "
+                        "run with -O0 (optimization_level=0) to skip torch.compile"
+                    ) from e
 
     @torch.inference_mode()
     def profile_run(self) -> None:

@@ -75,6 +75,19 @@ def test_compiled_decode_greedy_matches_hf(
             assert out.outputs[0].token_ids == r.outputs[0].token_ids
 
 
+def test_compile_failure_names_the_way_out(
+    tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagoda.compilation import CompiledDecode
+
+    def fail(*args: Any) -> None:
+        raise OSError("no C++ compiler")
+
+    monkeypatch.setattr(CompiledDecode, "warm_up", fail)
+    with pytest.raises(RuntimeError, match=r"OSError: no C\+\+ compiler.*-O0"):
+        _compiled_llm(tiny_model_dir("llama"))
+
+
 def test_optimization_levels() -> None:
     cpu = EngineConfig(device="cpu")
     assert cpu.level == 0 and not cpu.compile_decode and not cpu.use_cuda_graphs
