@@ -73,6 +73,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="the same as -O0: no CUDA graphs, no torch.compile",
     )
 
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule and launch each step before the previous one's outputs are processed, "
+        "so host work overlaps the GPU's (default: on with CUDA, off on CPU)",
+    )
+
 
 ENGINE_ARG_NAMES = (
     "tokenizer",
@@ -95,6 +103,7 @@ ENGINE_ARG_NAMES = (
     "attention_backend",
     "optimization_level",
     "enforce_eager",
+    "async_scheduling",
 )
 
 

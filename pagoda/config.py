@@ -143,6 +143,10 @@ class EngineConfig:
     # compiling costs up to a minute of startup. enforce_eager forces 0.
     optimization_level: int | None = None
     enforce_eager: bool = False
+    # vLLM's async scheduling: step N+1 is scheduled and launched before step N's outputs are
+    # processed, so the host's bookkeeping overlaps the device's work. None: on for CUDA, off on
+    # CPU (where the host runs the model itself and nothing overlaps).
+    async_scheduling: bool | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # No tokenizer: prompts are token ids, outputs carry token ids and empty text (vLLM's flag).
@@ -213,6 +217,13 @@ class EngineConfig:
     def compile_decode(self) -> bool:
         """Pure-decode steps run the model through torch.compile: CPU, torch backend, level >= 1."""
         return self.torch_device.type == "cpu" and self.kernel_backend == "torch" and self.level > 0
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """Whether async scheduling is in effect (see async_scheduling)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.torch_device.type == "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -15,9 +15,9 @@ from pagoda.block_pool import BlockPool
 from pagoda.config import EngineConfig, ModelConfig
 from pagoda.kv_cache_manager import KVCacheManager
 from pagoda.loader import load_model
-from pagoda.model_runner import ModelRunner
+from pagoda.model_runner import ModelRunner, PendingOutput
 from pagoda.request import EngineRequest, Request, RequestStatus, sample_request_id
-from pagoda.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from pagoda.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, model_config.max_model_len
         )
+        self.async_scheduling = config.use_async_scheduling
+        # Async scheduling: the step launched by the last step() call, not yet updated.
+        self.in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
         num_tokens = self.num_blocks * self.block_size
         blocks_per_seq = -(-model_config.max_model_len // self.block_size)
         logger.info(
@@ -73,11 +76,13 @@ class EngineCore:
         self.runner.capture_cuda_graphs()
         self.runner.compile_decode_step()
         logger.info(
-            "kernels: %s; optimization level %d: decode CUDA graphs %s, compiled decode %s",
+            "kernels: %s; optimization level %d: decode CUDA graphs %s, compiled decode %s; "
+            "async scheduling %s",
             config.kernel_backend,
             config.level,
             "on" if config.use_cuda_graphs else "off",
             "on" if config.compile_decode else "off",
+            "on" if self.async_scheduling else "off",
         )
 
     @property
@@ -129,12 +134,19 @@ class EngineCore:
 
     # ---- the three verbs -------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule, execute, update. With async scheduling the update is of the previous
+        step, made while this one runs on the device: outputs arrive one step() later."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        pending = self.runner.execute(scheduler_output)
         if scheduler_output.is_empty and self.scheduler.waiting and not self.scheduler.running:
             # add_request admits only requests that fit the whole pool, so this is a bug.
             raise RuntimeError("the scheduler made no progress with an idle KV cache")
-        return self.scheduler.update(scheduler_output, runner_output)
+        if not self.async_scheduling:
+            return self.scheduler.update(scheduler_output, pending.get())
+        previous, self.in_flight = self.in_flight, (scheduler_output, pending)
+        if previous is None:
+            return []
+        return self.scheduler.update(previous[0], previous[1].get())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

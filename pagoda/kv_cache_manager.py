@@ -122,19 +122,22 @@ class KVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def fork(self, parent: Request, child: Request) -> None:
-        """Child shares every block of the parent (ref counts up); writes will copy-on-write."""
-        blocks = self.req_blocks[parent.request_id]
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Child shares the parent's blocks of its first num_tokens tokens (ref counts up);
+        writes into a shared block will copy-on-write."""
+        blocks = self.req_blocks[parent.request_id][: cdiv(num_tokens, self.block_size)]
         self.pool.touch(blocks)
         self.req_blocks[child.request_id] = list(blocks)
-        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+        num_cached = self.num_cached_blocks.get(parent.request_id, 0)
+        self.num_cached_blocks[child.request_id] = min(num_cached, len(blocks))
 
     def cache_blocks(self, request: Request) -> None:
-        """Publish the request's newly full, computed blocks to the prefix cache."""
+        """Publish the request's newly full blocks of computed, known tokens to the prefix
+        cache (computed tokens may run ahead of the known ones by a placeholder)."""
         if not self.enable_caching:
             return
         rid = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         start = self.num_cached_blocks.get(rid, 0)
         if num_full <= start:
             return

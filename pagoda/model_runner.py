@@ -1,8 +1,13 @@
 """SchedulerOutput -> flat tensors -> forward -> logits -> sample -> RunnerOutput.
 
 The model runner owns every device tensor: weights, the paged KV cache, the persistent step
-inputs (forward_context.InputBuffers), CUDA graphs and their outputs, per-request generators.
-One host sync per step: the sampled ids' copy to the host (plus logprobs when asked for).
+inputs (forward_context.InputBuffers), CUDA graphs and their outputs, per-request generators,
+and the previous step's sampled ids.
+
+execute() only launches work: it returns a PendingOutput whose host copies are queued behind the
+step, and whose get() is the step's one host sync. Under async scheduling the engine launches
+the next step before that get(); a request decoding from a placeholder input then reads the
+token the previous step sampled straight from the device (_fill_placeholders).
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from pagoda.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from pagoda.forward_context import InputBuffers, forward_context
 from pagoda.layers.attention import KVCache
 from pagoda.models.llama import LlamaForCausalLM
-from pagoda.sampling import LogprobsTensors, Sampler, SamplingMetadata
+from pagoda.request import PLACEHOLDER_TOKEN_ID
+from pagoda.sampling import LogprobsTensors, Sampler, SamplingMetadata, to_device
 from pagoda.scheduler import LogprobEntry, RunnerOutput, ScheduledRequest, SchedulerOutput
 
 # (batch, block-table width) of the warm-up decode steps: one per compiled graph.
@@ -67,6 +73,10 @@ class ModelRunner:
         self.compiled = CompiledDecode(model) if compile_decode else None
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        # The last executed step's sampled ids (R,) on the device, and each sampling request's
+        # row in them: the inputs of the next step's placeholders.
+        self.prev_sampled: torch.Tensor | None = None
+        self.prev_rows: dict[str, int] = {}
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
         mc = self.model_config
@@ -162,12 +172,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput) -> PendingOutput:
+        """Launch one step: inputs, forward, sampling, and the copies of its results to the host
+        (see PendingOutput)."""
         for rid in out.finished_request_ids:
             self.generators.pop(rid, None)
         self._copy_blocks(out.block_copies)
         if out.is_empty:
-            return RunnerOutput({}, {}, {})
+            self.prev_sampled, self.prev_rows = None, {}
+            return PendingOutput([], [], None, None, {})
 
         token_ids = [s.token_ids for s in out.scheduled]
         num_tokens = sum(len(t) for t in token_ids)
@@ -184,6 +197,7 @@ class ModelRunner:
             decode_num_splits=self._decode_num_splits(size or num_decodes),
             full_width=size is not None,
         )
+        placeholder_rows = self._fill_placeholders(out.scheduled, ids_t)
         if size is not None and self.graphs is not None:
             hidden = self.graphs.replay(size)
         elif self.compiled is not None and num_decodes == num_tokens:
@@ -195,23 +209,55 @@ class ModelRunner:
         hidden = hidden[:num_tokens]
 
         prompt_logprobs = self._prompt_logprobs(out.scheduled, hidden)
-        sampled, logprobs = self._sample(out.scheduled, hidden)
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+        return self._sample(out.scheduled, hidden, ids_t, placeholder_rows, prompt_logprobs)
+
+    def _fill_placeholders(
+        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor
+    ) -> dict[str, int]:
+        """Write each placeholder input (the last input of a request whose previous step is
+        still in flight) from the previous step's sampled ids, on the device. Returns the flat
+        row of each such request's placeholder."""
+        rows: dict[str, int] = {}
+        end = 0
+        for s in scheduled:
+            end += len(s.token_ids)
+            if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+                rows[s.request_id] = end - 1
+        if not rows:
+            return rows
+        assert self.prev_sampled is not None, "a placeholder input without a previous step"
+        dst = list(rows.values())
+        src = [self.prev_rows[rid] for rid in rows]
+        if dst == src == list(range(len(dst))):  # an unchanged decode batch: no index upload
+            input_ids[: len(dst)].copy_(self.prev_sampled[: len(dst)])
+        else:
+            src_t = to_device(src, torch.int64, self.device)
+            input_ids[to_device(dst, torch.int64, self.device)] = self.prev_sampled[src_t]
+        return rows
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        src = to_device([c[0] for c in copies], torch.int64, self.device)
+        dst = to_device([c[1] for c in copies], torch.int64, self.device)
         for cache in self.kv_caches:
             cache.copy_blocks(src, dst)
 
     def _sample(
-        self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
-    ) -> tuple[dict[str, int], dict[str, LogprobEntry]]:
+        self,
+        scheduled: list[ScheduledRequest],
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        placeholder_rows: dict[str, int],
+        prompt_logprobs: dict[str, LogprobsTensors],
+    ) -> PendingOutput:
+        """Sample every request that catches up this step; placeholder_rows: flat rows of
+        inputs whose tokens are outputs the host does not know yet (penalties count them)."""
         rows: list[int] = []
         row_ids: list[str] = []
         params, outputs, prompts, banned = [], [], [], []
+        pending_rows: list[int] = []  # sampling rows whose output lacks its last token
+        pending_inputs: list[int] = []  # the flat input row holding that token
         generators: dict[int, torch.Generator] = {}
         token_end = 0
         for s in scheduled:
@@ -222,35 +268,40 @@ class ModelRunner:
                 gen = self._generator(rid, p.seed, index)
                 if gen is not None:
                     generators[len(rows)] = gen
+                if is_self and rid in placeholder_rows:
+                    pending_rows.append(len(rows))
+                    pending_inputs.append(placeholder_rows[rid])
                 rows.append(token_end - 1)
                 row_ids.append(rid)
                 params.append(p)
-                out_ids = s.output_token_ids if is_self else []
-                outputs.append(out_ids)
+                outputs.append(s.output_token_ids if is_self else [])
                 prompts.append(s.prompt_token_ids)
-                banned.append(self._banned(p.min_tokens, p.stop_token_ids, len(out_ids)))
+                num_out = s.num_output_tokens if is_self else 0
+                banned.append(self._banned(p.min_tokens, p.stop_token_ids, num_out))
         if not rows:
-            return {}, {}
+            self.prev_sampled, self.prev_rows = None, {}
+            return PendingOutput([], [], None, None, prompt_logprobs)
         # One row per request in a pure-decode step: no gather (and no index upload) needed.
         last = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
         logits = self.model.compute_logits(last)  # (num_rows, vocab) float32
         meta = SamplingMetadata.from_rows(
             params, outputs, prompts, generators, banned, logits.shape[-1], self.device
         )
+        if pending_rows and not meta.no_penalties:
+            meta.pending_output_rows = to_device(pending_rows, torch.int64, self.device)
+            meta.pending_output_tokens = input_ids[
+                to_device(pending_inputs, torch.int64, self.device)
+            ]
         result = self.sampler(logits, meta)
-        tokens = result.sampled_token_ids.tolist()
-        sampled = dict(zip(row_ids, tokens))
-        logprobs: dict[str, LogprobEntry] = {}
-        if result.logprobs is not None:
-            entries = _logprob_entries(result.logprobs)
-            for rid, p, entry in zip(row_ids, params, entries):
-                if p.logprobs is not None:
-                    logprobs[rid] = (
-                        entry[0][: p.logprobs + 1],
-                        entry[1][: p.logprobs + 1],
-                        entry[2],
-                    )
-        return sampled, logprobs
+        self.prev_sampled = result.sampled_token_ids
+        self.prev_rows = {rid: i for i, rid in enumerate(row_ids)}
+        return PendingOutput(
+            row_ids,
+            [p.logprobs for p in params],
+            result.sampled_token_ids,
+            result.logprobs,
+            prompt_logprobs,
+        )
 
     def _banned(self, min_tokens: int, stop_token_ids: tuple[int, ...], num_out: int) -> list[int]:
         if num_out >= min_tokens:
@@ -269,8 +320,8 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
-    ) -> dict[str, list[LogprobEntry]]:
-        result: dict[str, list[LogprobEntry]] = {}
+    ) -> dict[str, LogprobsTensors]:
+        result: dict[str, LogprobsTensors] = {}
         token_start = 0
         for s in scheduled:
             n = s.num_prompt_logprob_tokens
@@ -279,13 +330,65 @@ class ModelRunner:
                 row = token_start + s.prompt_logprob_offset
                 logits = self.model.compute_logits(hidden[row : row + n])
                 first = s.start + s.prompt_logprob_offset + 1
-                targets = torch.tensor(s.prompt_token_ids[first : first + n], device=self.device)
-                result[s.request_id] = _logprob_entries(
-                    self.sampler.compute_logprobs_for(logits, targets, k)
-                )
+                targets = to_device(s.prompt_token_ids[first : first + n], torch.int64, self.device)
+                result[s.request_id] = self.sampler.compute_logprobs_for(logits, targets, k)
             token_start += len(s.token_ids)
         return result
 
 
 def _logprob_entries(t: LogprobsTensors) -> list[LogprobEntry]:
     return list(zip(*t.tolists()))
+
+
+class PendingOutput:
+    """A step's results on their way to the host. Built at the end of execute(), which queues
+    the device-to-host copies (pinned memory, non_blocking) behind the step's work and records
+    an event; get() waits for that event (the step's one host sync) and builds the
+    RunnerOutput. On CPU the results are already on the host."""
+
+    def __init__(
+        self,
+        row_ids: list[str],
+        num_logprobs: list[int | None],
+        sampled: torch.Tensor | None,
+        logprobs: LogprobsTensors | None,
+        prompt_logprobs: dict[str, LogprobsTensors],
+    ) -> None:
+        """row_ids[i] sampled sampled[i] and asked for num_logprobs[i] top logprobs."""
+        self.row_ids = row_ids
+        self.num_logprobs = num_logprobs
+        self.ready: torch.cuda.Event | None = None
+        tensors = [t for t in (sampled, *(logprobs or ())) if t is not None]
+        tensors += [t for lp in prompt_logprobs.values() for t in lp]
+        if any(t.is_cuda for t in tensors):
+            sampled = None if sampled is None else _to_host(sampled)
+            logprobs = None if logprobs is None else LogprobsTensors(*map(_to_host, logprobs))
+            prompt_logprobs = {
+                rid: LogprobsTensors(*map(_to_host, lp)) for rid, lp in prompt_logprobs.items()
+            }
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        self.sampled = sampled
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+
+    def get(self) -> RunnerOutput:
+        if self.ready is not None:
+            self.ready.synchronize()
+        sampled: dict[str, int] = {}
+        if self.sampled is not None:
+            sampled = dict(zip(self.row_ids, self.sampled.tolist()))
+        logprobs: dict[str, LogprobEntry] = {}
+        if self.logprobs is not None:
+            entries = _logprob_entries(self.logprobs)
+            for rid, k, (ids, lps, rank) in zip(self.row_ids, self.num_logprobs, entries):
+                if k is not None:
+                    logprobs[rid] = (ids[: k + 1], lps[: k + 1], rank)
+        prompt = {rid: _logprob_entries(t) for rid, t in self.prompt_logprobs.items()}
+        return RunnerOutput(sampled, logprobs, prompt)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host tensor that a non_blocking copy from `t` fills in stream order."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)

@@ -1,8 +1,12 @@
 """Request: the engine's per-sequence state, plain integers and lists (no tensors).
 
-Catch-up invariant: `num_computed_tokens <= num_tokens`; each step schedules some of the
-`num_tokens - num_computed_tokens` tokens whose KV is still missing. A request samples a new
-token exactly in the step in which it catches up.
+Catch-up invariant: `num_computed_tokens <= num_tokens + num_output_placeholders`; each step
+schedules some of the tokens whose KV is still missing. A request samples a new token exactly in
+the step in which it catches up. `num_output_placeholders` counts tokens that scheduled steps
+will sample but whose ids the host does not know yet: it is 1 from the schedule() of a sampling
+step until that step's update(). With async scheduling the next step is scheduled in between,
+so its input is that unknown token (PLACEHOLDER_TOKEN_ID; the model runner takes it from the
+device).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ class RequestStatus(enum.IntEnum):
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
+
+# The input of a position whose token an in-flight step is still sampling.
+PLACEHOLDER_TOKEN_ID = -1
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -85,6 +92,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -95,6 +103,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens the request will have once its scheduled steps are updated: the target that
+        num_computed_tokens catches up with."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -120,5 +134,5 @@ class Request:
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens})"
+            f"computed={self.num_computed_tokens}, placeholders={self.num_output_placeholders})"
         )

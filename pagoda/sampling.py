@@ -264,6 +264,16 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
+def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device` without waiting for the device: on CUDA the
+    copy goes through pinned memory with non_blocking (torch.tensor(..., device="cuda") copies
+    synchronously, so it would wait for every step queued before it)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class LogprobsTensors(NamedTuple):
     """Logprobs for N positions: column 0 is the chosen token, columns 1..k the top-k."""
 
@@ -304,6 +314,11 @@ class SamplingMetadata:
     banned_token_ids: list[list[int]]  # masked to -inf (min_tokens not yet reached)
     max_num_logprobs: int | None
     logit_bias: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per row
+    max_top_k: int = 0  # the largest enabled top_k (computed on the host: no device sync)
+    # Output tokens missing from output_token_ids because the step sampling them is still in
+    # flight (async scheduling): rows (K,) and token ids (K,) on the device. Penalties only.
+    pending_output_rows: torch.Tensor | None = None
+    pending_output_tokens: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -336,15 +351,19 @@ class SamplingMetadata:
         all_greedy, all_random = all(greedy), bool(params) and not any(greedy)
         random_rows = [p for p, g in zip(params, greedy) if not g]
 
+        device = torch.device(device)
+
         def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         temperature = top_k = top_p = min_p = None
+        max_top_k = 0
         if not all_greedy:
             temperature = column([p.temperature for p in params], torch.float32)
             if any(0 < p.top_k < vocab_size for p in random_rows):
                 ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
                 top_k = column(ks, torch.int64)
+                max_top_k = max(k for k in ks if k < vocab_size)
             if any(p.top_p < 1.0 for p in random_rows):
                 top_p = column([p.top_p for p in params], torch.float32)
             if any(p.min_p > 0.0 for p in random_rows):
@@ -376,14 +395,14 @@ class SamplingMetadata:
             banned_token_ids=banned_token_ids,
             max_num_logprobs=max(logprobs) if logprobs else None,
             logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else [],
+            max_top_k=max_top_k,
         )
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor(
-        [r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64, device=device
-    )
+    padded = [t for r in rows for t in (*r, *[pad] * (width - len(r)))]
+    return to_device(padded, torch.int64, device).view(len(rows), width)
 
 
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -402,10 +421,10 @@ def apply_logit_bias(
     cols = [t for pairs in logit_bias for t, _ in pairs]
     values = [b for pairs in logit_bias for _, b in pairs]
     index = (
-        torch.tensor(rows, dtype=torch.int64, device=logits.device),
-        torch.tensor(cols, dtype=torch.int64, device=logits.device),
+        to_device(rows, torch.int64, logits.device),
+        to_device(cols, torch.int64, logits.device),
     )
-    bias = torch.tensor(values, dtype=logits.dtype, device=logits.device)
+    bias = to_device(values, logits.dtype, logits.device)
     return logits.index_put(index, bias, accumulate=True)
 
 
@@ -416,10 +435,10 @@ def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]])
         return logits
     cols = [t for ids in banned_token_ids for t in ids]
     index = (
-        torch.tensor(rows, dtype=torch.int64, device=logits.device),
-        torch.tensor(cols, dtype=torch.int64, device=logits.device),
+        to_device(rows, torch.int64, logits.device),
+        to_device(cols, torch.int64, logits.device),
     )
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+    return logits.index_put(index, logits.new_full((), float("-inf")))
 
 
 def apply_penalties(
@@ -429,15 +448,21 @@ def apply_penalties(
     presence_penalties: torch.Tensor,
     frequency_penalties: torch.Tensor,
     repetition_penalties: torch.Tensor,
+    pending_output_rows: torch.Tensor | None = None,
+    pending_output_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Repetition (HF/vLLM), then frequency and presence (OpenAI/vLLM) penalties (out of place).
 
     repetition: a token seen in the prompt or the output has a positive logit divided by the
         penalty and a negative one multiplied by it.
     frequency, presence: logit -= frequency * count_in_output + presence * (count_in_output > 0).
+    The output of row pending_output_rows[j] also holds the device token pending_output_tokens[j].
     """
     num_rows, vocab_size = logits.shape
     out_counts = _token_counts(output_token_ids, vocab_size, logits.device)
+    if pending_output_rows is not None and pending_output_tokens is not None:
+        index = (pending_output_rows, pending_output_tokens)
+        out_counts.index_put_(index, out_counts.new_ones(()), accumulate=True)
     seen = _token_counts(prompt_token_ids, vocab_size, logits.device) > 0
     seen |= out_counts > 0
     rep = repetition_penalties.unsqueeze(1)
@@ -447,11 +472,15 @@ def apply_penalties(
     return logits - presence_penalties.unsqueeze(1) * (out_counts > 0).to(logits.dtype)
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Keep the k largest logits of each row (ties with the k-th kept); k >= vocab keeps all."""
+def apply_top_k(
+    logits: torch.Tensor, top_k: torch.Tensor, max_k: int | None = None
+) -> torch.Tensor:
+    """Keep the k largest logits of each row (ties with the k-th kept); k >= vocab keeps all.
+    max_k: the largest enabled k, when the caller knows it (reading it off top_k syncs)."""
     vocab_size = logits.shape[-1]
     enabled = top_k < vocab_size
-    max_k = int(torch.where(enabled, top_k, 1).max())
+    if max_k is None:
+        max_k = int(torch.where(enabled, top_k, 1).max())
     top_values = logits.topk(max_k, dim=-1).values  # (R, max_k), descending
     kth = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
     kth = torch.where(enabled.unsqueeze(1), kth, float("-inf"))
@@ -530,6 +559,8 @@ class Sampler:
                 meta.presence_penalties,
                 meta.frequency_penalties,
                 meta.repetition_penalties,
+                meta.pending_output_rows,
+                meta.pending_output_tokens,
             )
         sampled = self.sample(logits, meta)
         logprobs = None
@@ -549,7 +580,7 @@ class Sampler:
         is_greedy = temperature < _SAMPLING_EPS
         logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
         if meta.top_k is not None:
-            logits = apply_top_k(logits, meta.top_k)
+            logits = apply_top_k(logits, meta.top_k, meta.max_top_k or None)
         if meta.top_p is not None:
             logits = apply_top_p(logits, meta.top_p)
         if meta.min_p is not None:

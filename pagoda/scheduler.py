@@ -1,10 +1,15 @@
 """Iteration-level scheduler: CPU bookkeeping over integers that emits plain data.
 
 There is no prefill or decode mode. Every request's `num_computed_tokens` catches up with its
-`num_tokens`; each step the token budget caps how many tokens a request gets (that cap is all
-chunked prefill is). Running requests are served first, then waiting ones by policy. When blocks
-run out, the running request that sorts last (lowest priority, latest arrival) is preempted: its
-blocks are freed and it is recomputed later.
+`num_tokens_with_placeholders`; each step the token budget caps how many tokens a request gets
+(that cap is all chunked prefill is). Running requests are served first, then waiting ones by
+policy. When blocks run out, the running request that sorts last (lowest priority, latest
+arrival) is preempted: its blocks are freed and it is recomputed later.
+
+schedule() counts the token a sampling step will produce as an output placeholder; update()
+turns it into the sampled token. With async scheduling (EngineCore) the next schedule() runs
+before the previous step's update(): a request then decodes from a placeholder input, and
+update() matches outputs to Request objects, since an id may finish and be reused meanwhile.
 """
 
 from __future__ import annotations
@@ -16,19 +21,22 @@ from dataclasses import dataclass, field
 from pagoda.block_pool import KVCacheBlock
 from pagoda.config import SchedulerConfig
 from pagoda.kv_cache_manager import KVCacheManager
-from pagoda.request import Request, RequestStatus
+from pagoda.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 from pagoda.sampling import SamplingParams
 
 
 @dataclass
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]  # inputs of this step: positions [start, start + len)
+    # Inputs of this step: positions [start, start + len). The last one may be
+    # PLACEHOLDER_TOKEN_ID: the token the previous step (still in flight) samples.
+    token_ids: list[int]
     start: int  # num_computed_tokens before this step
     block_ids: list[int]
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # the known outputs (a live list; it lacks a placeholder's)
+    num_output_tokens: int  # sampled before this step, placeholders included (min_tokens)
     # Requests that sample from this row's logits: the request itself, plus n > 1 siblings on
     # the step its prompt completes. Empty while a prompt chunk does not reach the end.
     sample_ids: list[str] = field(default_factory=list)
@@ -44,6 +52,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write, before the forward pass
     finished_request_ids: list[str]  # since the last step: the runner drops their state
     preempted_request_ids: list[str]
+    requests: list[Request]  # the Request of each entry of `scheduled` (update matches these)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -181,7 +190,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._finishes_in_flight(request):
+                i += 1
+                continue
+            n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
             scheduled = True
             while not self.kv.allocate_slots(request, n):
                 victim = max(self.running, key=lambda r: r.sort_key)
@@ -202,6 +214,9 @@ class Scheduler:
 
         while self.waiting and budget > 0 and not preempted:
             request = self.waiting[0]
+            # A placeholder is updated before the next schedule(); a request preempted with one
+            # is not admitted in the schedule() that preempted it.
+            assert request.num_output_placeholders == 0, request
             if (
                 len(self.running) + 1 + len(self._waiting_siblings(request))
                 > self.config.max_num_seqs
@@ -224,15 +239,30 @@ class Scheduler:
             num_new[request.request_id] = n
             budget -= n
 
-        batch = [self._scheduled(self.requests[rid], n) for rid, n in num_new.items()]
-        for rid, n in num_new.items():
-            self.requests[rid].num_computed_tokens += n
+        requests = [self.requests[rid] for rid in num_new]
+        batch = [self._scheduled(r, num_new[r.request_id]) for r in requests]
+        for request, s in zip(requests, batch):
+            request.num_computed_tokens += len(s.token_ids)
+            if s.sample_ids:
+                request.num_output_placeholders += 1
         finished, self.finished_ids = self.finished_ids, []
         return SchedulerOutput(
             scheduled=batch,
             block_copies=self.kv.take_pending_copies(),
             finished_request_ids=finished,
             preempted_request_ids=[r.request_id for r in preempted],
+            requests=requests,
+        )
+
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """Whether a step not yet updated samples the request's last token (max_tokens or
+        max_model_len reached): another step would compute a token nobody reads."""
+        if request.num_output_placeholders == 0:
+            return False
+        num_tokens = request.num_tokens_with_placeholders
+        return (
+            num_tokens - request.num_prompt_tokens >= request.max_tokens
+            or num_tokens >= self.max_model_len
         )
 
     def _preempt(self, request: Request) -> None:
@@ -248,12 +278,15 @@ class Scheduler:
         start = request.num_computed_tokens
         sample_ids: list[str] = []
         sample_indices: list[int] = []
-        if start + n == request.num_tokens:
+        if start + n == request.num_tokens_with_placeholders:
             sample_ids.append(request.request_id)
             sample_indices.append(request.sample_index)
-            for s in self._waiting_siblings(request):
-                sample_ids.append(s.request_id)
-                sample_indices.append(s.sample_index)
+            # Siblings sample their first token from the prompt's last row (the leader's first
+            # sample), and fork when that step is updated.
+            if request.num_output_tokens + request.num_output_placeholders == 0:
+                for s in self._waiting_siblings(request):
+                    sample_ids.append(s.request_id)
+                    sample_indices.append(s.sample_index)
         # Row p's logits score prompt token p + 1, so the last prompt position has no target;
         # positions scored before a preemption are not scored again on recompute.
         plp_offset = num_plp = 0
@@ -263,14 +296,17 @@ class Scheduler:
             if hi > lo:
                 plp_offset, num_plp = lo - start, hi - lo
                 request.num_prompt_logprobs_done = hi
+        token_ids = request.all_token_ids[start : start + n]
+        token_ids += [PLACEHOLDER_TOKEN_ID] * (n - len(token_ids))
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start : start + n],
+            token_ids=token_ids,
             start=start,
             block_ids=self.kv.get_block_ids(request.request_id),
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
             sample_ids=sample_ids,
             sample_indices=sample_indices,
             prompt_logprob_offset=plp_offset,
@@ -280,23 +316,27 @@ class Scheduler:
     # ---- update -------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, runner: RunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        for s in out.scheduled:
-            request = self.requests.get(s.request_id)
-            if request is None:  # finished while the step ran
+        for s, request in zip(out.scheduled, out.requests):
+            if request.is_finished:  # finished (e.g. aborted) while the step ran
                 continue
             prompt_lps = runner.prompt_logprobs.get(s.request_id, [])
-            for rid in s.sample_ids[1:]:
-                self._fork(request, self.requests[rid])
+            samples = [request]
+            if len(s.sample_ids) > 1:
+                siblings = {x.request_id: x for x in request.siblings}
+                for rid in s.sample_ids[1:]:
+                    if not siblings[rid].is_finished:
+                        self._fork(request, siblings[rid], s.start + len(s.token_ids))
+                        samples.append(siblings[rid])
             self.kv.cache_blocks(request)
             if not s.sample_ids:
                 if prompt_lps:
                     outputs.append(self._output(request, [], [], prompt_lps))
                 continue
-            for rid in s.sample_ids:
-                r = self.requests[rid]
-                token = runner.sampled_token_ids[rid]
+            request.num_output_placeholders -= 1
+            for r in samples:
+                token = runner.sampled_token_ids[r.request_id]
                 r.append_output_token(token)
-                lp = runner.logprobs.get(rid)
+                lp = runner.logprobs.get(r.request_id)
                 status = self._stop_status(r, token)
                 if status is not None:
                     self._finish(r, status)
@@ -305,11 +345,17 @@ class Scheduler:
                 )
         return outputs
 
-    def _fork(self, leader: Request, sibling: Request) -> None:
-        self.kv.fork(leader, sibling)
-        sibling.num_computed_tokens = leader.num_computed_tokens
+    def _fork(self, leader: Request, sibling: Request, num_prompt_computed: int) -> None:
+        """Start an n > 1 sample on the leader's blocks of its computed prompt. A leader
+        preempted meanwhile (async scheduling) has no blocks: the sample waits to recompute."""
         sibling.num_cached_tokens = leader.num_cached_tokens
         sibling.first_scheduled_time = leader.first_scheduled_time
+        if leader.status == RequestStatus.PREEMPTED:
+            sibling.status = RequestStatus.PREEMPTED
+            self._enqueue(sibling)
+            return
+        self.kv.fork(leader, sibling, num_prompt_computed)
+        sibling.num_computed_tokens = num_prompt_computed
         sibling.status = RequestStatus.RUNNING
         self.running.append(sibling)
 

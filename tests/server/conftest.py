@@ -1,7 +1,7 @@
 """Real `pagoda serve` processes on free loopback ports.
 
 - `start_server(model, *flags)`: start one (waits for /health 200); stopped at the end of the test.
-- `tiny_server`: one per session on the tiny random Llama (most tests).
+- `tiny_server`: one per session on the tiny random Llama (most tests), with async scheduling.
 - `smollm2_server`: one per session on the embedded SmolLM2 GGUF.
 """
 
@@ -136,7 +136,8 @@ def tiny_llama_dir(tiny_model_dir: Callable[[str], str]) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama_dir: str) -> Iterator[ServerProcess]:
-    server = ServerProcess(tiny_llama_dir, SMALL_POOL).wait_ready()
+    # Async scheduling, as on a GPU by default (the SmolLM2 server keeps the CPU default: off).
+    server = ServerProcess(tiny_llama_dir, (*SMALL_POOL, "--async-scheduling")).wait_ready()
     yield server
     server.stop()
 

@@ -350,7 +350,7 @@ def fork_after_prompt(m: KVCacheManager, prompt: list[int], n: int) -> list[Requ
     reqs = [make_request("p" if i == 0 else f"p#{i}", prompt) for i in range(n)]
     prefill(m, reqs[0])
     for child in reqs[1:]:
-        m.fork(reqs[0], child)
+        m.fork(reqs[0], child, reqs[0].num_computed_tokens)
         child.num_computed_tokens = reqs[0].num_computed_tokens
     return reqs
 

@@ -12,7 +12,7 @@ import pytest
 from pagoda.block_pool import BlockPool
 from pagoda.config import SchedulerConfig
 from pagoda.kv_cache_manager import KVCacheManager
-from pagoda.request import Request, RequestStatus, sample_request_id
+from pagoda.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, sample_request_id
 from pagoda.sampling import SamplingParams
 from pagoda.scheduler import EngineCoreOutput, RunnerOutput, Scheduler, SchedulerOutput
 
@@ -689,3 +689,186 @@ def test_prompt_logprobs_reported_once_across_preemption():
         scored += [e[0][0] for o in outputs if o.request_id == "r" for e in o.new_prompt_logprobs]
     assert preempted
     assert scored == r.prompt_token_ids[1:]
+
+
+# ---- async scheduling: schedule() of step k + 1 runs before update() of step k ----------
+
+
+def runner_output(out: SchedulerOutput, tokens: dict[str, int]) -> RunnerOutput:
+    """The fake runner's result of `out`: tokens[rid] for every sampling id."""
+    sampled = {rid: tokens[rid] for s in out.scheduled for rid in s.sample_ids}
+    return RunnerOutput(sampled, logprobs={}, prompt_logprobs={})
+
+
+def cached_ids(sched: Scheduler) -> list[int]:
+    return sorted(b.block_id for b in sched.kv.pool.cached.values())
+
+
+def test_async_decode_from_placeholder_and_no_step_past_max_tokens():
+    sched = make_scheduler()
+    p = prompt(1, 6)
+    a = make_request("a", p, arrival=0, max_tokens=3)
+    sched.add_request(a)
+
+    out1 = sched.schedule()
+    assert [(s.start, s.token_ids, s.sample_ids) for s in out1.scheduled] == [(0, p, ["a"])]
+    assert (a.num_computed_tokens, a.num_output_placeholders) == (6, 1)
+
+    # Step 2 is scheduled while step 1 is in flight: its input is step 1's unknown token.
+    out2 = sched.schedule()
+    s = out2.scheduled[0]
+    assert (s.start, s.token_ids, s.sample_ids) == (6, [PLACEHOLDER_TOKEN_ID], ["a"])
+    assert s.num_output_tokens == 1 and s.output_token_ids == []
+    assert s.block_ids == [0, 1]
+    assert (a.num_computed_tokens, a.num_output_placeholders) == (7, 2)
+
+    outputs = sched.update(out1, runner_output(out1, {"a": 11}))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
+        ("a", [11], None)
+    ]
+    assert a.all_token_ids == p + [11] and a.num_output_placeholders == 1
+    assert cached_ids(sched) == [0]  # block 1 holds position 6, computed but not yet known
+
+    out3 = sched.schedule()
+    s = out3.scheduled[0]
+    assert (s.start, s.token_ids, s.num_output_tokens) == (7, [PLACEHOLDER_TOKEN_ID], 2)
+    assert sched.update(out2, runner_output(out2, {"a": 12}))[0].new_token_ids == [12]
+    assert cached_ids(sched) == [0]
+
+    # Steps 2 and 3 sample outputs 2 and 3 = max_tokens: a fourth step would be wasted.
+    out4 = sched.schedule()
+    assert out4.is_empty and ids(sched.running) == ["a"]
+    outputs = sched.update(out3, runner_output(out3, {"a": 13}))
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([13], "length")]
+    assert a.output_token_ids == [11, 12, 13] and a.num_output_placeholders == 0
+    assert sched.update(out4, runner_output(out4, {})) == []
+    assert_pool_all_free(sched)
+    assert not sched.has_unfinished_requests()
+
+
+def test_async_stop_while_next_step_in_flight_and_id_reused():
+    sched = make_scheduler()
+    old = make_request("a", prompt(1, 4), arrival=0, max_tokens=10)
+    sched.add_request(old)
+    out1 = sched.schedule()
+    out2 = sched.schedule()  # old's next decode, in flight when old stops
+    outputs = sched.update(out1, runner_output(out1, {"a": EOS}))
+    assert [(o.new_token_ids, o.finish_reason) for o in outputs] == [([EOS], "stop")]
+    assert_pool_all_free(sched)
+
+    new = make_request("a", prompt(2, 4), arrival=1, max_tokens=10)
+    sched.add_request(new)
+    out3 = sched.schedule()
+    assert out3.finished_request_ids == ["a"]  # the old one: the runner drops its state
+    assert [(s.start, s.token_ids) for s in out3.scheduled] == [(0, prompt(2, 4))]
+    # Step 2's token belongs to the old request object: dropped, the new one is untouched.
+    assert sched.update(out2, runner_output(out2, {"a": 99})) == []
+    assert new.output_token_ids == [] and new.num_output_placeholders == 1
+    assert sched.update(out3, runner_output(out3, {"a": 5}))[0].new_token_ids == [5]
+    assert old.output_token_ids == [EOS] and new.output_token_ids == [5]
+
+
+def test_async_abort_while_two_steps_in_flight():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", prompt(1, 4), arrival=0))
+    sched.add_request(make_request("b", prompt(2, 4), arrival=1))
+    out1 = sched.schedule()
+    out2 = sched.schedule()
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.get_block_ids("a") == []
+    outputs = sched.update(out1, runner_output(out1, {"a": 11, "b": 12}))
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("b", [12])]
+    out3 = sched.schedule()
+    assert out3.finished_request_ids == ["a"] and num_scheduled(out3) == {"b": 1}
+    outputs = sched.update(out2, runner_output(out2, {"a": 21, "b": 22}))
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("b", [22])]
+    assert sched.requests["b"].output_token_ids == [12, 22]
+
+
+def test_async_preempted_with_placeholder_gets_its_token_then_recomputes():
+    sched = make_scheduler(num_blocks=3)
+    a = make_request("a", prompt(1, 4), arrival=0, max_tokens=2)
+    b = make_request("b", prompt(2, 4), arrival=1, max_tokens=5)
+    sched.add_request(a)
+    sched.add_request(b)
+    out1 = sched.schedule()
+    assert num_scheduled(out1) == {"a": 4, "b": 4}
+    # Both decode into a second block; the pool has one: b, the latest, is preempted with
+    # its step-1 token still in flight.
+    out2 = sched.schedule()
+    assert num_scheduled(out2) == {"a": 1} and out2.preempted_request_ids == ["b"]
+    assert (b.status, b.num_computed_tokens, b.num_output_placeholders) == (
+        RequestStatus.PREEMPTED,
+        0,
+        1,
+    )
+    assert ids(sched.waiting) == ["b"] and sched.kv.get_block_ids("b") == []
+
+    outputs = sched.update(out1, runner_output(out1, {"a": 11, "b": 12}))
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", [11]), ("b", [12])]
+    assert b.all_token_ids == prompt(2, 4) + [12] and b.num_output_placeholders == 0
+    assert b.status == RequestStatus.PREEMPTED and sched.kv.get_block_ids("b") == []
+
+    out3 = sched.schedule()  # a samples its last token in step 2; b does not fit yet
+    assert out3.is_empty and ids(sched.waiting) == ["b"]
+    outputs = sched.update(out2, runner_output(out2, {"a": 13}))
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "length")]
+    sched.update(out3, runner_output(out3, {}))
+
+    out4 = sched.schedule()
+    s = out4.scheduled[0]
+    assert (s.request_id, s.start, s.token_ids) == ("b", 0, prompt(2, 4) + [12])
+    assert s.sample_ids == ["b"] and s.num_output_tokens == 1
+
+
+def test_async_leader_preempted_before_fork_sends_samples_to_recompute():
+    sched = make_scheduler(num_blocks=2)
+    c = make_request("c", prompt(0, 4), arrival=0, max_tokens=2)
+    lead = make_request("l", prompt(1, 4), arrival=1, n=2, max_tokens=4)
+    sched.add_request(c)
+    sched.add_request(lead)
+    out1 = sched.schedule()
+    assert [s.sample_ids for s in out1.scheduled] == [["c"], ["l", "l#1"]]
+    out2 = sched.schedule()  # c needs a second block: the leader is preempted before its fork
+    assert num_scheduled(out2) == {"c": 1} and out2.preempted_request_ids == ["l"]
+
+    outputs = sched.update(out1, runner_output(out1, {"c": 11, "l": 12, "l#1": 13}))
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [
+        ("c", [11]),
+        ("l", [12]),
+        ("l#1", [13]),
+    ]
+    sibling = sched.requests["l#1"]
+    assert ids(sched.waiting) == ["l", "l#1"]
+    assert (sibling.status, sibling.num_computed_tokens) == (RequestStatus.PREEMPTED, 0)
+    assert sched.kv.get_block_ids("l#1") == []
+
+    out3 = sched.schedule()
+    assert out3.is_empty
+    sched.update(out2, runner_output(out2, {"c": 14}))  # c finishes, its blocks free up
+    sched.update(out3, runner_output(out3, {}))
+    out4 = sched.schedule()
+    assert [(s.request_id, s.token_ids) for s in out4.scheduled] == [("l", prompt(1, 4) + [12])]
+
+
+def test_async_fork_shares_only_the_prompt_blocks():
+    sched = make_scheduler()
+    lead = make_request("l", prompt(1, 8), arrival=0, n=2, max_tokens=4)
+    sched.add_request(lead)
+    out1 = sched.schedule()
+    out2 = sched.schedule()  # the leader's decode at position 8 takes a third block
+    assert sched.kv.get_block_ids("l") == [0, 1, 2]
+    sched.update(out1, runner_output(out1, {"l": 11, "l#1": 12}))
+    sibling = sched.requests["l#1"]
+    assert sched.kv.get_block_ids("l#1") == [0, 1]
+    assert sibling.num_computed_tokens == 8 and sibling.all_token_ids == prompt(1, 8) + [12]
+    assert ref_cnts(sched)[:3] == [2, 2, 1]
+    out3 = sched.schedule()
+    assert [(s.request_id, s.start, s.token_ids) for s in out3.scheduled] == [
+        ("l", 9, [PLACEHOLDER_TOKEN_ID]),
+        ("l#1", 8, [12]),
+    ]
+    assert sched.kv.get_block_ids("l#1") == [0, 1, 3]
+    sched.update(out2, runner_output(out2, {"l": 21}))
+    sched.update(out3, runner_output(out3, {"l": 31, "l#1": 32}))
+    assert lead.output_token_ids == [11, 21, 31] and sibling.output_token_ids == [12, 32]
