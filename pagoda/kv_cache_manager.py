@@ -27,6 +27,7 @@ class KVCacheManager:
         self.pool = block_pool
         self.block_size = block_size
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the ids of req_blocks, kept in step
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
@@ -42,7 +43,7 @@ class KVCacheManager:
         return self.pool.usage
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, [])]
+        return list(self.req_block_ids.get(request_id, ()))
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """Hashes of the request's first `num_full_blocks` blocks, extending its chain lazily."""
@@ -83,13 +84,17 @@ class KVCacheManager:
         `new_computed_blocks` are prefix-cache hits (first scheduling only); the caller advances
         num_computed_tokens past them. Returns False, changing nothing, if the pool is too small.
         """
+        rid = request.request_id
+        blocks = self.req_blocks.setdefault(rid, [])
+        ids = self.req_block_ids.setdefault(rid, [])
         new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_have = len(blocks) + len(new_computed_blocks)
-        num_fresh = max(0, num_required - num_have)
         cow_index = self._cow_index(blocks, num_computed)
+        if num_required <= num_have and cow_index is None and not new_computed_blocks:
+            return True  # most decode steps: the tokens land in a block the request owns
+        num_fresh = max(0, num_required - num_have)
         num_needed = (
             num_fresh
             + (cow_index is not None)
@@ -102,6 +107,7 @@ class KVCacheManager:
         if cow_index is not None:
             self._copy_on_write(blocks, cow_index)
         blocks.extend(self.pool.get_new_blocks(num_fresh))
+        ids[:] = [b.block_id for b in blocks]
         return True
 
     def _cow_index(self, blocks: list[KVCacheBlock], num_computed: int) -> int | None:
@@ -128,6 +134,7 @@ class KVCacheManager:
         blocks = self.req_blocks[parent.request_id][: cdiv(num_tokens, self.block_size)]
         self.pool.touch(blocks)
         self.req_blocks[child.request_id] = list(blocks)
+        self.req_block_ids[child.request_id] = [b.block_id for b in blocks]
         num_cached = self.num_cached_blocks.get(parent.request_id, 0)
         self.num_cached_blocks[child.request_id] = min(num_cached, len(blocks))
 
@@ -151,6 +158,7 @@ class KVCacheManager:
         """Release the request's blocks; the tail goes first so it is evicted first."""
         rid = request.request_id
         blocks = self.req_blocks.pop(rid, [])
+        self.req_block_ids.pop(rid, None)
         self.pool.free_blocks(reversed(blocks))
         self.num_cached_blocks.pop(rid, None)
         # Hashes depend only on tokens, so they stay valid for a preempted request's recompute.

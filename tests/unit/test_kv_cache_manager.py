@@ -441,3 +441,41 @@ def test_no_copy_on_write_when_shared_prompt_is_block_aligned():
 @pytest.mark.parametrize("num_tokens, expected", [(1, 1), (4, 1), (5, 2), (8, 2), (9, 3)])
 def test_num_blocks_for(num_tokens: int, expected: int):
     assert make_manager(1).num_blocks_for(num_tokens) == expected
+
+
+def test_block_id_lists_follow_blocks_through_every_change():
+    """get_block_ids reads a list of ids kept beside the block lists: after prefix hits, growth,
+    forks, copy-on-write, preemption and frees, the two agree."""
+
+    def check(m: KVCacheManager) -> None:
+        assert set(m.req_block_ids) == set(m.req_blocks)
+        for rid, blocks in m.req_blocks.items():
+            assert m.get_block_ids(rid) == [b.block_id for b in blocks]
+
+    m = make_manager(16)
+    a = make_request("a", PROMPT[:10])
+    prefill(m, a)
+    b = make_request("b", PROMPT[:9])
+    assert prefill(m, b) == 8  # prefix hits
+    check(m)
+    parent, child = fork_after_prompt(m, PROMPT[:6], 2)
+    check(m)
+    for req, token in ((parent, 7), (child, 8)):  # both write into the shared block
+        req.append_output_token(token)
+        assert m.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+    assert m.get_block_ids("p") != m.get_block_ids("p#1")
+    check(m)
+    for _ in range(5):  # growth across a block boundary, and steps that need no new block
+        a.append_output_token(9)
+        assert m.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+        check(m)
+    a.status = RequestStatus.PREEMPTED
+    m.free(a)
+    check(m)
+    for req in (b, parent, child):
+        req.status = RequestStatus.FINISHED_STOPPED
+        m.free(req)
+    check(m)
+    assert m.req_block_ids == {}
