@@ -35,6 +35,11 @@ if [[ "$what" == bench || "$what" == all ]]; then
   pagoda bench latency --model benchmarks/models/SmolLM2-135M-Instruct --load-format dummy \
     --max-model-len 2048 --input-len 128 --output-len 512 --enforce-eager --profile-steps 50 \
     --output-json "$out/b1_SmolLM2-135M-Instruct_eager.json" 2>/dev/null | tail -1
+  # The host's ceiling with the model math stubbed out: near the measured W1 / B1, host-bound.
+  for a in --async-scheduling --no-async-scheduling; do
+    python benchmarks/host_overhead.py --device cuda "$a" 2>/dev/null | tail -1 \
+      | tee "$out/host_overhead${a#--}.json"
+  done
   # What async scheduling buys: the same B1 with each step's update before the next launch.
   pagoda bench latency --model benchmarks/models/SmolLM2-135M-Instruct --load-format dummy \
     --max-model-len 2048 --input-len 128 --output-len 512 --no-async-scheduling \
