@@ -300,6 +300,8 @@ class InputBuffers:
 
 def _scatter_rows(dst: np.ndarray, flat: np.ndarray, first: np.ndarray, counts: np.ndarray) -> None:
     """dst[r, :counts[r]] = flat[first[r] : first[r] + counts[r]] for every row r."""
+    if not len(counts):  # no request of this kind (most steps lack prefills or decodes)
+        return
     total = int(counts.sum())
     rows = np.repeat(np.arange(len(counts)), counts)
     cols = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
