@@ -264,10 +264,11 @@ class BeamSearchParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
 
-def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on `device` without waiting for the device: on CUDA the
-    copy goes through pinned memory with non_blocking (torch.tensor(..., device="cuda") copies
-    synchronously, so it would wait for every step queued before it)."""
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list (nested for more dimensions, as torch.tensor takes it) as a tensor on
+    `device` without waiting for the device: on CUDA the copy goes through pinned memory with
+    non_blocking (torch.tensor(..., device="cuda") copies synchronously, so it would wait for
+    every step queued before it)."""
     host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
@@ -401,8 +402,7 @@ class SamplingMetadata:
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    padded = [t for r in rows for t in (*r, *[pad] * (width - len(r)))]
-    return to_device(padded, torch.int64, device).view(len(rows), width)
+    return to_device([r + [pad] * (width - len(r)) for r in rows], torch.int64, device)
 
 
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

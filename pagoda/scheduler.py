@@ -257,12 +257,15 @@ class Scheduler:
     def _finishes_in_flight(self, request: Request) -> bool:
         """Whether a step not yet updated samples the request's last token (max_tokens or
         max_model_len reached): another step would compute a token nobody reads."""
-        if request.num_output_placeholders == 0:
-            return False
-        num_tokens = request.num_tokens_with_placeholders
+        placeholders = request.num_output_placeholders
+        return placeholders > 0 and self._length_capped(request, placeholders)
+
+    def _length_capped(self, request: Request, num_pending: int = 0) -> bool:
+        """Whether the request is at max_tokens or max_model_len, counting num_pending more
+        outputs than it knows."""
         return (
-            num_tokens - request.num_prompt_tokens >= request.max_tokens
-            or num_tokens >= self.max_model_len
+            request.num_output_tokens + num_pending >= request.max_tokens
+            or request.num_tokens + num_pending >= self.max_model_len
         )
 
     def _preempt(self, request: Request) -> None:
@@ -276,6 +279,7 @@ class Scheduler:
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
         sample_ids: list[str] = []
         sample_indices: list[int] = []
         if start + n == request.num_tokens_with_placeholders:
@@ -283,7 +287,7 @@ class Scheduler:
             sample_indices.append(request.sample_index)
             # Siblings sample their first token from the prompt's last row (the leader's first
             # sample), and fork when that step is updated.
-            if request.num_output_tokens + request.num_output_placeholders == 0:
+            if num_outputs == 0:
                 for s in self._waiting_siblings(request):
                     sample_ids.append(s.request_id)
                     sample_indices.append(s.sample_index)
@@ -306,7 +310,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
-            num_output_tokens=request.num_output_tokens + request.num_output_placeholders,
+            num_output_tokens=num_outputs,
             sample_ids=sample_ids,
             sample_indices=sample_indices,
             prompt_logprob_offset=plp_offset,
@@ -367,10 +371,7 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
+        if self._length_capped(request):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
