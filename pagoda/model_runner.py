@@ -328,10 +328,21 @@ class ModelRunner:
             if n:
                 k = s.sampling_params.prompt_logprobs or 0
                 row = token_start + s.prompt_logprob_offset
-                logits = self.model.compute_logits(hidden[row : row + n])
                 first = s.start + s.prompt_logprob_offset + 1
                 targets = to_device(s.prompt_token_ids[first : first + n], torch.int64, self.device)
-                result[s.request_id] = self.sampler.compute_logprobs_for(logits, targets, k)
+                # Slices of max_num_seqs rows: the (rows, vocab) temporaries then stay within
+                # the LM-head peak that profile_run measured (a whole chunk's would not).
+                step = self.max_num_seqs
+                parts = []
+                for i in range(0, n, step):
+                    rows = hidden[row + i : row + min(i + step, n)]
+                    logits = self.model.compute_logits(rows)
+                    parts.append(
+                        self.sampler.compute_logprobs_for(logits, targets[i : i + step], k)
+                    )
+                result[s.request_id] = (
+                    parts[0] if len(parts) == 1 else LogprobsTensors(*map(torch.cat, zip(*parts)))
+                )
             token_start += len(s.token_ids)
         return result
 

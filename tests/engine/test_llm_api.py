@@ -167,6 +167,21 @@ def test_logprobs_and_prompt_logprobs(llm: LLM) -> None:
         assert pos is not None and token in pos and pos[token].logprob <= 0
 
 
+def test_prompt_logprobs_in_slices_equal_whole(llm: LLM, tiny_model_dir) -> None:
+    """With max_num_seqs=4 the runner scores the 18 prompt positions in 5 slices of at most 4
+    rows (the LM-head peak profile_run measures); the result equals one whole-prompt pass."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+    sliced = LLM(tiny_model_dir("llama"), num_gpu_blocks_override=128, max_num_seqs=4)
+    got = sliced.generate(PROMPT, params)[0].prompt_logprobs
+    want = llm.generate(PROMPT, params)[0].prompt_logprobs
+    assert got is not None and want is not None and len(got) == len(want) == 19
+    for g, w in zip(got[1:], want[1:]):
+        assert g is not None and w is not None and list(g) == list(w)
+        for token in w:
+            assert g[token].rank == w[token].rank
+            assert g[token].logprob == pytest.approx(w[token].logprob, abs=1e-5)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
