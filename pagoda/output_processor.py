@@ -62,10 +62,17 @@ class RequestState:
             )
             for i in range(params.n)
         ]
+        # Samples without a finish_reason; only _finish() sets one (checked per output).
+        self.num_unfinished = params.n
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        return self.num_unfinished == 0
+
+    def _finish(self, sample: SampleState, reason: str, stop_reason: int | str | None) -> None:
+        assert sample.finish_reason is None
+        sample.finish_reason, sample.stop_reason = reason, stop_reason
+        self.num_unfinished -= 1
 
     def _logprob_dict(self, entry: LogprobEntry) -> dict[int, Logprob]:
         ids, lps, rank = entry
@@ -89,6 +96,10 @@ class RequestState:
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._logprob_dict(e) for e in out.new_prompt_logprobs)
         sample = self.samples[out.sample_index]
+        if sample.finish_reason is not None:
+            # Tokens in flight when the client stopped the sample (a stop string; the abort
+            # reaches the engine after its next outputs): not part of the result.
+            return None
         if out.new_token_ids:
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now
@@ -103,13 +114,12 @@ class RequestState:
             stop = sample.detok.update(
                 out.new_token_ids, stop_terminated=out.finish_reason == "stop"
             )
-            if stop is not None and out.finish_reason is None:
-                sample.finish_reason, sample.stop_reason = "stop", stop
-                abort = sample_request_id(self.request_id, sample.index)
-            elif stop is not None:
-                sample.finish_reason, sample.stop_reason = "stop", stop
+            if stop is not None:
+                if out.finish_reason is None:
+                    abort = sample_request_id(self.request_id, sample.index)
+                self._finish(sample, "stop", stop)
         if sample.finish_reason is None and out.finish_reason is not None:
-            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            self._finish(sample, out.finish_reason, out.stop_reason)
         if self.finished:
             self.metrics.finished_time = now
         return abort
@@ -117,7 +127,7 @@ class RequestState:
     def abort(self) -> None:
         for s in self.samples:
             if s.finish_reason is None:
-                s.finish_reason = "abort"
+                self._finish(s, "abort", None)
         self.metrics.finished_time = time.time()
 
     def make_output(self, delta: bool = False) -> RequestOutput:

@@ -1,4 +1,5 @@
-"""IncrementalDetokenizer against full decodes with the SmolLM2 tokenizer (byte-level BPE)."""
+"""IncrementalDetokenizer against full decodes with the SmolLM2 tokenizer (byte-level BPE), and
+the client's RequestState around it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from typing import Any
 import pytest
 
 from pagoda.detokenizer import IncrementalDetokenizer
+from pagoda.output_processor import RequestState
+from pagoda.request import sample_request_id
 from pagoda.sampling import SamplingParams
+from pagoda.scheduler import EngineCoreOutput
 
 TEXTS = [
     "Hello world, this is a plain sentence.",
@@ -278,3 +282,36 @@ def test_slow_tokenizer_spaces_between_special_tokens():
     d = detok(fake, [], skip_special_tokens=True)
     d.update(ids)
     assert d.output_text == " hi <sep>  there"  # <sep> is added but not special
+
+
+# ---------------------------------------------------------------- the client's request state
+
+
+def _out(sample: int, tokens: list[int], finish: str | None = None) -> EngineCoreOutput:
+    return EngineCoreOutput("r", tokens, [], [], finish, parent_id="r", sample_index=sample)
+
+
+def test_request_state_ignores_tokens_after_a_client_stop(tokenizer: Any, prompt_ids: list[int]):
+    """n = 2, sample 0 hits a stop string in the client: it is finished there and its engine
+    sample is aborted, but outputs already on their way (the server's core process, async
+    scheduling) still arrive; they must not grow the finished sample."""
+    params = SamplingParams(n=2, stop=". Next", max_tokens=50)
+    state = RequestState("r", None, prompt_ids, params, tokenizer, arrival_time=0.0)
+    ids = encode(tokenizer, "The answer is 42. Next question")
+    stop_at = next(i for i in range(1, len(ids)) if "Next" in tokenizer.decode(ids[:i]))
+    aborts = [state.add(_out(0, [t])) for t in ids[:stop_at]]
+    assert aborts[:-1] == [None] * (stop_at - 1) and aborts[-1] == sample_request_id("r", 0)
+    s0 = state.samples[0]
+    assert (s0.finish_reason, s0.stop_reason) == ("stop", ". Next") and not state.finished
+    assert state.add(_out(0, ids[stop_at : stop_at + 1])) is None  # in flight: ignored
+    assert state.add(_out(0, [ids[0]], finish="length")) is None
+    assert s0.token_ids == ids[:stop_at] and (s0.finish_reason, s0.stop_reason) == (
+        "stop",
+        ". Next",
+    )
+    state.add(_out(1, [ids[0]]))
+    assert not state.finished
+    state.add(_out(1, [ids[1]], finish="length"))
+    assert state.finished and state.samples[1].finish_reason == "length"
+    out = state.make_output()
+    assert out.finished and [c.text for c in out.outputs][0] == "The answer is 42"
