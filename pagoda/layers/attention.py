@@ -158,10 +158,16 @@ def _gather_blocks(
 ) -> torch.Tensor:
     """(num_blocks, block_size, *rest)[ids] -> (*ids.shape[:-1], n * block_size, *rest),
     cut to the first `length` positions when given."""
-    # Indexing keeps ids' shape (flattening ids, or the gathered blocks, makes torch.compile
-    # guard on whether the batch or the table width is 1).
     dim = block_ids.dim()
-    out = cache[block_ids].flatten(dim - 1, dim)
+    if torch.compiler.is_compiling():
+        # Indexing keeps ids' shape (flattening ids, or the gathered blocks, makes
+        # torch.compile guard on whether the batch or the table width is 1).
+        out = cache[block_ids]
+    else:
+        # Eagerly, index_select is ~3.5x faster than advanced indexing on CPU.
+        flat = cache.index_select(0, block_ids.reshape(-1))
+        out = flat.view(*block_ids.shape, *cache.shape[1:])
+    out = out.flatten(dim - 1, dim)
     return out if length is None else out.narrow(block_ids.dim() - 1, 0, length)
 
 
