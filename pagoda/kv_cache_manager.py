@@ -27,7 +27,9 @@ class KVCacheManager:
         self.pool = block_pool
         self.block_size = block_size
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.req_block_ids: dict[str, list[int]] = {}  # the ids of req_blocks, kept in step
+        # The ids of req_blocks, kept in step. Each list is replaced, never mutated, when the
+        # blocks change: get_block_ids hands it out as a snapshot without copying.
+        self.req_block_ids: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.pending_copies: list[tuple[int, int]] = []
@@ -43,7 +45,8 @@ class KVCacheManager:
         return self.pool.usage
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return list(self.req_block_ids.get(request_id, ()))
+        """The request's block ids now (callers must not mutate the list)."""
+        return self.req_block_ids.get(request_id, [])
 
     def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """Hashes of the request's first `num_full_blocks` blocks, extending its chain lazily."""
@@ -86,7 +89,7 @@ class KVCacheManager:
         """
         rid = request.request_id
         blocks = self.req_blocks.setdefault(rid, [])
-        ids = self.req_block_ids.setdefault(rid, [])
+        self.req_block_ids.setdefault(rid, [])
         new_computed_blocks = new_computed_blocks or []
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
@@ -107,7 +110,7 @@ class KVCacheManager:
         if cow_index is not None:
             self._copy_on_write(blocks, cow_index)
         blocks.extend(self.pool.get_new_blocks(num_fresh))
-        ids[:] = [b.block_id for b in blocks]
+        self.req_block_ids[rid] = [b.block_id for b in blocks]
         return True
 
     def _cow_index(self, blocks: list[KVCacheBlock], num_computed: int) -> int | None:
