@@ -10,6 +10,10 @@ with IEEE division (`div_rn`; plain `/` is approximate on the GPU): per (token, 
 scale = max(max|row| / qmax, tiny), values = clamp(x / scale, -qmax, qmax), then rounded half to
 even for int8 or cast (round to nearest even) for fp8. Codes and scales match the reference bit
 for bit.
+
+`rotary_write_kv_cache` is the form the model runs: the rotary embedding of q and k
+(pagoda/kernels/rotary.py) fused into the write, one launch per layer instead of two. Its
+reference is the two kernels in sequence (and so `apply_rotary` then the torch write).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import triton
 import triton.language as tl
 
 from pagoda.config import KV_SCALE_DTYPE
+from pagoda.kernels.rotary import _rotate_pair
 
 if TYPE_CHECKING:
     from pagoda.layers.attention import KVCache
@@ -34,6 +39,17 @@ _ROUND_MAGIC = 12582912.0
 def _num_warps(block_elems: int) -> int:
     """Warps for a program over `block_elems` elements: about 256 elements per warp, 1 to 8."""
     return max(1, min(8, block_elems // 256))
+
+
+@triton.jit
+def _quantize(xf, scale, IS_INT8: tl.constexpr, QMAX: tl.constexpr, ROUND_MAGIC: tl.constexpr):
+    """float32 rows (BLOCK_H, n) / their scales (BLOCK_H,), clamped to [-QMAX, QMAX], rounded
+    half to even for int8: the codes before the cast to the cache dtype."""
+    y = tl.math.div_rn(xf, scale[:, None])
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if IS_INT8:
+        y = (y + ROUND_MAGIC) - ROUND_MAGIC
+    return y
 
 
 @triton.jit
@@ -62,10 +78,7 @@ def _write_one(
         xf = x.to(tl.float32)
         amax = tl.max(tl.abs(xf), axis=1)  # (BLOCK_H,)
         scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE)
-        y = tl.math.div_rn(xf, scale[:, None])
-        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        if IS_INT8:
-            y = (y + ROUND_MAGIC) - ROUND_MAGIC
+        y = _quantize(xf, scale, IS_INT8, QMAX, ROUND_MAGIC)
         tl.store(dst, y.to(cache_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + scale_row + h * stride_sh, scale, mask=h_mask)
     else:
@@ -214,4 +227,275 @@ def write_kv_cache(
         MIN_SCALE=_MIN_SCALE,
         ROUND_MAGIC=_ROUND_MAGIC,
         num_warps=_num_warps(block_h * block_d),
+    )
+
+
+# ---- rotary fused with the write ---------------------------------------------------------------
+@triton.jit
+def _write_halves(
+    y1,  # (BLOCK_H, BLOCK_HALF) first halves of this token's head rows, in the model dtype
+    y2,  # (BLOCK_H, BLOCK_HALF) second halves
+    cache_ptr,
+    scale_ptr,
+    cache_row,
+    scale_row,
+    h,  # (BLOCK_H,) kv heads
+    i,  # (1, BLOCK_HALF) index in the half
+    h_mask,  # (BLOCK_H,) head exists and the slot is not padding
+    mask,  # (BLOCK_H, BLOCK_HALF)
+    stride_ch,
+    stride_sh,
+    HALF: tl.constexpr,
+    QUANT: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    QMAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    ROUND_MAGIC: tl.constexpr,
+):
+    dst = cache_ptr + cache_row + h[:, None] * stride_ch + i
+    if QUANT:
+        f1 = y1.to(tl.float32)
+        f2 = y2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1))
+        scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE)
+        c1 = _quantize(f1, scale, IS_INT8, QMAX, ROUND_MAGIC)
+        c2 = _quantize(f2, scale, IS_INT8, QMAX, ROUND_MAGIC)
+        tl.store(dst, c1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, c2.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + scale_row + h * stride_sh, scale, mask=h_mask)
+    else:
+        tl.store(dst, y1.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, y2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_halves(x1, x2, w_ptr, i, i_mask, eps, HALF: tl.constexpr):
+    """RMSNorm of each row of (BLOCK, 2 * HALF) given as its halves x1, x2, with weight w_ptr
+    (2 * HALF,), rounded as `rms_norm` rounds: h32 * rstd to the dtype, then weight * normed."""
+    dtype = x1.dtype
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    rstd = tl.math.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)
+    w1 = tl.load(w_ptr + i, mask=i_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)
+    n1 = (f1 * rstd[:, None]).to(dtype).to(tl.float32)
+    n2 = (f2 * rstd[:, None]).to(dtype).to(tl.float32)
+    return (w1 * n1).to(dtype), (w2 * n2).to(dtype)
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,  # unused unless QUANT
+    v_scale_ptr,
+    slot_mapping_ptr,
+    q_norm_ptr,  # (head_dim,) per-head RMSNorm weights of q and k; unused unless QK_NORM
+    k_norm_ptr,
+    eps,
+    block_size,
+    num_heads,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos,
+    stride_sin,
+    stride_cb,  # cache strides (k and v alike): block, offset in block, head
+    stride_cs,
+    stride_ch,
+    stride_sb,  # scale strides (k and v alike): block, offset in block, head
+    stride_ss,
+    stride_sh,
+    HALF: tl.constexpr,  # head_dim // 2
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    QUANT: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    QMAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    ROUND_MAGIC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    i_mask = i < HALF
+    cos = tl.load(cos_ptr + t * stride_cos + i, mask=i_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_sin + i, mask=i_mask, other=0.0).to(tl.float32)
+    hq = tl.arange(0, BLOCK_Q_HEADS)[:, None]
+    q_mask = (hq < num_heads) & i_mask
+    q_row = q_ptr + t * stride_qt + hq * stride_qh + i
+    q1 = tl.load(q_row, mask=q_mask, other=0.0)
+    q2 = tl.load(q_row + HALF, mask=q_mask, other=0.0)
+    if QK_NORM:
+        q1, q2 = _rms_norm_halves(q1, q2, q_norm_ptr, i, i_mask, eps, HALF)
+    q1, q2 = _rotate_pair(q1, q2, cos, sin)
+    tl.store(q_row, q1, mask=q_mask)
+    tl.store(q_row + HALF, q2, mask=q_mask)
+
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    block = slot // block_size
+    offset = slot % block_size
+    h = tl.arange(0, BLOCK_H)
+    h_mask = (slot >= 0) & (h < num_kv_heads)
+    mask = h_mask[:, None] & i_mask
+    cache_row = block * stride_cb + offset * stride_cs
+    scale_row = block * stride_sb + offset * stride_ss
+    k_row = k_ptr + t * stride_kt + h[:, None] * stride_kh + i
+    k1 = tl.load(k_row, mask=mask, other=0.0)
+    k2 = tl.load(k_row + HALF, mask=mask, other=0.0)
+    if QK_NORM:
+        k1, k2 = _rms_norm_halves(k1, k2, k_norm_ptr, i, i_mask, eps, HALF)
+    k1, k2 = _rotate_pair(k1, k2, cos, sin)
+    _write_halves(
+        k1,
+        k2,
+        k_cache_ptr,
+        k_scale_ptr,
+        cache_row,
+        scale_row,
+        h,
+        i,
+        h_mask,
+        mask,
+        stride_ch,
+        stride_sh,
+        HALF,
+        QUANT,
+        IS_INT8,
+        QMAX,
+        MIN_SCALE,
+        ROUND_MAGIC,
+    )
+    v_row = v_ptr + t * stride_vt + h[:, None] * stride_vh + i
+    _write_halves(
+        tl.load(v_row, mask=mask, other=0.0),
+        tl.load(v_row + HALF, mask=mask, other=0.0),
+        v_cache_ptr,
+        v_scale_ptr,
+        cache_row,
+        scale_row,
+        h,
+        i,
+        h_mask,
+        mask,
+        stride_ch,
+        stride_sh,
+        HALF,
+        QUANT,
+        IS_INT8,
+        QMAX,
+        MIN_SCALE,
+        ROUND_MAGIC,
+    )
+
+
+def rotary_write_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> None:
+    """`rotary_qk(q, k, cos, sin)` then `write_kv_cache(k, v, cache, slot_mapping)` in one
+    launch, with the same results bit for bit: q is rotated in place, k is rotated on its way
+    into the cache and itself left as it was; tokens with a negative slot write nothing.
+
+    qk_norm: (q weight, k weight, eps) of a per-head RMSNorm applied to q and k before the
+    rotation (Qwen3), as `rms_norm` over each head's row computes it but for the float32
+    reduction order; weights (head_dim,) in q's dtype.
+
+    q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim); one dtype,
+    any token and head strides, last dims contiguous (views into a fused qkv tensor are fine).
+    cos, sin: (num_tokens, 1, head_dim // 2) in q's dtype, last dims contiguous, as
+    `RotaryEmbedding.cos_sin` returns them. slot_mapping as in `write_kv_cache`.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, _ = k.shape
+    half = head_dim // 2
+    num_blocks, block_size = cache.k.shape[:2]
+    assert head_dim % 2 == 0 and k.shape == (num_tokens, num_kv_heads, head_dim)
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
+    assert k.dtype == q.dtype and v.dtype == q.dtype
+    assert cos.shape == (num_tokens, 1, half) and sin.shape == cos.shape
+    assert cos.dtype == q.dtype and sin.dtype == q.dtype
+    assert cache.k.shape == (num_blocks, block_size, num_kv_heads, head_dim)
+    assert cache.v.shape == cache.k.shape and cache.v.stride() == cache.k.stride()
+    assert all(x.stride(-1) == 1 for x in (q, k, v, cos, sin, cache.k))
+    if qk_norm is not None:
+        for w in qk_norm[:2]:
+            assert w.shape == (head_dim,) and w.dtype == q.dtype and w.is_contiguous()
+    if num_tokens == 0:
+        return
+    quant = cache.k_scale is not None and cache.v_scale is not None
+    if quant:
+        assert cache.k_scale is not None and cache.v_scale is not None
+        assert cache.k_scale.shape == cache.k.shape[:3]
+        assert cache.v_scale.stride() == cache.k_scale.stride()
+        k_scale, v_scale = cache.k_scale, cache.v_scale
+        is_int8 = cache.k.dtype == torch.int8
+        qmax = 127.0 if is_int8 else float(torch.finfo(cache.k.dtype).max)
+        scale_strides = k_scale.stride()
+    else:
+        k_scale, v_scale = cache.k, cache.v  # placeholders, never read
+        is_int8, qmax, scale_strides = False, 1.0, (0, 0, 0)
+    q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)  # placeholders
+    block_half = triton.next_power_of_2(half)
+    block_q = triton.next_power_of_2(num_heads)
+    # (num_tokens,): one program per token: all heads of q, then k and v
+    _rotary_write_kv_kernel[(num_tokens,)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        cache.k,
+        cache.v,
+        k_scale,
+        v_scale,
+        slot_mapping,
+        q_norm,
+        k_norm,
+        eps,
+        block_size,
+        num_heads,
+        num_kv_heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        cache.k.stride(0),
+        cache.k.stride(1),
+        cache.k.stride(2),
+        scale_strides[0],
+        scale_strides[1],
+        scale_strides[2],
+        HALF=half,
+        BLOCK_HALF=block_half,
+        BLOCK_Q_HEADS=block_q,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        QK_NORM=qk_norm is not None,
+        QUANT=quant,
+        IS_INT8=is_int8,
+        QMAX=qmax,
+        MIN_SCALE=_MIN_SCALE,
+        ROUND_MAGIC=_ROUND_MAGIC,
+        num_warps=_num_warps(block_q * block_half),
+        enable_fp_fusion=False,  # the rotation's roundings, as in rotary_qk
     )

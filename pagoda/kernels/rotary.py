@@ -7,6 +7,9 @@ with cos, sin already in the model dtype. Every product and the sum are rounded 
 the reference's dtype arithmetic does, and the kernel is compiled without multiply-add fusion
 (`enable_fp_fusion=False`: a fused x1 * cos - x2 * sin would skip one rounding), so results
 match the reference bit for bit in every dtype.
+
+The model runs this rotation fused into the KV-cache write (`rotary_write_kv_cache` in
+pagoda/kernels/kv_cache.py, which shares `_rotate_pair`); `rotary_qk` is its unfused reference.
 """
 
 from __future__ import annotations
@@ -17,9 +20,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _rotate_pair(x1, x2, cos, sin):
+    """The rotated halves (x1 * cos - x2 * sin, x2 * cos + x1 * sin) in x1's dtype, every
+    product and the difference / sum rounded to that dtype (cos, sin: float32)."""
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    x1c = (x1 * cos).to(dtype).to(tl.float32)
+    x2s = (x2 * sin).to(dtype).to(tl.float32)
+    x2c = (x2 * cos).to(dtype).to(tl.float32)
+    x1s = (x1 * sin).to(dtype).to(tl.float32)
+    return (x1c - x2s).to(dtype), (x2c + x1s).to(dtype)
+
+
+@triton.jit
 def _rotate_heads(
-    ptr,  # this token's row: (num_heads * head_dim,)
+    ptr,  # this token's head 0
     num_heads,
+    stride_h,  # between heads
     cos,  # (1, BLOCK_HALF) float32
     sin,
     i,  # (1, BLOCK_HALF) index in the half
@@ -29,18 +47,12 @@ def _rotate_heads(
 ):
     h = tl.arange(0, BLOCK_HEADS)[:, None]
     mask = (h < num_heads) & i_mask
-    ptr1 = ptr + h * (2 * HALF) + i
+    ptr1 = ptr + h * stride_h + i
     x1 = tl.load(ptr1, mask=mask, other=0.0)
     x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    x1c = (x1 * cos).to(dtype).to(tl.float32)
-    x2s = (x2 * sin).to(dtype).to(tl.float32)
-    x2c = (x2 * cos).to(dtype).to(tl.float32)
-    x1s = (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(ptr1, (x1c - x2s).to(dtype), mask=mask)
-    tl.store(ptr1 + HALF, (x2c + x1s).to(dtype), mask=mask)
+    y1, y2 = _rotate_pair(x1, x2, cos, sin)
+    tl.store(ptr1, y1, mask=mask)
+    tl.store(ptr1 + HALF, y2, mask=mask)
 
 
 @triton.jit
@@ -65,8 +77,11 @@ def _rotary_qk_kernel(
     i_mask = i < HALF
     cos = tl.load(cos_ptr + t * stride_cos + i, mask=i_mask, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + t * stride_sin + i, mask=i_mask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_q, num_heads, cos, sin, i, i_mask, HALF, BLOCK_Q_HEADS)
-    _rotate_heads(k_ptr + t * stride_k, num_kv_heads, cos, sin, i, i_mask, HALF, BLOCK_K_HEADS)
+    head = 2 * HALF
+    _rotate_heads(q_ptr + t * stride_q, num_heads, head, cos, sin, i, i_mask, HALF, BLOCK_Q_HEADS)
+    _rotate_heads(
+        k_ptr + t * stride_k, num_kv_heads, head, cos, sin, i, i_mask, HALF, BLOCK_K_HEADS
+    )
 
 
 def rotary_qk(

@@ -90,9 +90,20 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: ForwardContext | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
+        """Triton backend only: rotary, the (cos, sin) of `RotaryEmbedding.cos_sin` when q and k
+        are not rotated yet, and qk_norm, (q weight, k weight, eps) of a per-head RMSNorm still
+        to apply before the rotation; both are fused into the KV-cache write."""
         # q: (num_tokens, num_heads * head_dim); k, v: (num_tokens, num_kv_heads * head_dim)
+        assert self.backend == "triton" or (rotary is None and qk_norm is None)
+        assert qk_norm is None or rotary is not None
         if ctx is None:
             ctx = get_forward_context()
         cache = ctx.kv_caches[self.layer_idx]
@@ -102,7 +113,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.backend == "triton":
-            out = paged_attention_triton(q, k, v, cache, meta, self.scale)
+            out = paged_attention_triton(q, k, v, cache, meta, self.scale, rotary, qk_norm)
         else:
             write_kv_cache(k, v, cache, meta.slot_mapping)
             out = paged_attention_torch(q, cache, meta, self.scale)
@@ -299,13 +310,21 @@ def paged_attention_triton(
     cache: KVCache,
     meta: AttentionMetadata,
     scale: float,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """The triton backend: write k/v by slot (padding slots skipped), then one decode call
-    (split-K) and one prefill call. Launches only; no host sync, so CUDA graphs capture it."""
+    """The triton backend: write k/v by slot (padding slots skipped), normalizing (qk_norm) and
+    rotating (rotary: cos, sin) q and k on the way when given, then one decode call (split-K)
+    and one prefill call. Launches only; no host sync, so CUDA graphs capture it."""
     from pagoda.kernels import attention as kernels
+    from pagoda.kernels.kv_cache import rotary_write_kv_cache
     from pagoda.kernels.kv_cache import write_kv_cache as write_kv_cache_triton
 
-    write_kv_cache_triton(k, v, cache, meta.slot_mapping)
+    if rotary is None:
+        write_kv_cache_triton(k, v, cache, meta.slot_mapping)
+    else:
+        cos, sin = rotary
+        rotary_write_kv_cache(q, k, v, cos, sin, cache, meta.slot_mapping, qk_norm)
     out = torch.empty_like(q)
     if meta.num_decodes:
         kernels.paged_decode_attention(

@@ -52,7 +52,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     qkv_bias = False  # bias on q/k/v even without `attention_bias` (Qwen2)
-    backend = "torch"  # rotary kernel: "torch" or "triton" (in place), set by the model runner
+    backend = "torch"  # "triton": rotary fused into the KV-cache write; set by the model runner
 
     def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -86,12 +86,16 @@ class LlamaAttention(nn.Module):
             hidden_states
         )  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.qk_transform(q, k)
         if self.backend == "triton":
-            from pagoda.kernels.rotary import rotary_qk
-
-            q, k = rotary_qk(q, k, cos, sin, self.head_dim)  # in place
-        elif self.joint_rotary:
+            # One launch: q/k per-head norm (if any), q rotated in place, k rotated into the
+            # cache, v written.
+            norm = self.qk_norm_weights()
+            if norm is None:
+                q, k = self.qk_transform(q, k)
+            out = self.attn(q, k, v, ctx, rotary=(cos, sin), qk_norm=norm)
+            return self.o_proj(out)  # (num_tokens, hidden_size)
+        q, k = self.qk_transform(q, k)
+        if self.joint_rotary:
             # q and k are adjacent in qkv: one rotation over both heads' rows
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size], cos, sin, self.head_dim)
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
@@ -104,6 +108,11 @@ class LlamaAttention(nn.Module):
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook applied to q and k before rotary (Qwen3 normalizes per head here)."""
         return q, k
+
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """(q weight, k weight, eps) when qk_transform is exactly a per-head RMSNorm of q and of
+        k: the triton backend then fuses it into its rotary launch instead of calling it."""
+        return None
 
 
 class LlamaDecoderLayer(nn.Module):

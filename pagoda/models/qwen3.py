@@ -23,6 +23,10 @@ class Qwen3Attention(LlamaAttention):
         k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
         return q.view(num_tokens, self.q_size), k.view(num_tokens, self.kv_size)
 
+    def qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        assert self.q_norm.eps == self.k_norm.eps
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention

@@ -21,8 +21,8 @@ spills from the ptxas log.
 Configs: SmolLM2-135M (9 / 3 heads, head_dim 64), Qwen3-0.6B (16 / 8, 128), Llama-3.2-1B
 (32 / 8, 64); bfloat16 and float16; KV cache in the model dtype, int8 and float8_e4m3fn;
 block_size 16; decode with one split (direct) and with `decode_num_splits` > 1 (stage 2 too, at
-two split counts), prefill, KV write, rotary, RMSNorm (Qwen3's per-head q/k norm too),
-SiLU-and-mul; weight-only w4a16 / w8a16 GEMMs (SmolLM2 and Qwen3 layers, `QUANT_LAYERS`). The slow
+two split counts), prefill, KV write (alone, and fused with rotary and, for Qwen3, the per-head
+q/k norm), rotary, RMSNorm (Qwen3's per-head q/k norm too), SiLU-and-mul; weight-only w4a16 / w8a16 GEMMs (SmolLM2 and Qwen3 layers, `QUANT_LAYERS`). The slow
 tests add float32 models and block_size 32.
 
 As a script, prints the table: python tests/unit/test_triton_compile.py [--slow] [model ...]
@@ -74,6 +74,7 @@ QUANT_MODES = {
 }
 CACHE_CASES = [  # (mode, kernel) for every (block_size, kv dtype)
     ("write", "_write_kv_cache_kernel"),
+    ("rotary_write", "_rotary_write_kv_kernel"),
     ("decode_direct", "_decode_stage1_kernel"),
     ("decode_split", "_decode_stage1_kernel"),
     ("decode_split", "_decode_stage2_kernel"),
@@ -169,7 +170,7 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
         paged_decode_attention,
         paged_prefill_attention,
     )
-    from pagoda.kernels.kv_cache import write_kv_cache
+    from pagoda.kernels.kv_cache import rotary_write_kv_cache, write_kv_cache
     from pagoda.kernels.norm import fused_add_rms_norm, rms_norm
     from pagoda.kernels.quant_matmul import (
         w4a16_dequantize,
@@ -231,6 +232,14 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
                 case.update(kv=kv, block_size=block_size, mode="write")
                 cache = KVCache.allocate(4, block_size, kv_heads, head_dim, dtype, quant[kv], "cpu")
                 write_kv_cache(k3, v3, cache, torch.zeros(n, dtype=torch.int64))
+                case.update(mode="rotary_write")
+                trig = (cos.unsqueeze(1), sin.unsqueeze(1))
+                slots = torch.zeros(n, dtype=torch.int64)
+                norm = None
+                if model.startswith("qwen3"):  # the per-head q / k norm fused in
+                    w = torch.empty(head_dim, dtype=dtype)
+                    norm = (w, w, 1e-6)
+                rotary_write_kv_cache(q3, k3, v3, *trig, cache, slots, norm)
                 case.update(mode="decode_direct", num_splits=1)
                 idx = torch.arange(4, dtype=torch.int64)
                 paged_decode_attention(q3, out, cache, idx, tables[:4], lens[:4], scale, 1)

@@ -15,6 +15,12 @@ Tolerances (measured under the interpreter, torch 2.13 CPU, over these cases and
   bf16 / fp16 within one ulp of float32 math rounded once (measured: bit-exact) and within two
   ulps of `SiluAndMul`, which rounds silu(gate) first (measured: bf16 one ulp, fp16 two).
 - rotary_qk: bit-exact in every dtype (same per-op rounding, no multiply-add fusion).
+- rotary_write_kv_cache: bit-exact against rotary_qk then write_kv_cache (q, cache values and
+  scales), in every dtype and KV cache dtype; float caches also bit-exact against the torch
+  references (apply_rotary, then the torch write). With Qwen3's per-head q/k norm fused in,
+  against rms_norm then the two: v bit-exact; q and k within 4 ulps (of the dtype's eps) of their
+  head's largest element (measured float32: 88% bit-exact, at most 2.8 such ulps; bf16:
+  bit-exact; fp16: 99.997% bit-exact, one ulp), from the norm's float32 reduction order.
 
 The interpreter casts float32 to bfloat16 by truncation and to float8 with a faulty carry (triton
 3.8 `interpreter._convert_float`); GPUs round to nearest even, as torch does. Under the
@@ -35,7 +41,7 @@ check_interpreted()
 pytestmark = pytest.mark.usefixtures("interpreter_as_gpu")
 
 from pagoda.kernels.activation import silu_and_mul  # noqa: E402
-from pagoda.kernels.kv_cache import write_kv_cache  # noqa: E402
+from pagoda.kernels.kv_cache import rotary_write_kv_cache, write_kv_cache  # noqa: E402
 from pagoda.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from pagoda.kernels.rotary import rotary_qk  # noqa: E402
 from pagoda.layers.activation import SiluAndMul  # noqa: E402
@@ -47,6 +53,7 @@ from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FP8 = torch.float8_e4m3fn
+QWEN3_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500000.0,
@@ -267,3 +274,113 @@ def test_rotary_qk(
     untouched[pad : pad + q_size + kv_size] = False  # v and the row padding
     assert torch.equal(qkv[:, untouched], before[:, untouched])
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+# ---- rotary_write_kv_cache ---------------------------------------------------------------------
+@pytest.mark.parametrize("quant", [None, torch.int8, FP8], ids=["float", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("num_tokens", "num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(1, 4, 2, 64, 16), (7, 3, 1, 128, 4), (33, 9, 3, 96, 8), (17, 8, 8, 32, 16)],
+)
+def test_rotary_write_kv_cache(
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    quant: torch.dtype | None,
+) -> None:
+    """The fused launch equals rotary_qk then write_kv_cache, and leaves k, v and the row padding
+    of qkv as they were; padding slots write nothing."""
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(head_dim, 32768, compute_inv_freq(LLAMA3_ROPE, head_dim)).to(DEVICE)
+    positions = torch.randint(0, 32768, (num_tokens,), device=DEVICE)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = _strided(num_tokens, q_size + 2 * kv_size, dtype, pad=8)
+    qkv[0, q_size : q_size + head_dim] = 0.0  # an all-zero key row: scale = tiny
+    qkv[-1, -1] = 300.0  # an outlier value sets its row's scale
+    before = qkv.clone()
+    q, k, v = (
+        x.view(num_tokens, -1, head_dim) for x in qkv.split([q_size, kv_size, kv_size], dim=-1)
+    )
+    num_blocks = 2 * -(-num_tokens // block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:num_tokens]
+    slots[1::5] = -1  # padding rows
+    cache = _junk_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, quant)
+    junk = _clone(cache)
+    want = _clone(cache)
+    want_qkv = qkv.clone()
+    want_q, want_k, want_v = (
+        x.view(num_tokens, -1, head_dim) for x in want_qkv.split([q_size, kv_size, kv_size], dim=-1)
+    )
+    rotary_qk(want_q.flatten(1), want_k.flatten(1), cos, sin, head_dim)
+    write_kv_cache(want_k, want_v, want, slots)
+
+    rotary_write_kv_cache(q, k, v, cos, sin, cache, slots)
+
+    assert torch.equal(q, want_q)
+    assert torch.equal(qkv[:, q_size:], before[:, q_size:])  # k and v not written
+    for got, ref in zip(cache.tensors(), want.tensors()):
+        assert torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    if quant is None:  # and against the torch references
+        ref_cache = junk
+        real = slots >= 0
+        k_rot = apply_rotary(before[:, q_size : q_size + kv_size], cos, sin, head_dim)
+        k_rot = k_rot.view(num_tokens, num_kv_heads, head_dim)
+        write_kv_cache_torch(k_rot[real], v[real], ref_cache, slots[real])
+        assert torch.equal(cache.k, ref_cache.k) and torch.equal(cache.v, ref_cache.v)
+        assert torch.equal(q.flatten(1), apply_rotary(before[:, :q_size], cos, sin, head_dim))
+
+
+def test_rotary_write_kv_cache_no_tokens() -> None:
+    cache = _junk_cache(2, 4, 2, 64, torch.float32, None)
+    want = _clone(cache)
+    empty = torch.empty(0, 2, 64, device=DEVICE)
+    trig = torch.empty(0, 1, 32, device=DEVICE)
+    slots = torch.empty(0, dtype=torch.int64, device=DEVICE)
+    rotary_write_kv_cache(empty, empty, empty, trig, trig, cache, slots)
+    assert torch.equal(cache.k, want.k) and torch.equal(cache.v, want.v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("num_tokens", "num_heads", "num_kv_heads", "head_dim"), [(1, 4, 2, 64), (33, 16, 8, 128)]
+)
+def test_rotary_write_kv_cache_with_qk_norm(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    """Qwen3's per-head q/k RMSNorm fused in equals rms_norm per head, then rotary_qk, then
+    write_kv_cache, within the norm's tolerance (float32 reduction order)."""
+    torch.manual_seed(0)
+    block_size, eps = 16, 1e-6
+    rotary = RotaryEmbedding(head_dim, 4096, compute_inv_freq(QWEN3_ROPE, head_dim)).to(DEVICE)
+    cos, sin = rotary.cos_sin(torch.randint(0, 4096, (num_tokens,), device=DEVICE), dtype)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = _strided(num_tokens, q_size + 2 * kv_size, dtype, pad=8)
+    w_q, w_k = (torch.rand(head_dim, device=DEVICE).add(0.5).to(dtype) for _ in range(2))
+    q, k, v = (
+        x.view(num_tokens, -1, head_dim) for x in qkv.split([q_size, kv_size, kv_size], dim=-1)
+    )
+    slots = torch.randperm(4 * block_size, device=DEVICE)[:num_tokens]
+    cache = _junk_cache(4, block_size, num_kv_heads, head_dim, dtype, None)
+    want = _clone(cache)
+    want_q = rms_norm(q.reshape(-1, head_dim), w_q, eps).view(num_tokens, -1)
+    want_k = rms_norm(k.reshape(-1, head_dim), w_k, eps).view(num_tokens, -1)
+    rotary_qk(want_q, want_k, cos, sin, head_dim)
+    write_kv_cache(want_k.view(k.shape), v, want, slots)
+
+    rotary_write_kv_cache(q, k, v, cos, sin, cache, slots, (w_q, w_k, eps))
+
+    assert torch.equal(cache.v, want.v)
+    eps_dtype = torch.finfo(dtype).eps
+    for got, ref in ((q, want_q), (cache.k, want.k)):
+        got, ref = got.reshape(-1, head_dim).float(), ref.reshape(-1, head_dim).float()
+        # An rstd an ulp apart moves each rounding step (norm, weight, the rotation's two
+        # products and their sum) by up to an ulp of the head's largest element.
+        tol = 4 * eps_dtype * ref.abs().amax(dim=-1, keepdim=True)
+        assert bool(((got - ref).abs() <= tol).all())
+        if dtype != torch.float32:  # measured: bf16 all bit-exact, fp16 >= 99.99%
+            assert float((got == ref).float().mean()) >= 0.99

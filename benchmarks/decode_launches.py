@@ -1,0 +1,164 @@
+"""Device launches of one batch-1 decode step on the triton backend, counted without a GPU.
+
+B1 on a GPU replays the decode forward as one CUDA graph, whose replay cost grows with its node
+count (each node a kernel), then launches the LM head and sampling eagerly. This script runs the
+same Python path on CPU (Triton in its interpreter, random weights from a config-only folder,
+bfloat16 as on a GPU) and counts what would be launched:
+- every Triton kernel launch;
+- every torch operator that runs a kernel: views and bare allocations (`empty*`) are not counted.
+Triton's interpreter runs on torch too; nothing inside a Triton launch is counted.
+
+Not counted: the host-to-device copies of the step's inputs (on CPU the input buffers are the
+device's), and what CUDA libraries do inside one operator (a cuBLAS GEMM is one operator here,
+usually one kernel there).
+
+    python benchmarks/decode_launches.py [benchmarks/models/SmolLM2-135M-Instruct ...]
+
+Prints one JSON line per model: launches in the decode forward (the graph's nodes), in one layer,
+outside the forward (LM head and sampling), and one layer's launches by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when pagoda.kernels is first imported
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from collections import Counter  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from pagoda import LLM, SamplingParams  # noqa: E402
+
+MODELS = Path(__file__).parent / "models"
+DEFAULT_MODELS = ["SmolLM2-135M-Instruct", "Qwen3-0.6B", "Llama-3.2-1B"]
+NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh"}
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts operators that run a kernel, and Triton launches (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self.active = False
+        self.in_triton = False
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        name = func.overloadpacket.__name__
+        if self.active and not self.in_triton and not func.is_view and name not in NO_KERNEL:
+            self.counts[f"aten.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def triton_run(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(fn: InterpretedFunction, *args: Any, **kwargs: Any) -> Any:
+            if self.active and not self.in_triton:
+                self.counts[f"triton.{fn.__name__}"] += 1
+            outer, self.in_triton = self.in_triton, True
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                self.in_triton = outer
+
+        return counted
+
+    @contextmanager
+    def counting(self) -> Iterator[Counter[str]]:
+        before = self.counts.copy()
+        outer, self.active = self.active, True
+        window: Counter[str] = Counter()
+        try:
+            yield window
+        finally:
+            self.active = outer
+            window.update(self.counts - before)
+
+
+def count_model(folder: Path) -> dict[str, Any]:
+    llm = LLM(
+        str(folder),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        device="cpu",
+        dtype="bfloat16",
+        attention_backend="triton",
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=1,
+        num_gpu_blocks_override=8,
+        block_size=16,
+        async_scheduling=False,
+    )
+    runner = llm.engine.runner
+    model = runner.model
+    counter = LaunchCounter()
+    steps: list[dict[str, Counter[str]]] = []
+    execute, forward, layer0 = runner.execute, model.forward, model.model.layers[0].forward
+
+    def wrap(f: Callable[..., Any], key: str) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if not steps:
+                return f(*args, **kwargs)
+            with counter.counting() as window:
+                result = f(*args, **kwargs)
+            steps[-1][key] = window
+            return result
+
+        return counted
+
+    def step(out: Any) -> Any:
+        decode = bool(out.scheduled) and all(len(s.token_ids) == 1 for s in out.scheduled)
+        if not decode:
+            return execute(out)
+        steps.append({})
+        with counter.counting() as window:
+            result = execute(out)
+            result.get()  # the host copy of the sampled ids
+        steps[-1]["step"] = window
+        return result
+
+    runner.execute = step  # type: ignore[method-assign]
+    model.forward = wrap(forward, "forward")  # type: ignore[method-assign]
+    model.model.layers[0].forward = wrap(layer0, "layer")  # type: ignore[method-assign]
+    run = InterpretedFunction.run
+    InterpretedFunction.run = counter.triton_run(run)  # type: ignore[method-assign]
+    try:
+        with counter:
+            params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            llm.generate({"prompt_token_ids": list(range(10, 30))}, params, use_tqdm=False)
+    finally:
+        InterpretedFunction.run = run  # type: ignore[method-assign]
+    last = steps[-1]
+    forward_n = sum(last["forward"].values())
+    return {
+        "bench": "decode_launches",
+        "model": folder.name,
+        "num_layers": len(model.model.layers),
+        "forward_launches": forward_n,
+        "layer_launches": sum(last["layer"].values()),
+        "outside_forward_launches": sum(last["step"].values()) - forward_n,
+        "layer": dict(sorted(last["layer"].items())),
+        "outside_forward": dict(sorted((last["step"] - last["forward"]).items())),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("models", nargs="*", help="config folders (default: benchmarks/models/*)")
+    args = parser.parse_args()
+    folders = [Path(m) for m in args.models] or [MODELS / m for m in DEFAULT_MODELS]
+    for folder in folders:
+        print(json.dumps(count_model(folder)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
