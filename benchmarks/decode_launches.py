@@ -5,7 +5,8 @@ count (each node a kernel), then launches the LM head and sampling eagerly. This
 same Python path on CPU (Triton in its interpreter, random weights from a config-only folder,
 bfloat16 as on a GPU) and counts what would be launched:
 - every Triton kernel launch;
-- every torch operator that runs a kernel: views and bare allocations (`empty*`) are not counted.
+- every torch operator that runs a kernel: views, bare allocations (`empty*`) and aliasing
+  operators that return their input (`to` a dtype it has) are not counted.
 Triton's interpreter runs on torch too; nothing inside a Triton launch is counted.
 
 Not counted: the host-to-device copies of the step's inputs (on CPU the input buffers are the
@@ -32,6 +33,8 @@ from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from torch import Tensor  # noqa: E402
+from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
@@ -40,6 +43,16 @@ from pagoda import LLM, SamplingParams  # noqa: E402
 MODELS = Path(__file__).parent / "models"
 DEFAULT_MODELS = ["SmolLM2-135M-Instruct", "Qwen3-0.6B", "Llama-3.2-1B"]
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "lift_fresh"}
+
+
+def _storages(tree: Any) -> set[int]:
+    return {
+        t.untyped_storage().data_ptr() for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)
+    }
+
+
+def _new_storage(out: Any, inputs: Any) -> bool:
+    return bool(_storages(out) - _storages(inputs))
 
 
 class LaunchCounter(TorchDispatchMode):
@@ -54,10 +67,13 @@ class LaunchCounter(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if self.active and not self.in_triton and not func.is_view and name not in NO_KERNEL:
-            self.counts[f"aten.{name}"] += 1
-        return func(*args, **(kwargs or {}))
+        if self.active and not self.in_triton and name not in NO_KERNEL:
+            # An aliasing schema (view, reshape, to) runs a kernel only when it made new memory.
+            if not func.is_view or _new_storage(out, (args, kwargs)):
+                self.counts[f"aten.{name}"] += 1
+        return out
 
     def triton_run(self, run: Callable[..., Any]) -> Callable[..., Any]:
         def counted(fn: InterpretedFunction, *args: Any, **kwargs: Any) -> Any:

@@ -71,9 +71,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    cos_sin_cache: torch.Tensor  # (max_position, head_dim): cos | sin, float32
+    # (max_position, head_dim): cos | sin, computed in float32 and kept in the model's dtype,
+    # so a forward gathers its rows without a cast
+    cos_sin_cache: torch.Tensor
 
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        inv_freq: torch.Tensor,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         assert inv_freq.shape == (head_dim // 2,)
         self.head_dim = head_dim
@@ -83,7 +91,7 @@ class RotaryEmbedding(nn.Module):
             positions, inv_freq.to(positions.device)
         )  # (max_position, head_dim // 2)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # (max_position, head_dim)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.register_buffer("cos_sin_cache", cache.to(dtype), persistent=False)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -114,7 +122,10 @@ def apply_rotary(
     return out.view(num_tokens, -1)
 
 
-def get_rope(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
-    """The rotary embedding an HF config asks for; ValueError for an unsupported rope type."""
+def get_rope(
+    hf_config: Any, head_dim: int, max_position: int, dtype: torch.dtype = torch.float32
+) -> RotaryEmbedding:
+    """The rotary embedding an HF config asks for, its angles kept in `dtype`; ValueError for an
+    unsupported rope type."""
     inv_freq = compute_inv_freq(rope_parameters(hf_config), head_dim)
-    return RotaryEmbedding(head_dim, max_position, inv_freq)
+    return RotaryEmbedding(head_dim, max_position, inv_freq, dtype)

@@ -155,7 +155,9 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.rotary_emb = get_rope(config, head_dim_of(config), config.max_position_embeddings)
+        self.rotary_emb = get_rope(
+            config, head_dim_of(config), config.max_position_embeddings, dtype
+        )
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None = None

@@ -6,6 +6,8 @@ tests/gpu/ runs the same kernels compiled, with graphs captured."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,3 +80,32 @@ def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch: pytest.Monkey
         EngineConfig(device="cpu", attention_backend="flash")
     config = EngineConfig(device="cpu")
     assert config.kernel_backend == "torch" and not config.use_cuda_graphs
+
+
+def _decode_launches() -> Any:
+    """benchmarks/decode_launches.py, which is a script, not a package module."""
+    path = Path(__file__).parents[2] / "benchmarks" / "decode_launches.py"
+    spec = importlib.util.spec_from_file_location("decode_launches", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_step_launches(arch: str, tiny_model_dir: Any) -> None:
+    """A decode layer is ten launches: one of them normalizes q and k per head (Qwen3), rotates
+    them and writes the KV cache. The forward adds three: the embedding, the gather of the angles
+    (kept in the model dtype: no cast), the final norm; the LM head, its cast to float32 and
+    greedy sampling follow it."""
+    record = _decode_launches().count_model(Path(tiny_model_dir(arch)))
+    assert record["layer"] == {
+        "aten.linear": 4,
+        "triton._decode_stage1_kernel": 1,
+        "triton._decode_stage2_kernel": 1,
+        "triton._rms_norm_kernel": 2,
+        "triton._rotary_write_kv_kernel": 1,
+        "triton._silu_and_mul_kernel": 1,
+    }
+    assert record["forward_launches"] == 10 * record["num_layers"] + 3
+    assert record["outside_forward"] == {"aten.linear": 1, "aten.to": 1, "aten.argmax": 1}
