@@ -165,6 +165,20 @@ def _write_kv_cache_kernel(
     )
 
 
+def _quant_args(
+    cache: KVCache,
+) -> tuple[bool, torch.Tensor, torch.Tensor, tuple[int, ...], bool, float]:
+    """(QUANT, k scales, v scales, their strides, IS_INT8, QMAX) of a write kernel's launch; an
+    unquantized cache passes its own tensors as the scales, never read."""
+    if cache.k_scale is None or cache.v_scale is None:
+        return False, cache.k, cache.v, (0, 0, 0), False, 1.0
+    assert cache.k_scale.shape == cache.k.shape[:3]
+    assert cache.v_scale.stride() == cache.k_scale.stride()
+    is_int8 = cache.k.dtype == torch.int8
+    qmax = 127.0 if is_int8 else float(torch.finfo(cache.k.dtype).max)
+    return True, cache.k_scale, cache.v_scale, cache.k_scale.stride(), is_int8, qmax
+
+
 def write_kv_cache(
     k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
 ) -> None:
@@ -183,18 +197,7 @@ def write_kv_cache(
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and cache.k.stride(-1) == 1
     if num_tokens == 0:
         return
-    quant = cache.k_scale is not None and cache.v_scale is not None
-    if quant:
-        assert cache.k_scale is not None and cache.v_scale is not None
-        assert cache.k_scale.shape == cache.k.shape[:3]
-        assert cache.v_scale.stride() == cache.k_scale.stride()
-        k_scale, v_scale = cache.k_scale, cache.v_scale
-        is_int8 = cache.k.dtype == torch.int8
-        qmax = 127.0 if is_int8 else float(torch.finfo(cache.k.dtype).max)
-        scale_strides = k_scale.stride()
-    else:
-        k_scale, v_scale = cache.k, cache.v  # placeholders, never read
-        is_int8, qmax, scale_strides = False, 1.0, (0, 0, 0)
+    quant, k_scale, v_scale, scale_strides, is_int8, qmax = _quant_args(cache)
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
     # (num_tokens,): one program per token, all heads of k and v
@@ -439,18 +442,7 @@ def rotary_write_kv_cache(
             assert w.shape == (head_dim,) and w.dtype == q.dtype and w.is_contiguous()
     if num_tokens == 0:
         return
-    quant = cache.k_scale is not None and cache.v_scale is not None
-    if quant:
-        assert cache.k_scale is not None and cache.v_scale is not None
-        assert cache.k_scale.shape == cache.k.shape[:3]
-        assert cache.v_scale.stride() == cache.k_scale.stride()
-        k_scale, v_scale = cache.k_scale, cache.v_scale
-        is_int8 = cache.k.dtype == torch.int8
-        qmax = 127.0 if is_int8 else float(torch.finfo(cache.k.dtype).max)
-        scale_strides = k_scale.stride()
-    else:
-        k_scale, v_scale = cache.k, cache.v  # placeholders, never read
-        is_int8, qmax, scale_strides = False, 1.0, (0, 0, 0)
+    quant, k_scale, v_scale, scale_strides, is_int8, qmax = _quant_args(cache)
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)  # placeholders
     block_half = triton.next_power_of_2(half)
     block_q = triton.next_power_of_2(num_heads)
