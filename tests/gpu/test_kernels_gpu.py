@@ -106,3 +106,57 @@ def test_write_kv_cache_real_shapes(quant: torch.dtype | None) -> None:
         if want.dtype == FP8:
             want, got = want.float(), got.float()
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("quant", [None, torch.int8, FP8], ids=["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_rotary_write_kv_cache_real_shapes(model: str, quant: torch.dtype | None) -> None:
+    """The fused launch against rotary_qk then write_kv_cache, compiled: bit-exact; with
+    Qwen3's per-head q/k norm, against rms_norm then the two, within the norm's rounding."""
+    from pagoda.kernels.kv_cache import rotary_write_kv_cache
+    from pagoda.kernels.kv_cache import write_kv_cache as write_triton
+    from pagoda.kernels.norm import rms_norm
+    from pagoda.kernels.rotary import rotary_qk
+
+    heads, kv_heads, head_dim = MODELS[model][:3]
+    num_blocks, block_size, tokens, dtype, dev = 512, 16, 4096, torch.bfloat16, "cuda"
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(head_dim, 32768, compute_inv_freq({"rope_type": "default", "rope_theta": 1e6}, head_dim)).to(dev)  # fmt: skip
+    cos, sin = rope.cos_sin(torch.randint(0, 32768, (tokens,), device=dev), dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=dev)
+    slots = torch.randperm(num_blocks * block_size, device=dev)[:tokens]
+    slots[::7] = -1  # padding rows
+    norm = None
+    if model.startswith("Qwen3"):
+        w_q, w_k = (torch.empty(head_dim, dtype=dtype, device=dev).uniform_(0.5, 1.5) for _ in "qk")
+        norm = (w_q, w_k, 1e-6)
+    caches = [
+        KVCache.allocate(num_blocks, block_size, kv_heads, head_dim, dtype, quant, dev)
+        for _ in range(2)
+    ]
+    sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    want_q, want_k, want_v = qkv.clone().split(sizes, dim=-1)
+    if norm is not None:
+        want_q = rms_norm(want_q.reshape(-1, head_dim), norm[0], 1e-6).view(tokens, -1)
+        want_k = rms_norm(want_k.reshape(-1, head_dim), norm[1], 1e-6).view(tokens, -1)
+    rotary_qk(want_q, want_k, cos, sin, head_dim)
+    write_triton(want_k.view(tokens, kv_heads, head_dim), want_v.view(tokens, kv_heads, head_dim), caches[0], slots)  # fmt: skip
+    q, k, v = (x.view(tokens, -1, head_dim) for x in qkv.split(sizes, dim=-1))
+    rotary_write_kv_cache(q, k, v, cos, sin, caches[1], slots, norm)
+    exact = norm is None
+    tol = {"atol": 0, "rtol": 0} if exact else {"atol": 2e-2, "rtol": 1e-2}
+    torch.testing.assert_close(q.flatten(1), want_q, **tol)
+    if exact or quant is None:
+        for want, got in zip(caches[0].tensors(), caches[1].tensors()):
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+        return
+    # Quantized with the norm: v as before; a k code may move one step where the norm moved
+    # its element an ulp (int8: one scale; fp8 e4m3: 2**-3 relative).
+    want, got = caches
+    assert torch.equal(got.v.view(torch.uint8), want.v.view(torch.uint8))
+    assert want.v_scale is not None and torch.equal(got.v_scale, want.v_scale)
+    assert want.k_scale is not None and got.k_scale is not None
+    deq_want = want.k.float() * want.k_scale.unsqueeze(-1)
+    deq_got = got.k.float() * got.k_scale.unsqueeze(-1)
+    step = float(want.k_scale.max())
+    torch.testing.assert_close(deq_got, deq_want, atol=2 * step, rtol=0.13)
