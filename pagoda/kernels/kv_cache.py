@@ -418,7 +418,7 @@ def rotary_write_kv_cache(
 
     qk_norm: (q weight, k weight, eps) of a per-head RMSNorm applied to q and k before the
     rotation (Qwen3), as `rms_norm` over each head's row computes it but for the float32
-    reduction order; weights (head_dim,) in q's dtype.
+    reduction order; weights (head_dim,) in q's dtype. q is then normalized and rotated in place.
 
     q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim); one dtype,
     any token and head strides, last dims contiguous (views into a fused qkv tensor are fine).
