@@ -56,29 +56,36 @@ def _new_storage(out: Any, inputs: Any) -> bool:
 
 
 class LaunchCounter(TorchDispatchMode):
-    """Counts operators that run a kernel, and Triton launches (see the module docstring)."""
+    """Counts operators that run a kernel, and Triton launches (see the module docstring), into
+    every open window."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.counts: Counter[str] = Counter()
-        self.active = False
+        self.windows: list[Counter[str]] = []
         self.in_triton = False
+
+    def _counts(self) -> bool:
+        return bool(self.windows) and not self.in_triton
+
+    def _add(self, name: str) -> None:
+        for window in self.windows:
+            window[name] += 1
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if self.active and not self.in_triton and name not in NO_KERNEL:
+        if self._counts() and name not in NO_KERNEL:
             # An aliasing schema (view, reshape, to) runs a kernel only when it made new memory.
             if not func.is_view or _new_storage(out, (args, kwargs)):
-                self.counts[f"aten.{name}"] += 1
+                self._add(f"aten.{name}")
         return out
 
     def triton_run(self, run: Callable[..., Any]) -> Callable[..., Any]:
         def counted(fn: InterpretedFunction, *args: Any, **kwargs: Any) -> Any:
-            if self.active and not self.in_triton:
-                self.counts[f"triton.{fn.__name__}"] += 1
+            if self._counts():
+                self._add(f"triton.{fn.__name__}")
             outer, self.in_triton = self.in_triton, True
             try:
                 return run(fn, *args, **kwargs)
@@ -89,14 +96,12 @@ class LaunchCounter(TorchDispatchMode):
 
     @contextmanager
     def counting(self) -> Iterator[Counter[str]]:
-        before = self.counts.copy()
-        outer, self.active = self.active, True
         window: Counter[str] = Counter()
+        self.windows.append(window)
         try:
             yield window
         finally:
-            self.active = outer
-            window.update(self.counts - before)
+            self.windows.pop()
 
 
 def count_model(folder: Path) -> dict[str, Any]:
@@ -117,17 +122,15 @@ def count_model(folder: Path) -> dict[str, Any]:
     runner = llm.engine.runner
     model = runner.model
     counter = LaunchCounter()
-    steps: list[dict[str, Counter[str]]] = []
+    last: dict[str, Counter[str]] = {}  # the latest decode step's windows: step, forward, layer
     execute, forward, layer0 = runner.execute, model.forward, model.model.layers[0].forward
 
     def wrap(f: Callable[..., Any], key: str) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if not steps:
+            if not counter.windows:  # not inside a decode step
                 return f(*args, **kwargs)
-            with counter.counting() as window:
-                result = f(*args, **kwargs)
-            steps[-1][key] = window
-            return result
+            with counter.counting() as last[key]:
+                return f(*args, **kwargs)
 
         return counted
 
@@ -135,11 +138,9 @@ def count_model(folder: Path) -> dict[str, Any]:
         decode = bool(out.scheduled) and all(len(s.token_ids) == 1 for s in out.scheduled)
         if not decode:
             return execute(out)
-        steps.append({})
-        with counter.counting() as window:
+        with counter.counting() as last["step"]:
             result = execute(out)
             result.get()  # the host copy of the sampled ids
-        steps[-1]["step"] = window
         return result
 
     runner.execute = step  # type: ignore[method-assign]
@@ -153,7 +154,6 @@ def count_model(folder: Path) -> dict[str, Any]:
             llm.generate({"prompt_token_ids": list(range(10, 30))}, params, use_tqdm=False)
     finally:
         InterpretedFunction.run = run  # type: ignore[method-assign]
-    last = steps[-1]
     forward_n = sum(last["forward"].values())
     return {
         "bench": "decode_launches",

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from pagoda.config import KV_SCALE_DTYPE
-from pagoda.kernels.rotary import _rotate_pair
+from pagoda.kernels.rotary import _load_angles, _rotate_pair
 
 if TYPE_CHECKING:
     from pagoda.layers.attention import KVCache
@@ -52,188 +52,6 @@ def _quantize(xf, scale, IS_INT8: tl.constexpr, QMAX: tl.constexpr, ROUND_MAGIC:
     return y
 
 
-@triton.jit
-def _write_one(
-    x_ptr,  # this token's (num_kv_heads, head_dim) rows
-    cache_ptr,
-    scale_ptr,
-    cache_row,  # int64 offset of (block, offset, head 0) in the cache
-    scale_row,  # int64 offset of (block, offset, head 0) in the scales
-    h,  # (BLOCK_H,) kv heads
-    d,  # (BLOCK_D,)
-    h_mask,  # (BLOCK_H,) head exists and the slot is not padding
-    mask,  # (BLOCK_H, BLOCK_D)
-    stride_xh,
-    stride_ch,
-    stride_sh,
-    QUANT: tl.constexpr,
-    IS_INT8: tl.constexpr,
-    QMAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
-    ROUND_MAGIC: tl.constexpr,
-):
-    x = tl.load(x_ptr + h[:, None] * stride_xh + d[None, :], mask=mask, other=0.0)
-    dst = cache_ptr + cache_row + h[:, None] * stride_ch + d[None, :]
-    if QUANT:
-        xf = x.to(tl.float32)
-        amax = tl.max(tl.abs(xf), axis=1)  # (BLOCK_H,)
-        scale = tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE)
-        y = _quantize(xf, scale, IS_INT8, QMAX, ROUND_MAGIC)
-        tl.store(dst, y.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + scale_row + h * stride_sh, scale, mask=h_mask)
-    else:
-        tl.store(dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _write_kv_cache_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,  # unused unless QUANT
-    v_scale_ptr,
-    slot_mapping_ptr,
-    block_size,
-    num_kv_heads,
-    head_dim,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cb,  # cache strides (k and v alike): block, offset in block, head
-    stride_cs,
-    stride_ch,
-    stride_sb,  # scale strides (k and v alike): block, offset in block, head
-    stride_ss,
-    stride_sh,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    QUANT: tl.constexpr,
-    IS_INT8: tl.constexpr,
-    QMAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
-    ROUND_MAGIC: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
-    block = slot // block_size
-    offset = slot % block_size
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    h_mask = (slot >= 0) & (h < num_kv_heads)
-    mask = h_mask[:, None] & (d[None, :] < head_dim)
-    cache_row = block * stride_cb + offset * stride_cs
-    scale_row = block * stride_sb + offset * stride_ss
-    _write_one(
-        k_ptr + t * stride_kt,
-        k_cache_ptr,
-        k_scale_ptr,
-        cache_row,
-        scale_row,
-        h,
-        d,
-        h_mask,
-        mask,
-        stride_kh,
-        stride_ch,
-        stride_sh,
-        QUANT,
-        IS_INT8,
-        QMAX,
-        MIN_SCALE,
-        ROUND_MAGIC,
-    )
-    _write_one(
-        v_ptr + t * stride_vt,
-        v_cache_ptr,
-        v_scale_ptr,
-        cache_row,
-        scale_row,
-        h,
-        d,
-        h_mask,
-        mask,
-        stride_vh,
-        stride_ch,
-        stride_sh,
-        QUANT,
-        IS_INT8,
-        QMAX,
-        MIN_SCALE,
-        ROUND_MAGIC,
-    )
-
-
-def _quant_args(
-    cache: KVCache,
-) -> tuple[bool, torch.Tensor, torch.Tensor, tuple[int, ...], bool, float]:
-    """(QUANT, k scales, v scales, their strides, IS_INT8, QMAX) of a write kernel's launch; an
-    unquantized cache passes its own tensors as the scales, never read."""
-    if cache.k_scale is None or cache.v_scale is None:
-        return False, cache.k, cache.v, (0, 0, 0), False, 1.0
-    assert cache.k_scale.shape == cache.k.shape[:3]
-    assert cache.v_scale.stride() == cache.k_scale.stride()
-    is_int8 = cache.k.dtype == torch.int8
-    qmax = 127.0 if is_int8 else float(torch.finfo(cache.k.dtype).max)
-    return True, cache.k_scale, cache.v_scale, cache.k_scale.stride(), is_int8, qmax
-
-
-def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
-) -> None:
-    """Write token t's key and value rows to flat slot slot_mapping[t] of `cache`, quantizing them
-    when the cache is quantized; tokens with a negative slot are skipped.
-
-    k, v: (num_tokens, num_kv_heads, head_dim), any token and head strides, last dim contiguous
-    (views into a fused qkv tensor are fine). slot_mapping: (num_tokens,) int64; non-negative slots
-    are distinct and < num_blocks * block_size.
-    """
-    num_tokens, num_kv_heads, head_dim = k.shape
-    num_blocks, block_size = cache.k.shape[:2]
-    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
-    assert cache.k.shape == (num_blocks, block_size, num_kv_heads, head_dim)
-    assert cache.v.shape == cache.k.shape and cache.v.stride() == cache.k.stride()
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and cache.k.stride(-1) == 1
-    if num_tokens == 0:
-        return
-    quant, k_scale, v_scale, scale_strides, is_int8, qmax = _quant_args(cache)
-    block_h = triton.next_power_of_2(num_kv_heads)
-    block_d = triton.next_power_of_2(head_dim)
-    # (num_tokens,): one program per token, all heads of k and v
-    _write_kv_cache_kernel[(num_tokens,)](
-        k,
-        v,
-        cache.k,
-        cache.v,
-        k_scale,
-        v_scale,
-        slot_mapping,
-        block_size,
-        num_kv_heads,
-        head_dim,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        cache.k.stride(0),
-        cache.k.stride(1),
-        cache.k.stride(2),
-        scale_strides[0],
-        scale_strides[1],
-        scale_strides[2],
-        BLOCK_H=block_h,
-        BLOCK_D=block_d,
-        QUANT=quant,
-        IS_INT8=is_int8,
-        QMAX=qmax,
-        MIN_SCALE=_MIN_SCALE,
-        ROUND_MAGIC=_ROUND_MAGIC,
-        num_warps=_num_warps(block_h * block_d),
-    )
-
-
-# ---- rotary fused with the write ---------------------------------------------------------------
 @triton.jit
 def _write_halves(
     y1,  # (BLOCK_H, BLOCK_HALF) first halves of this token's head rows, in the model dtype
@@ -287,31 +105,25 @@ def _rms_norm_halves(x1, x2, w_ptr, i, i_mask, eps, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotary_write_kv_kernel(
-    q_ptr,
+def _write_token_kv(
+    t,  # the token (int64)
     k_ptr,
     v_ptr,
-    cos_ptr,
-    sin_ptr,
+    slot_mapping_ptr,
     k_cache_ptr,
     v_cache_ptr,
     k_scale_ptr,  # unused unless QUANT
     v_scale_ptr,
-    slot_mapping_ptr,
-    q_norm_ptr,  # (head_dim,) per-head RMSNorm weights of q and k; unused unless QK_NORM
-    k_norm_ptr,
+    cos,  # (1, BLOCK_HALF) float32 angles of the token; unused unless ROTATE
+    sin,
+    k_norm_ptr,  # (2 * HALF,) per-head RMSNorm weight of k; unused unless QK_NORM
     eps,
     block_size,
-    num_heads,
     num_kv_heads,
-    stride_qt,
-    stride_qh,
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
-    stride_cos,
-    stride_sin,
     stride_cb,  # cache strides (k and v alike): block, offset in block, head
     stride_cs,
     stride_ch,
@@ -320,8 +132,8 @@ def _rotary_write_kv_kernel(
     stride_sh,
     HALF: tl.constexpr,  # head_dim // 2
     BLOCK_HALF: tl.constexpr,
-    BLOCK_Q_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ROTATE: tl.constexpr,
     QK_NORM: tl.constexpr,
     QUANT: tl.constexpr,
     IS_INT8: tl.constexpr,
@@ -329,22 +141,11 @@ def _rotary_write_kv_kernel(
     MIN_SCALE: tl.constexpr,
     ROUND_MAGIC: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """Token t's key (normalized, then rotated, on its way when asked) and value, all kv heads,
+    to its slot; nothing for a negative (padding) slot. Head rows go as their two halves, the
+    pairs the rotation mixes."""
     i = tl.arange(0, BLOCK_HALF)[None, :]
     i_mask = i < HALF
-    cos = tl.load(cos_ptr + t * stride_cos + i, mask=i_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + t * stride_sin + i, mask=i_mask, other=0.0).to(tl.float32)
-    hq = tl.arange(0, BLOCK_Q_HEADS)[:, None]
-    q_mask = (hq < num_heads) & i_mask
-    q_row = q_ptr + t * stride_qt + hq * stride_qh + i
-    q1 = tl.load(q_row, mask=q_mask, other=0.0)
-    q2 = tl.load(q_row + HALF, mask=q_mask, other=0.0)
-    if QK_NORM:
-        q1, q2 = _rms_norm_halves(q1, q2, q_norm_ptr, i, i_mask, eps, HALF)
-    q1, q2 = _rotate_pair(q1, q2, cos, sin)
-    tl.store(q_row, q1, mask=q_mask)
-    tl.store(q_row + HALF, q2, mask=q_mask)
-
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     block = slot // block_size
     offset = slot % block_size
@@ -358,7 +159,8 @@ def _rotary_write_kv_kernel(
     k2 = tl.load(k_row + HALF, mask=mask, other=0.0)
     if QK_NORM:
         k1, k2 = _rms_norm_halves(k1, k2, k_norm_ptr, i, i_mask, eps, HALF)
-    k1, k2 = _rotate_pair(k1, k2, cos, sin)
+    if ROTATE:
+        k1, k2 = _rotate_pair(k1, k2, cos, sin)
     _write_halves(
         k1,
         k2,
@@ -394,6 +196,240 @@ def _rotary_write_kv_kernel(
         stride_ch,
         stride_sh,
         HALF,
+        QUANT,
+        IS_INT8,
+        QMAX,
+        MIN_SCALE,
+        ROUND_MAGIC,
+    )
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,  # unused unless QUANT
+    v_scale_ptr,
+    slot_mapping_ptr,
+    block_size,
+    num_kv_heads,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    QMAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    ROUND_MAGIC: tl.constexpr,
+):
+    _write_token_kv(
+        tl.program_id(0).to(tl.int64),
+        k_ptr,
+        v_ptr,
+        slot_mapping_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        0.0,  # no angles, no norm
+        0.0,
+        k_ptr,
+        0.0,
+        block_size,
+        num_kv_heads,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        stride_sb,
+        stride_ss,
+        stride_sh,
+        HALF,
+        BLOCK_HALF,
+        BLOCK_H,
+        False,
+        False,
+        QUANT,
+        IS_INT8,
+        QMAX,
+        MIN_SCALE,
+        ROUND_MAGIC,
+    )
+
+
+def _quant_args(
+    cache: KVCache,
+) -> tuple[bool, torch.Tensor, torch.Tensor, tuple[int, ...], bool, float]:
+    """(QUANT, k scales, v scales, their strides, IS_INT8, QMAX) of a write kernel's launch; an
+    unquantized cache passes its own tensors as the scales, never read."""
+    if cache.k_scale is None or cache.v_scale is None:
+        return False, cache.k, cache.v, (0, 0, 0), False, 1.0
+    assert cache.k_scale.shape == cache.k.shape[:3]
+    assert cache.v_scale.stride() == cache.k_scale.stride()
+    is_int8 = cache.k.dtype == torch.int8
+    qmax = 127.0 if is_int8 else float(torch.finfo(cache.k.dtype).max)
+    return True, cache.k_scale, cache.v_scale, cache.k_scale.stride(), is_int8, qmax
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
+) -> None:
+    """Write token t's key and value rows to flat slot slot_mapping[t] of `cache`, quantizing them
+    when the cache is quantized; tokens with a negative slot are skipped.
+
+    k, v: (num_tokens, num_kv_heads, head_dim), any token and head strides, last dim contiguous
+    (views into a fused qkv tensor are fine), head_dim even. slot_mapping: (num_tokens,) int64;
+    non-negative slots are distinct and < num_blocks * block_size.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    num_blocks, block_size = cache.k.shape[:2]
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
+    assert cache.k.shape == (num_blocks, block_size, num_kv_heads, head_dim)
+    assert cache.v.shape == cache.k.shape and cache.v.stride() == cache.k.stride()
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and cache.k.stride(-1) == 1
+    assert head_dim % 2 == 0  # rows are written as halves, the rotation's pairs
+    if num_tokens == 0:
+        return
+    quant, k_scale, v_scale, scale_strides, is_int8, qmax = _quant_args(cache)
+    half = head_dim // 2
+    block_h = triton.next_power_of_2(num_kv_heads)
+    block_half = triton.next_power_of_2(half)
+    # (num_tokens,): one program per token, all heads of k and v
+    _write_kv_cache_kernel[(num_tokens,)](
+        k,
+        v,
+        cache.k,
+        cache.v,
+        k_scale,
+        v_scale,
+        slot_mapping,
+        block_size,
+        num_kv_heads,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cache.k.stride(0),
+        cache.k.stride(1),
+        cache.k.stride(2),
+        scale_strides[0],
+        scale_strides[1],
+        scale_strides[2],
+        HALF=half,
+        BLOCK_HALF=block_half,
+        BLOCK_H=block_h,
+        QUANT=quant,
+        IS_INT8=is_int8,
+        QMAX=qmax,
+        MIN_SCALE=_MIN_SCALE,
+        ROUND_MAGIC=_ROUND_MAGIC,
+        num_warps=_num_warps(2 * block_h * block_half),
+    )
+
+
+# ---- rotary fused with the write ---------------------------------------------------------------
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,  # unused unless QUANT
+    v_scale_ptr,
+    slot_mapping_ptr,
+    q_norm_ptr,  # (head_dim,) per-head RMSNorm weights of q and k; unused unless QK_NORM
+    k_norm_ptr,
+    eps,
+    block_size,
+    num_heads,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos,
+    stride_sin,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    HALF: tl.constexpr,  # head_dim // 2
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    QUANT: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    QMAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    ROUND_MAGIC: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    i_mask = i < HALF
+    cos, sin = _load_angles(cos_ptr, sin_ptr, t, stride_cos, stride_sin, i, i_mask)
+    hq = tl.arange(0, BLOCK_Q_HEADS)[:, None]
+    q_mask = (hq < num_heads) & i_mask
+    q_row = q_ptr + t * stride_qt + hq * stride_qh + i
+    q1 = tl.load(q_row, mask=q_mask, other=0.0)
+    q2 = tl.load(q_row + HALF, mask=q_mask, other=0.0)
+    if QK_NORM:
+        q1, q2 = _rms_norm_halves(q1, q2, q_norm_ptr, i, i_mask, eps, HALF)
+    q1, q2 = _rotate_pair(q1, q2, cos, sin)
+    tl.store(q_row, q1, mask=q_mask)
+    tl.store(q_row + HALF, q2, mask=q_mask)
+    _write_token_kv(
+        t,
+        k_ptr,
+        v_ptr,
+        slot_mapping_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        cos,
+        sin,
+        k_norm_ptr,
+        eps,
+        block_size,
+        num_kv_heads,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        stride_sb,
+        stride_ss,
+        stride_sh,
+        HALF,
+        BLOCK_HALF,
+        BLOCK_H,
+        True,
+        QK_NORM,
         QUANT,
         IS_INT8,
         QMAX,

@@ -34,6 +34,14 @@ def _rotate_pair(x1, x2, cos, sin):
 
 
 @triton.jit
+def _load_angles(cos_ptr, sin_ptr, t, stride_cos, stride_sin, i, i_mask):
+    """Token t's cos and sin at half-indices i (1, BLOCK_HALF), in float32."""
+    cos = tl.load(cos_ptr + t * stride_cos + i, mask=i_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_sin + i, mask=i_mask, other=0.0).to(tl.float32)
+    return cos, sin
+
+
+@triton.jit
 def _rotate_heads(
     ptr,  # this token's head 0
     num_heads,
@@ -75,8 +83,7 @@ def _rotary_qk_kernel(
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)[None, :]
     i_mask = i < HALF
-    cos = tl.load(cos_ptr + t * stride_cos + i, mask=i_mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + t * stride_sin + i, mask=i_mask, other=0.0).to(tl.float32)
+    cos, sin = _load_angles(cos_ptr, sin_ptr, t, stride_cos, stride_sin, i, i_mask)
     head = 2 * HALF
     _rotate_heads(q_ptr + t * stride_q, num_heads, head, cos, sin, i, i_mask, HALF, BLOCK_Q_HEADS)
     _rotate_heads(
