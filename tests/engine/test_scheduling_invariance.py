@@ -1,4 +1,7 @@
-"""The same greedy tokens whatever the scheduling: prefix caching, chunk size, preemption, batch."""
+"""The determinism pagoda states (README, "Determinism"; tests/equivalence.py): whatever the
+scheduling (batch composition, chunk size, prefix caching on / off, preemption), greedy and seeded
+sampling give identical tokens and finish reasons, and every logprob is within LOGPROB_ATOL.
+Async scheduling is held to the same in tests/engine/test_async_scheduling.py."""
 
 from __future__ import annotations
 
@@ -7,8 +10,28 @@ import random
 import pytest
 
 from pagoda import LLM, SamplingParams
+from pagoda.outputs import RequestOutput
+from tests.equivalence import assert_same_outputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def _params(n: int) -> list[SamplingParams]:
+    """Even prompts greedy, odd ones seeded top-k / top-p sampling; all with logprobs, and
+    prompt logprobs on every fourth (their rows are scored chunk by chunk)."""
+    params = []
+    for i in range(n):
+        sampling = {"temperature": 0.9, "top_k": 40, "top_p": 0.95, "seed": i} if i % 2 else {}
+        params.append(
+            SamplingParams(
+                max_tokens=20,
+                ignore_eos=True,
+                logprobs=2,
+                prompt_logprobs=2 if i % 4 == 0 else None,
+                **({"temperature": 0.0} | sampling),
+            )
+        )
+    return params
 
 
 def _prompts(n: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
@@ -17,9 +40,16 @@ def _prompts(n: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
     return [prefix + [rng.randrange(10, 1000) for _ in range(rng.randint(3, 60))] for _ in range(n)]
 
 
-def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
+PROMPTS = _prompts(16, shared_prefix=24)
+PARAMS = _params(len(PROMPTS))
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in _run(llm, prompts, [GREEDY] * len(prompts))]
 
 
 @pytest.fixture(scope="module")
@@ -28,43 +58,41 @@ def tiny_llama(tiny_model_dir) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama: str) -> tuple[list[list[int]], list[list[int]]]:
+def reference(tiny_llama: str) -> list[RequestOutput]:
     """Each prompt alone, no prefix caching, a roomy pool: the baseline everything must equal."""
     llm = LLM(tiny_llama, enable_prefix_caching=False, num_gpu_blocks_override=512)
-    prompts = _prompts(16, shared_prefix=24)
-    return prompts, [_run(llm, [p])[0] for p in prompts]
+    return [_run(llm, [p], [sp])[0] for p, sp in zip(PROMPTS, PARAMS)]
 
 
-def test_batch_of_16_equals_alone(tiny_llama: str, reference) -> None:
-    prompts, expected = reference
+def test_batch_of_16_equals_alone(tiny_llama: str, reference: list[RequestOutput]) -> None:
     llm = LLM(tiny_llama, enable_prefix_caching=False, num_gpu_blocks_override=512)
-    assert _run(llm, prompts) == expected
+    assert_same_outputs(_run(llm, PROMPTS, PARAMS), reference)
 
 
-def test_prefix_caching_gives_same_tokens_and_hits(tiny_llama: str, reference) -> None:
-    prompts, expected = reference
+def test_prefix_caching_gives_same_outputs_and_hits(
+    tiny_llama: str, reference: list[RequestOutput]
+) -> None:
     llm = LLM(tiny_llama, enable_prefix_caching=True, num_gpu_blocks_override=512)
-    assert _run(llm, prompts[:1]) == expected[:1]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_same_outputs(_run(llm, PROMPTS[1:2], PARAMS[1:2]), reference[1:2])
+    outs = _run(llm, PROMPTS, PARAMS)
+    assert_same_outputs(outs, reference)
     # The 24-token shared prefix holds one full 16-token block; the first prompt's blocks hit.
-    assert outs[0].num_cached_tokens >= 16
-    assert all(o.num_cached_tokens >= 16 for o in outs)
+    # (Requests with prompt logprobs skip the cache: their prompt rows must be scored.)
+    cached = [o.num_cached_tokens for o, p in zip(outs, PARAMS) if p.prompt_logprobs is None]
+    assert all(n >= 16 for n in cached)
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries > stats.prefix_cache_hits
 
 
-def test_tiny_token_budget_many_chunks(tiny_llama: str, reference) -> None:
-    prompts, expected = reference
+def test_tiny_token_budget_many_chunks(tiny_llama: str, reference: list[RequestOutput]) -> None:
     llm = LLM(tiny_llama, max_num_batched_tokens=8, num_gpu_blocks_override=512)
-    assert _run(llm, prompts) == expected
+    assert_same_outputs(_run(llm, PROMPTS, PARAMS), reference)
 
 
-def test_small_pool_forces_preemption(tiny_llama: str, reference) -> None:
-    prompts, expected = reference
+def test_small_pool_forces_preemption(tiny_llama: str, reference: list[RequestOutput]) -> None:
     # 16 requests of up to ~104 tokens (7 blocks each) cannot all fit in 24 blocks.
     llm = LLM(tiny_llama, num_gpu_blocks_override=24, enable_prefix_caching=True)
-    assert _run(llm, prompts) == expected
+    assert_same_outputs(_run(llm, PROMPTS, PARAMS), reference)
     assert llm.engine.stats().num_preemptions > 0
     assert llm.engine.kv_cache_manager.pool.num_free_blocks == 24
 
@@ -78,8 +106,8 @@ def test_smollm2_scheduling_invariance(smollm2_llm: LLM) -> None:
         "The three primary colors are",
     ]
     prompts = [tok.encode(t) for t in texts]
-    alone = [_run(smollm2_llm, [p])[0] for p in prompts]
-    assert _run(smollm2_llm, prompts) == alone  # prefix cache now warm, batched
+    alone = [_tokens(smollm2_llm, [p])[0] for p in prompts]
+    assert _tokens(smollm2_llm, prompts) == alone  # prefix cache now warm, batched
     chunked = LLM(
         None,
         quantization="none",  # as smollm2_llm: the same weights and kernels, other schedules
@@ -87,4 +115,4 @@ def test_smollm2_scheduling_invariance(smollm2_llm: LLM) -> None:
         enable_prefix_caching=False,
         num_gpu_blocks_override=64,
     )
-    assert _run(chunked, prompts) == alone
+    assert _tokens(chunked, prompts) == alone
