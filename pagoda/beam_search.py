@@ -1,10 +1,17 @@
 """Beam search on top of LLM.generate: one engine pass per step over every live beam.
 
-Each step asks for the top 2 * beam_width logprobs of every live beam (prefix caching makes the
-shared history cheap), then keeps the beam_width best continuations per prompt by cumulative
-logprob. A continuation that emits EOS is set aside as a finished hypothesis scored
-cum_logprob / generated_len ** length_penalty (as HF transformers does); the search for a
-prompt ends when max_tokens is reached or no live beam can beat the worst kept hypothesis.
+The search for each prompt follows HF transformers' `generate(num_beams=...)` (its
+`_beam_search`), so both give the same hypotheses, in the same order, with the same scores:
+
+- Each step asks for the top K = max(2, 1 + number of EOS ids) * beam_width logprobs of every
+  live beam (prefix caching makes the shared history cheap) and keeps the K best continuations
+  of the prompt by cumulative logprob.
+- A continuation that ends in EOS (unless ignore_eos), or reaches max_tokens, is finished.
+  Finished ones ranked among the beam_width best of the K become hypotheses, scored
+  cum_logprob / generated_len ** length_penalty; the others are dropped. The beam_width best
+  hypotheses are kept.
+- The beam_width best unfinished continuations are the next step's live beams.
+- The search ends at max_tokens, or earlier as BeamSearchParams.early_stopping says.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pagoda.outputs import BeamSearchOutput, BeamSearchSequence
-from pagoda.sampling import BeamSearchParams, SamplingParams
+from pagoda.sampling import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from pagoda.llm import LLM
@@ -27,12 +34,20 @@ def beam_search(
 ) -> list[BeamSearchOutput]:
     width = params.beam_width
     eos = llm.engine.eos_token_ids
+    per_beam = max(2, 1 + len(eos))
+    num_candidates = per_beam * width  # K: enough for width live beams if the best end in EOS
+    if num_candidates > MAX_LOGPROBS:
+        raise ValueError(
+            f"beam_width must be at most {MAX_LOGPROBS // per_beam} for this model: each step "
+            f"reads the top {per_beam} * beam_width logprobs of every beam and the engine "
+            f"returns at most {MAX_LOGPROBS}; got beam_width={width}"
+        )
     step_params = SamplingParams(
-        max_tokens=1, temperature=params.temperature, logprobs=2 * width, detokenize=False
+        max_tokens=1, temperature=params.temperature, logprobs=num_candidates, detokenize=False
     )
     live = [[BeamSearchSequence(tokens=list(p), logprobs=[])] for p in prompts]
-    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
+    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]  # best first, <= width each
+    for step in range(params.max_tokens):
         flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
         if not flat:
             break
@@ -51,51 +66,58 @@ def beam_search(
                         cum_logprob=beam.cum_logprob + lp.logprob,
                     )
                 )
+        is_last = step + 1 == params.max_tokens
         for i, cands in enumerate(candidates):
+            if not cands:
+                continue
+            prompt_len = len(prompts[i])
             cands.sort(key=lambda s: s.cum_logprob, reverse=True)
             live[i] = []
-            for rank, seq in enumerate(cands[: 2 * width]):
-                if not params.ignore_eos and seq.tokens[-1] in eos:
+            for rank, seq in enumerate(cands[:num_candidates]):
+                hit_eos = not params.ignore_eos and seq.tokens[-1] in eos
+                if hit_eos or is_last:
                     if rank < width:
-                        seq.finish_reason = "stop"
+                        seq.finish_reason = "stop" if hit_eos else "length"
                         done[i].append(seq)
-                    continue
-                live[i].append(seq)
-                if len(live[i]) == width:
-                    break
+                elif len(live[i]) < width:
+                    live[i].append(seq)
             done[i] = sorted(
-                done[i],
-                key=lambda s: _score(s, len(prompts[i]), params.length_penalty),
-                reverse=True,
+                done[i], key=lambda s: _score(s, prompt_len, params.length_penalty), reverse=True
             )[:width]
-            if _is_done(done[i], live[i], len(prompts[i]), params):
+            if _is_done(done[i], live[i], step + 1, prompt_len, params):
                 live[i] = []
     results = []
-    for i, prompt in enumerate(prompts):
-        for seq in live[i]:
-            seq.finish_reason = "length"
-        ranked = sorted(
-            done[i] + live[i],
-            key=lambda s: _score(s, len(prompt), params.length_penalty),
-            reverse=True,
-        )[:width]
-        for seq in ranked:
+    for hypotheses in done:
+        for seq in hypotheses:
             if llm.tokenizer is not None:  # None with skip_tokenizer_init: text stays None
                 seq.text = llm.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        results.append(BeamSearchOutput(sequences=ranked))
+        results.append(BeamSearchOutput(sequences=hypotheses))
     return results
 
 
 def _is_done(
     done: list[BeamSearchSequence],
     live: list[BeamSearchSequence],
+    generated_len: int,
     prompt_len: int,
     params: BeamSearchParams,
 ) -> bool:
-    """HF's early_stopping=False heuristic: stop once width hypotheses are kept and the best
-    live beam, normalized at its current length, cannot beat the worst of them."""
-    if len(done) < params.beam_width or not live:
-        return not live
-    worst = min(_score(s, prompt_len, params.length_penalty) for s in done)
-    best_live = max(_score(s, prompt_len, params.length_penalty) for s in live)
-    return best_live <= worst
+    """Whether the search of one prompt ends after a step that left `generated_len` tokens in
+    each live beam (HF's rules). It goes on until beam_width hypotheses are finished; then
+    early_stopping=True ends it, and otherwise it ends once the best live beam cannot beat the
+    worst hypothesis. A beam's cumulative logprob only falls as it grows, so with
+    length_penalty <= 0 its current score is the best it can reach; with length_penalty > 0,
+    "never" bounds it at max_tokens (exact) and False takes the current length (HF's heuristic,
+    which may stop before a better hypothesis is found)."""
+    if not live:
+        return True
+    if len(done) < params.beam_width:
+        return False
+    if params.early_stopping is True:
+        return True
+    penalty = params.length_penalty
+    length = generated_len
+    if params.early_stopping == "never" and penalty > 0.0:
+        length = params.max_tokens
+    best_possible = max(s.cum_logprob for s in live) / length**penalty
+    return best_possible <= min(_score(s, prompt_len, penalty) for s in done)

@@ -49,8 +49,12 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = _as_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
-        if priority is not None and len(priority) != len(prompt_list):
-            raise ValueError("priority must have one entry per prompt")
+        if priority is not None:
+            if not isinstance(priority, (list, tuple)) or len(priority) != len(prompt_list):
+                raise ValueError("priority must be a list of ints with one entry per prompt")
+            bad = [p for p in priority if not isinstance(p, int) or isinstance(p, bool)]
+            if bad:
+                raise ValueError(f"priority must be a list of ints, got {bad[0]!r} in it")
         states: list[RequestState] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params)):
@@ -69,6 +73,10 @@ class LLM:
             return [SamplingParams()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
+        if not isinstance(sampling_params, Sequence) or not all(
+            isinstance(p, SamplingParams) for p in sampling_params
+        ):
+            raise _params_type_error("sampling_params", SamplingParams, sampling_params, True)
         params = list(sampling_params)
         if len(params) != n:
             raise ValueError(
@@ -147,6 +155,8 @@ class LLM:
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield delta outputs (new text and tokens of each sample) as the engine steps."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise _params_type_error("sampling_params", SamplingParams, sampling_params)
         text, ids = self._tokenize(prompt)
         state = self._add(text, ids, sampling_params or SamplingParams())
         try:
@@ -166,6 +176,8 @@ class LLM:
         self, conversation: Conversation, sampling_params: SamplingParams | None = None
     ) -> Iterator[str]:
         """Stream the reply text of one conversation, piece by piece."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise _params_type_error("sampling_params", SamplingParams, sampling_params)
         text = self.apply_chat_template(conversation)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         for out in self.generate_stream({"prompt": text, "prompt_token_ids": ids}, sampling_params):
@@ -183,6 +195,7 @@ class LLM:
         continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         conversations = _as_conversations(messages)
+        self._params_per_prompt(sampling_params, len(conversations))  # TypeError before templating
         prompts: list[PromptType] = [
             {
                 "prompt": text,
@@ -218,6 +231,8 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         from pagoda.beam_search import beam_search
 
+        if not isinstance(params, BeamSearchParams):
+            raise _params_type_error("params", BeamSearchParams, params)
         prompt_ids = [self._tokenize(p)[1] for p in _as_list(prompts)]
         return beam_search(self, prompt_ids, params)
 
@@ -245,6 +260,15 @@ def apply_chat_template(
         continue_final_message=continue_final_message,
     )
     return str(text)
+
+
+def _params_type_error(
+    arg: str, expected: type, got: object, per_prompt: bool = False
+) -> TypeError:
+    name = expected.__name__
+    what = f"a {name} or a list of {name} (one per prompt)" if per_prompt else f"a {name}"
+    hint = f"; for a dict d, pass {name}(**d)" if isinstance(got, dict) else ""
+    return TypeError(f"{arg} must be {what}, got {type(got).__name__}{hint}")
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -59,8 +59,12 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float | None = None
-    priority: int = 0
+    priority: int = 0  # lower is served first (scheduling_policy="priority"; fcfs ignores it)
     cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise ValueError(f"priority must be an int, got {self.priority!r}")
 
 
 class Request:
@@ -121,11 +125,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def sort_key(self) -> tuple[int, float]:
-        """Lower is served first and preempted last (priority, then arrival)."""
-        return (self.priority, self.arrival_time)
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

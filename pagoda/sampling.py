@@ -16,6 +16,7 @@ the batch it shares a step with nor on its row position.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -63,10 +64,17 @@ def _check_float(name: str, value: object, ok: bool, allowed: str) -> None:
 
 
 def _number(name: str, value: object) -> float:
-    if not _is_number(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    assert isinstance(value, (int, float))
-    return float(value)
+    """`value` as a float; ValueError unless it is a finite int or float (NaN, +-inf and ints
+    too large for a float are refused: no range check holds for them)."""
+    if _is_number(value):
+        assert isinstance(value, (int, float))
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if math.isfinite(number):
+            return number
+    raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True, init=False)
@@ -227,9 +235,10 @@ def _normalize_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
     for tid, value in pairs:
         if not (_is_int(tid) and tid >= 0):
             raise ValueError(f"logit_bias keys must be token ids >= 0, got {tid!r}")
-        if not (_is_number(value) and -100.0 <= float(value) <= 100.0):
+        number = _number("logit_bias values", value)
+        if not -100.0 <= number <= 100.0:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r}")
-        out[int(tid)] = float(value)
+        out[int(tid)] = number
     return tuple(sorted(out.items()))
 
 
@@ -243,7 +252,17 @@ def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class BeamSearchParams:
-    """Beam search request (vLLM's names); validated like SamplingParams."""
+    """Beam search request (vLLM's names, plus HF transformers' `early_stopping`); validated
+    like SamplingParams.
+
+    A hypothesis scores cum_logprob / generated_len ** length_penalty. early_stopping says when
+    the search for a prompt ends before max_tokens, as in HF's `generate`:
+      True: once beam_width hypotheses are finished;
+      False (HF's default): once beam_width are finished and the best live beam, scored at its
+        current length, cannot beat the worst of them;
+      "never": once no live beam can beat the worst finished one at any length up to
+        max_tokens (canonical beam search).
+    """
 
     beam_width: int
     max_tokens: int
@@ -251,6 +270,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         _check_int("beam_width", self.beam_width, 1, ">= 1")
@@ -262,6 +282,10 @@ class BeamSearchParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"
+            )
 
 
 def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -3,8 +3,9 @@
 There is no prefill or decode mode. Every request's `num_computed_tokens` catches up with its
 `num_tokens_with_placeholders`; each step the token budget caps how many tokens a request gets
 (that cap is all chunked prefill is). Running requests are served first, then waiting ones by
-policy. When blocks run out, the running request that sorts last (lowest priority, latest
-arrival) is preempted: its blocks are freed and it is recomputed later.
+policy. When blocks run out, the running request that sorts last in policy order is preempted
+(fcfs: the latest arrival, whatever its priority; priority: the lowest priority, then the
+latest arrival): its blocks are freed and it is recomputed later.
 
 schedule() counts the token a sampling step will produce as an output placeholder; update()
 turns it into the sampled token. With async scheduling (EngineCore) the next schedule() runs
@@ -125,18 +126,24 @@ class Scheduler:
             self.requests[sibling.request_id] = sibling
 
     def _enqueue(self, request: Request) -> None:
-        """Insert into the waiting queue in policy order (fcfs: arrival; priority: key)."""
-        key = self._waiting_key(request)
+        """Insert into the waiting queue in policy order."""
+        key = self._policy_key(request)
         i = len(self.waiting)
-        while i > 0 and self._waiting_key(self.waiting[i - 1]) > key:
+        while i > 0 and self._policy_key(self.waiting[i - 1]) > key:
             i -= 1
         self.waiting.insert(i, request)
 
-    def _waiting_key(self, request: Request) -> tuple[float, ...]:
-        # Preempted requests go back in front of everything that arrived after them.
+    def _policy_key(self, request: Request) -> tuple[float, ...]:
+        """Lower is admitted first and preempted last. fcfs ignores priority: arrival only.
+        Preempted requests go back in front of everything that arrived after them."""
         if self.config.policy == "priority":
             return (request.priority, request.arrival_time)
         return (request.arrival_time,)
+
+    def _preemption_victim(self) -> Request:
+        """The running request that sorts last in policy order; among equals (n > 1 samples
+        share an arrival time) the one admitted last."""
+        return max(reversed(self.running), key=self._policy_key)
 
     def finish_requests(
         self, request_ids: Iterable[str], status: RequestStatus, all_samples: bool = True
@@ -196,7 +203,7 @@ class Scheduler:
             n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
             scheduled = True
             while not self.kv.allocate_slots(request, n):
-                victim = max(self.running, key=lambda r: r.sort_key)
+                victim = self._preemption_victim()
                 if self.running.index(victim) < i:  # keep i on `request` as the list shrinks
                     i -= 1
                 self._preempt(victim)

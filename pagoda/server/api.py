@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import signal
@@ -204,12 +206,15 @@ def build_app(state: ServerState) -> FastAPI:
     )
     _install_error_handlers(app)
 
+    key_digest = None if state.config.api_key is None else _digest(state.config.api_key.encode())
+
     async def guard(request: Request) -> None:
         """401 without the API key, 503 while unavailable (open paths excepted)."""
         if request.url.path in OPEN_PATHS:
             return
-        key = state.config.api_key
-        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+        if key_digest is not None and not bearer_matches(
+            request.headers.get("authorization"), key_digest
+        ):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
         reason = state.unavailable_reason
         if reason is not None:
@@ -283,6 +288,25 @@ def build_app(state: ServerState) -> FastAPI:
         return await _chat(state, body, request)
 
     return app
+
+
+def _digest(secret: bytes) -> bytes:
+    return hashlib.sha256(secret).digest()
+
+
+def bearer_matches(authorization: str | None, key_digest: bytes) -> bool:
+    """Whether an Authorization header carries the key whose SHA-256 is `key_digest`.
+
+    The comparison takes the same time whatever the token (vLLM's way): both sides are hashed
+    to 32 bytes, so neither the key's content nor its length leaks through response times, and
+    hmac.compare_digest does not stop at the first differing byte. Starlette decodes headers as
+    latin-1, so encoding back to latin-1 recovers the bytes the client sent.
+    """
+    if authorization is None:
+        return False
+    scheme, _, token = authorization.partition(" ")
+    presented = _digest(token.encode("latin-1"))
+    return hmac.compare_digest(presented, key_digest) and scheme.lower() == "bearer"
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -439,6 +463,15 @@ async def _until_disconnect(request: Request, work: Callable[[], Any]) -> Any:
 def _sse(payload: Any) -> str:
     data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
     return f"data: {data}\n\n"
+
+
+def _stream_error(rid: str, e: Exception) -> str:
+    """Log an error raised once a stream's headers are sent (the client only sees it as an SSE
+    event), then the event. A dead engine is logged without a traceback: its cause is logged
+    where the engine died."""
+    traceback = None if isinstance(e, EngineDeadError) else e
+    logger.error("request %s: error in the stream: %r", rid, e, exc_info=traceback)
+    return _error_event(e)
 
 
 def _error_event(e: Exception) -> str:
@@ -631,7 +664,7 @@ async def _completion_stream(
             usage = _usage(prompt_tokens, completion_tokens, sum(cached))
             yield _sse(CompletionResponse(id=rid, model=state.model_name, choices=[], usage=usage))
     except Exception as e:  # noqa: BLE001 - reported in the stream, headers are gone
-        yield _error_event(e)
+        yield _stream_error(rid, e)
     yield "data: [DONE]\n\n"
 
 
@@ -749,7 +782,7 @@ async def _chat_stream(
             usage = _usage(prompt_tokens, completion_tokens, cached)
             yield _sse(ChatCompletionChunk(id=rid, model=model, choices=[], usage=usage))
     except Exception as e:  # noqa: BLE001 - reported in the stream, headers are gone
-        yield _error_event(e)
+        yield _stream_error(rid, e)
     yield "data: [DONE]\n\n"
 
 

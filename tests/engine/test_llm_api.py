@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from pagoda import LLM, BeamSearchParams, EngineRequest, SamplingParams
+from pagoda import LLM, EngineRequest, SamplingParams
 from pagoda.request import RequestStatus
 
 PROMPT = {
@@ -66,6 +65,47 @@ def test_one_params_per_prompt_and_mismatch(llm: LLM) -> None:
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 4]
     with pytest.raises(ValueError, match="SamplingParams"):
         llm.generate([PROMPT, PROMPT], [SamplingParams()])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"temperature": 0}, [{"temperature": 0}], "temperature=0", 0.5, [SamplingParams(), None]],
+    ids=["dict", "list_of_dict", "str", "float", "list_with_none"],
+)
+def test_sampling_params_of_the_wrong_type_is_a_type_error(llm: LLM, bad: object) -> None:
+    """A dict (or anything but SamplingParams) names what to pass instead, before any request
+    reaches the engine, in every entry point."""
+    match = "sampling_params must be a SamplingParams"
+    with pytest.raises(TypeError, match=match):
+        llm.generate([PROMPT], bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=match):
+        llm.chat([{"role": "user", "content": "hi"}], bad)  # type: ignore[arg-type]
+    if not isinstance(bad, list):
+        with pytest.raises(TypeError, match=match):
+            next(llm.generate_stream(PROMPT, bad))  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=match):
+            next(llm.chat_stream([{"role": "user", "content": "hi"}], bad))  # type: ignore[arg-type]
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_dict_sampling_params_error_says_how_to_fix_it(llm: LLM) -> None:
+    with pytest.raises(TypeError, match=r"got dict; for a dict d, pass SamplingParams\(\*\*d\)"):
+        llm.generate([PROMPT], {"temperature": 0})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [{"beam_width": 2, "max_tokens": 4}, SamplingParams(), None])
+def test_beam_search_params_of_the_wrong_type_is_a_type_error(llm: LLM, bad: object) -> None:
+    with pytest.raises(TypeError, match="params must be a BeamSearchParams"):
+        llm.beam_search([PROMPT], bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "priority", [[0.5], [None], ["1"], [True], 3], ids=["float", "none", "str", "bool", "int"]
+)
+def test_non_integer_priority_is_a_value_error(llm: LLM, priority: object) -> None:
+    with pytest.raises(ValueError, match="priority must be a list of ints"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=2), priority=priority)  # type: ignore[arg-type]
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_top_k_1_equals_greedy(llm: LLM) -> None:
@@ -272,29 +312,6 @@ def test_priority_scheduling(tiny_model_dir) -> None:
     )
     order = sorted(range(3), key=lambda i: outs[i].metrics.first_token_time)
     assert order == [1, 2, 0]
-
-
-def test_beam_search_matches_hf(tiny_model_dir, tiny_hf_model) -> None:
-    llm = LLM(tiny_model_dir("llama"), num_gpu_blocks_override=256)
-    ids = PROMPT["prompt_token_ids"][:8]
-    result = llm.beam_search(
-        [{"prompt_token_ids": ids}], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
-    )
-    hf = tiny_hf_model("llama")
-    with torch.no_grad():
-        expected = hf.generate(
-            torch.tensor([ids]),
-            num_beams=3,
-            num_return_sequences=3,
-            do_sample=False,
-            max_new_tokens=6,
-            min_new_tokens=6,
-            length_penalty=1.0,
-            early_stopping=True,
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        )
-    got = [s.tokens for s in result[0].sequences]
-    assert got == [row.tolist() for row in expected]
 
 
 def test_cache_salt_isolates_prefix_cache(tiny_model_dir) -> None:

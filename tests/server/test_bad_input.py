@@ -58,6 +58,42 @@ CASES: dict[str, tuple[str, str, dict[str, Any] | bytes | None, int]] = {
     "logit_bias_key_out_of_vocab": ("POST", C, cmpl(logit_bias={str(VOCAB): 1.0}), 400),
     "best_of_not_n": ("POST", C, cmpl(best_of=3), 400),
     "suffix_unsupported": ("POST", C, cmpl(suffix="x"), 400),
+    "priority_fraction": ("POST", C, cmpl(priority=1.5), 400),
+    # -- non-finite numbers: JSON has no inf, but 1e400 parses as inf, and Python's JSON reader
+    # takes NaN and Infinity
+    "temperature_1e400": (
+        "POST",
+        C,
+        b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e400}',
+        400,
+    ),
+    "temperature_infinity": ("POST", C, b'{"prompt": "hi", "temperature": Infinity}', 400),
+    "temperature_nan": ("POST", C, b'{"prompt": "hi", "temperature": NaN}', 400),
+    "repetition_penalty_1e400": ("POST", C, b'{"prompt": "hi", "repetition_penalty": 1e400}', 400),
+    "presence_penalty_nan": ("POST", C, b'{"prompt": "hi", "presence_penalty": NaN}', 400),
+    "frequency_penalty_minus_1e400": (
+        "POST",
+        C,
+        b'{"prompt": "hi", "frequency_penalty": -1e400}',
+        400,
+    ),
+    "top_p_1e400": ("POST", C, b'{"prompt": "hi", "top_p": 1e400}', 400),
+    "min_p_nan": ("POST", C, b'{"prompt": "hi", "min_p": NaN}', 400),
+    "logit_bias_1e400": ("POST", C, b'{"prompt": "hi", "logit_bias": {"1": 1e400}}', 400),
+    "logit_bias_nan": ("POST", C, b'{"prompt": "hi", "logit_bias": {"1": NaN}}', 400),
+    "priority_1e400": ("POST", C, b'{"prompt": "hi", "priority": 1e400}', 400),
+    "chat_temperature_1e400": (
+        "POST",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e400}',
+        400,
+    ),
+    "chat_repetition_penalty_1e400": (
+        "POST",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1e400}',
+        400,
+    ),
     # -- /v1/completions: the prompt
     "prompt_1100_token_ids": ("POST", C, cmpl(prompt=[100] * 1100), 400),
     "prompt_plus_max_tokens_too_long": ("POST", C, cmpl(prompt=[100] * 1000, max_tokens=100), 400),
@@ -193,6 +229,41 @@ def test_malformed_json_names_no_param(tiny_server: ServerProcess) -> None:
     )
     error = assert_error_shape(response, 400)
     assert error["param"] is None and "JSON" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        (C, "temperature", b"1e400"),
+        (C, "temperature", b"-1e400"),
+        (C, "repetition_penalty", b"1e400"),
+        (C, "repetition_penalty", b"NaN"),
+        (C, "top_p", b"NaN"),
+        (C, "presence_penalty", b"Infinity"),
+        (CHAT, "temperature", b"1e400"),
+        (CHAT, "frequency_penalty", b"-Infinity"),
+    ],
+)
+def test_non_finite_numbers_are_refused_naming_the_field(
+    tiny_server: ServerProcess, path: str, field: str, value: bytes
+) -> None:
+    """inf and NaN pass pydantic's float fields; SamplingParams refuses them, naming the field,
+    streamed or not."""
+    what = b'"prompt": "hi"' if path == C else b'"messages": [{"role": "user", "content": "hi"}]'
+    for stream in (b"false", b"true"):
+        # Raw bytes: json.dumps would write inf as Infinity, and 1e400 is what a client can send.
+        body = b'{%s, "max_tokens": 2, "stream": %s, "%s": %s}' % (
+            what,
+            stream,
+            field.encode(),
+            value,
+        )
+        response = httpx.post(
+            tiny_server.url + path, content=body, headers={"content-type": "application/json"}
+        )
+        error = assert_error_shape(response, 400)
+        assert error["param"] == field, error
+        assert error["message"].startswith(f"{field} must be a finite number"), error
 
 
 def test_too_long_prompt_fails_before_the_stream_starts(

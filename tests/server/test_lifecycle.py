@@ -3,6 +3,8 @@ SIGTERM drain, engine-process death, start-up."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -15,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from pagoda.server import api
 from tests.server.conftest import SMALL_POOL, ServerProcess
 
 StartServer = Callable[..., ServerProcess]
@@ -36,7 +39,10 @@ def _model(server: ServerProcess) -> str:
 class Stream:
     """A raw streaming completion read on a background thread, event by event."""
 
-    def __init__(self, server: ServerProcess, body: dict[str, Any]) -> None:
+    def __init__(
+        self, server: ServerProcess, body: dict[str, Any], path: str = "/v1/completions"
+    ) -> None:
+        self.path = path
         self.events: list[str] = []
         self.status: int | None = None
         self.first = threading.Event()
@@ -50,7 +56,7 @@ class Stream:
     def _run(self, server: ServerProcess, body: dict[str, Any]) -> None:
         try:
             with self.client.stream(
-                "POST", server.url + "/v1/completions", json=body, headers=server.headers
+                "POST", server.url + self.path, json=body, headers=server.headers
             ) as r:
                 self.status = r.status_code
                 for line in r.iter_lines():
@@ -115,6 +121,49 @@ def test_api_key(start_server: StartServer, tiny_llama_dir: str) -> None:
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     out = server.client().completions.create(model=_model(server), prompt="hi", max_tokens=3)
     assert out.usage is not None and out.usage.completion_tokens == 3
+
+
+def test_api_key_compared_whole_whatever_its_length(
+    start_server: StartServer, tiny_llama_dir: str
+) -> None:
+    key = "sk-0123456789abcdef"
+    server = start_server(tiny_llama_dir, *SMALL_POOL, api_key=key)
+    url = server.url + "/v1/models"
+    wrong = [
+        key[:-1],  # a prefix: shorter
+        key + "0",  # longer
+        key[:-1] + "0",  # same length, last byte differs
+        "x" + key[1:],  # same length, first byte differs
+        key.upper(),
+        "sk-0123456789abcdéf",  # non-ASCII: still a 401, not a 500
+    ]
+    for token in wrong:
+        headers = {"Authorization": f"Bearer {token}".encode()}
+        _assert_error_shape(httpx.get(url, headers=headers), 401)
+    for header in ("Bearer", key, f"Basic {key}", f"Bearer{key}", f"Bearer  {key}"):
+        _assert_error_shape(httpx.get(url, headers={"Authorization": header}), 401)
+    for header in (f"Bearer {key}", f"bearer {key}"):  # the scheme is case-insensitive
+        assert httpx.get(url, headers={"Authorization": header}).status_code == 200
+
+
+def test_api_key_check_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key check goes through hmac.compare_digest on equal-length digests, never through
+    `==` / `!=` on the strings (which stop at the first differing character)."""
+    calls: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    digest = hashlib.sha256(b"sekret").digest()
+    assert api.bearer_matches("Bearer sekret", digest)
+    assert not api.bearer_matches("Bearer sekre", digest)
+    assert not api.bearer_matches("Bearer sekret-and-more", digest)
+    assert not api.bearer_matches(None, digest)
+    assert len(calls) == 3
+    assert all(len(a) == len(b) == 32 for a, b in calls)
 
 
 def test_admission_control_429(start_server: StartServer, tiny_llama_dir: str) -> None:
@@ -221,6 +270,39 @@ def test_engine_death_fails_requests_and_exits(
     except httpx.TransportError:
         pass  # already gone: exiting is what matters
     assert server.proc.wait(30) != 0
+
+
+def test_stream_errors_are_logged_with_the_request_id(
+    start_server: StartServer, tiny_llama_dir: str
+) -> None:
+    """An error raised once a stream has started reaches the client as an SSE event and is
+    logged by the server with the request's id (here: the engine process dies mid-stream)."""
+    server = start_server(tiny_llama_dir, *SMALL_POOL)
+    model = _model(server)
+    completion = Stream(server, {"prompt": "interrupted", "request_id": "cmpl-logged-1", **LONG})
+    chat = Stream(
+        server,
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "interrupted"}],
+            "request_id": "chat-logged-2",
+            **LONG,
+        },
+        path="/v1/chat/completions",
+    )
+    assert completion.first.wait(60) and chat.first.wait(60)
+    assert "cmpl-logged-1" not in server.log() and "chat-logged-2" not in server.log()
+    os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
+    for stream in (completion, chat):
+        events = stream.wait(30)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == 503
+    server.proc.wait(30)
+    log = server.log()
+    for rid in ("cmpl-logged-1", "chat-logged-2"):
+        lines = [line for line in log.splitlines() if rid in line]
+        assert lines, log
+        assert lines[0].startswith("ERROR") and "EngineDeadError" in lines[0], lines
 
 
 def test_starting_up_is_503(start_server: StartServer, tiny_llama_dir: str) -> None:

@@ -119,6 +119,37 @@ def test_bad_values_name_the_field(kwargs: dict, field: str) -> None:
         SamplingParams(**kwargs)
 
 
+INF, NAN = float("inf"), float("nan")
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+@pytest.mark.parametrize("value", [INF, -INF, NAN, 10**400], ids=["inf", "-inf", "nan", "huge_int"])
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_non_finite_floats_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"^{field} must be a finite number"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("value", [INF, -INF, NAN, 10**400], ids=["inf", "-inf", "nan", "huge_int"])
+def test_non_finite_logit_bias_is_refused(value: float) -> None:
+    with pytest.raises(ValueError, match="^logit_bias values must be a finite number"):
+        SamplingParams(logit_bias={5: value})
+
+
+@pytest.mark.parametrize("value", [INF, -INF, NAN], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("field", ["temperature", "length_penalty"])
+def test_non_finite_beam_search_floats_are_refused(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"^{field} must be a finite number"):
+        BeamSearchParams(beam_width=2, max_tokens=4, **{field: value})
+
+
 def test_edge_values_are_accepted() -> None:
     SamplingParams(temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, presence_penalty=-2.0)
     SamplingParams(frequency_penalty=2.0, repetition_penalty=1e-3, max_tokens=1, min_tokens=1)
@@ -128,13 +159,19 @@ def test_edge_values_are_accepted() -> None:
 def test_beam_search_params() -> None:
     b = BeamSearchParams(beam_width=4, max_tokens=32)
     assert (b.ignore_eos, b.temperature, b.length_penalty) == (False, 0.0, 1.0)
-    assert not b.include_stop_str_in_output
+    assert not b.include_stop_str_in_output and b.early_stopping is False
+    for value in (True, False, "never"):
+        stopping = BeamSearchParams(beam_width=2, max_tokens=8, early_stopping=value)
+        assert stopping.early_stopping == value
     for kwargs, field in [
         ({"beam_width": 0, "max_tokens": 8}, "beam_width"),
         ({"beam_width": 2, "max_tokens": 0}, "max_tokens"),
         ({"beam_width": 2, "max_tokens": 8, "temperature": -1.0}, "temperature"),
         ({"beam_width": 2, "max_tokens": 8, "length_penalty": "x"}, "length_penalty"),
         ({"beam_width": 2, "max_tokens": 8, "ignore_eos": None}, "ignore_eos"),
+        ({"beam_width": 2, "max_tokens": 8, "early_stopping": "always"}, "early_stopping"),
+        ({"beam_width": 2, "max_tokens": 8, "early_stopping": 1}, "early_stopping"),
+        ({"beam_width": 2, "max_tokens": 8, "early_stopping": None}, "early_stopping"),
     ]:
         with pytest.raises(ValueError, match=field):
             BeamSearchParams(**kwargs)

@@ -12,7 +12,13 @@ import pytest
 from pagoda.block_pool import BlockPool
 from pagoda.config import SchedulerConfig
 from pagoda.kv_cache_manager import KVCacheManager
-from pagoda.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus, sample_request_id
+from pagoda.request import (
+    PLACEHOLDER_TOKEN_ID,
+    EngineRequest,
+    Request,
+    RequestStatus,
+    sample_request_id,
+)
 from pagoda.sampling import SamplingParams
 from pagoda.scheduler import EngineCoreOutput, RunnerOutput, Scheduler, SchedulerOutput
 
@@ -297,6 +303,53 @@ def test_preemption_evicts_lowest_priority_even_if_it_arrived_first():
     assert low.num_computed_tokens == 0
     assert sched.kv.get_block_ids("high") == [2, 3]
     assert free_ids(sched) == [1, 0]
+
+
+def test_fcfs_preempts_the_latest_arrival_whatever_its_priority():
+    """fcfs ignores priority in preemption too: the most recently arrived running request is
+    the victim (as vLLM's fcfs), even when an earlier one has a worse priority."""
+    sched = make_scheduler(num_blocks=4, policy="fcfs")
+    early = make_request("early", prompt(1, 7), arrival=0, priority=5)
+    late = make_request("late", prompt(2, 7), arrival=1, priority=-5)
+    sched.add_request(early)
+    sched.add_request(late)
+    out, _ = step(sched)
+    assert num_scheduled(out) == {"early": 7, "late": 7}
+    step(sched)  # position 7 still fits in each request's second block
+    assert free_ids(sched) == []
+
+    # `early` needs a block for position 8: `late` (latest arrival) is preempted, not `early`.
+    out, _ = step(sched)
+    assert out.preempted_request_ids == ["late"]
+    assert num_scheduled(out) == {"early": 1}
+    assert ids(sched.running) == ["early"]
+    assert ids(sched.waiting) == ["late"]
+    assert late.status == RequestStatus.PREEMPTED and late.num_computed_tokens == 0
+    assert early.num_preemptions == 0 and late.num_preemptions == 1
+    assert sched.kv.get_block_ids("early") == [0, 1, 3]
+
+
+def test_fcfs_preempts_by_arrival_not_by_admission_order():
+    """The victim is the latest arrival even when the running list holds it before an earlier
+    arrival (here a request is added to the running list out of arrival order)."""
+    sched = make_scheduler(num_blocks=4, policy="fcfs")
+    a = make_request("a", prompt(1, 7), arrival=0, priority=3)
+    b = make_request("b", prompt(2, 7), arrival=1, priority=0)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    step(sched)
+    sched.running.reverse()  # [b, a]: arrival, not list position, picks the victim
+    out, _ = step(sched)  # b needs a block for position 8
+    assert out.preempted_request_ids == ["b"]
+    assert num_scheduled(out) == {"a": 1}
+    assert ids(sched.running) == ["a"]
+
+
+@pytest.mark.parametrize("priority", [1.5, 1.0, "1", None, True])
+def test_non_integer_priority_is_a_value_error(priority: object) -> None:
+    with pytest.raises(ValueError, match="priority must be an int"):
+        EngineRequest("r", [1, 2, 3], SamplingParams(), priority=priority)  # type: ignore[arg-type]
 
 
 def test_preempting_an_already_scheduled_request_skips_no_other_running_request():
