@@ -1,7 +1,7 @@
 """The triton kernel backend end to end on CPU, in Triton's interpreter: greedy tokens of the
-tiny models equal HF's (near-tie rule) with chunked prefills mixed with decodes, and decode
-batches padded to the CUDA-graph sizes (the eager reference of a graph replay), under async
-scheduling, give the same.
+tiny models equal HF's (near-tie rules of tests/oracle.py) with chunked prefills mixed with
+decodes, and decode batches padded to the CUDA-graph sizes (the eager reference of a graph
+replay), under async scheduling, give the same.
 tests/gpu/ runs the same kernels compiled, with graphs captured."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from pagoda import LLM, SamplingParams
 from pagoda.cuda_graphs import capture_sizes
-from tests.oracle import assert_greedy_match, hf_greedy
+from tests.oracle import assert_outputs_match, hf_greedy
 
 PROMPTS = [[(7 * i + 3 * j) % 1000 + 5 for j in range(3 + 4 * i)] for i in range(5)]
 MAX_TOKENS = 10
@@ -44,8 +44,7 @@ def test_triton_backend_greedy_matches_hf(arch: str, tiny_model_dir: Any, tiny_h
     assert llm.engine.runner.kernel_backend == "triton"
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], _greedy())
     expected = hf_greedy(tiny_hf_model(arch), PROMPTS, MAX_TOKENS)
-    for out, (hf_tokens, hf_logprobs) in zip(outs, expected):
-        assert_greedy_match(out.outputs[0].token_ids, hf_tokens, hf_logprobs)
+    assert_outputs_match(outs, expected)
 
 
 def test_padded_decode_batches_match_hf(tiny_model_dir: Any, tiny_hf_model: Any) -> None:
@@ -66,8 +65,7 @@ def test_padded_decode_batches_match_hf(tiny_model_dir: Any, tiny_hf_model: Any)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], _greedy())
     assert any(n not in runner.decode_sizes for n in seen), seen  # some steps were padded
     expected = hf_greedy(tiny_hf_model("llama"), PROMPTS, MAX_TOKENS)
-    for out, (hf_tokens, hf_logprobs) in zip(outs, expected):
-        assert_greedy_match(out.outputs[0].token_ids, hf_tokens, hf_logprobs)
+    assert_outputs_match(outs, expected)
 
 
 def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,7 @@ from pagoda.loader import (
 )
 from pagoda.models import get_model_class
 from pagoda.models.llama import LlamaForCausalLM
-from tests.oracle import assert_greedy_match, assert_logits_close, hf_greedy, hf_logits
+from tests.oracle import assert_greedy_matches, assert_logits_close, hf_greedy, hf_logits
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 BLOCK_SIZE = 4
@@ -137,8 +137,8 @@ def _check_chunked_then_decode(
         (logits,) = runner.step([[token]], [start], [table])
         start += 1
         token, logprob = _greedy_step(logits)
-    [(hf_tokens, hf_logprobs)] = hf_greedy(hf_model, [PROMPT_A], decode_steps)
-    assert_greedy_match(tokens, hf_tokens, hf_logprobs, logprobs, logprob_atol=atol * 10)
+    hf = hf_greedy(hf_model, [PROMPT_A], decode_steps)
+    assert_greedy_matches([tokens], hf, [logprobs], logprob_atol=atol * 10)
 
 
 def _check_flat_batch(
@@ -169,9 +169,8 @@ def _check_flat_batch(
     for i, (token, lp) in enumerate([_greedy_step(logits_a), _greedy_step(logits_b)]):
         out[i].append(token)
         lps[i].append(lp)
-    for prompt, tokens, logprobs in zip((PROMPT_A, PROMPT_B), out, lps):
-        [(hf_tokens, hf_logprobs)] = hf_greedy(hf_model, [prompt], len(tokens))
-        assert_greedy_match(tokens, hf_tokens, hf_logprobs, logprobs, logprob_atol=atol * 10)
+    hf = [hf_greedy(hf_model, [p], len(t))[0] for p, t in zip((PROMPT_A, PROMPT_B), out)]
+    assert_greedy_matches(out, hf, lps, logprob_atol=atol * 10)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -223,8 +222,7 @@ def test_smollm2_chat_prompt_greedy_matches_hf(smollm2_pagoda: Any, smollm2_hf: 
         tokens.append(token)
         lps.append(lp)
         (logits,) = runner.step([[token]], [pos], [table])
-    [(hf_tokens, hf_logprobs)] = hf_greedy(smollm2_hf, [prompt], 8)
-    assert_greedy_match(tokens, hf_tokens, hf_logprobs, lps, logprob_atol=1e-3)
+    assert_greedy_matches([tokens], hf_greedy(smollm2_hf, [prompt], 8), [lps], logprob_atol=1e-3)
     assert "Paris" in tokenizer.decode(tokens)
 
 
