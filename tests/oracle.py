@@ -23,22 +23,52 @@
      when 5 * ties > prompts, so a test of fewer than 5 prompts allows none.
   `tie_gap` defaults to TIE_GAP (1e-3), float32 rounding; bf16 paths pass BF16_TIE_GAP, whose
   reason is stated where it is defined.
+- `forced_logprobs` / `assert_forced_match`: a fast path against its reference, teacher-forced.
+  The reference runs free (greedy, with log-probs); `forced_logprobs` runs the fast path with
+  each request's sampled token at step s replaced by the reference's token s, so both compute
+  every step from the same prefix (its log-probs stay the fast path's own: top-k and the forced
+  token's). HF as the reference of a free pagoda run is forced the other way: `hf_forced` scores
+  pagoda's tokens in one forward. `assert_forced_match` checks one test's prompts, where `lp` and
+  `fast` are the reference's and the fast path's log-probs at step s of the common prefix:
+  6. Each step's token is the reference's (the forcing took), with as many tokens and, where
+     given, the expected finish reason; at every step
+     (a) |fast[tok] - lp[tok]| <= logprob_atol for the forced token tok, and
+     (b) the fast path's top-1 token is the reference's (also when it only ties exactly with
+         another: argmax's pick among equals is index order), or the reference ranks it within
+         the gap: lp[ref top-1] - lp[fast top-1] < tie_gap. Such a tie is printed and counted, and
+         allowed at any step and in any number of prompts: rules 3 and 5 bound what a free run
+         abandons after a tie (the rest of its prompt), and no forced step is abandoned, since
+         the next step has the reference's prefix again. The count and the largest (a)
+         difference are printed (`pytest -s` shows them).
 - `hf_logits` / `assert_logits_close`: full-prompt logits, compared elementwise.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
+from pagoda import LLM, SamplingParams
+from pagoda.model_runner import PendingOutput
 from pagoda.outputs import RequestOutput, SampleLogprobs
+from pagoda.request import EngineRequest
+from pagoda.sampling import SamplerOutput, SamplingMetadata, compute_logprobs_for, to_device
+from pagoda.scheduler import ScheduledRequest, SchedulerOutput
 
 TIE_GAP = 1e-3
 # bf16 paths: logits rounded to bf16 step by 0.125 at |logit| in [16, 32), so an fp32-level
 # difference between two bf16 computations (another kernel, fused code, accumulation order) that
 # flips one rounding moves the gap of two logits by 0.125, and one on each of them by 0.25.
 BF16_TIE_GAP = 0.25
+# bf16 matmul outputs, teacher-forced (rule 6a): a token's log-prob is its bf16 logit less the
+# log-sum-exp of them all, so one flipped rounding of a logit moves it by up to that logit's
+# step, 0.25 at |logit| in [32, 64) (SmolLM2's top logits reach 37). Measured: compiled vs eager
+# SmolLM2 Q4_1 on CPU (float32 between its bf16 matmuls), at most 0.099 over 240 steps
+# (tests/engine/test_compiled_decode.py). Paths rounding every activation to bf16 drift further:
+# see tests/gpu/test_engine_gpu.py.
+BF16_LOGPROB_ATOL = 0.25
 MIN_EQUAL_TOKENS = 8
 PROMPTS_PER_TIE = 5  # a test may end at most 1 in 5 prompts at a tie
 
@@ -225,3 +255,175 @@ def assert_outputs_match(
         finish_reasons=[c.finish_reason for c in completions],
         tie_gap=tie_gap,
     )
+
+
+@torch.no_grad()
+def hf_forced(
+    model: torch.nn.Module,
+    prompt_ids_list: Sequence[Sequence[int]],
+    forced_tokens: Sequence[Sequence[int]],
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Per prompt: (its forced tokens, (len(forced), vocab) float32 log-probs of HF's next token
+    after the prompt and forced[:s], for each step s), from one forward (no KV cache)."""
+    device = next(model.parameters()).device
+    results = []
+    for prompt_ids, forced in zip(prompt_ids_list, forced_tokens, strict=True):
+        ids = [*prompt_ids, *forced[:-1]]
+        out = model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+        logits = out.logits[0, len(prompt_ids) - 1 :].float()
+        results.append((list(forced), torch.log_softmax(logits, dim=-1).cpu()))
+    return results
+
+
+class _ForcedSampler:
+    """Stands in for the runner's Sampler while forcing: row r of a step is the r-th sampling
+    request of `scheduled` (the step's SchedulerOutput, set before the runner samples), and it
+    takes forced[request id][step], step = the outputs sampled before this one (placeholders
+    included, so also under async scheduling). Log-probs come from the step's own logits."""
+
+    def __init__(self, forced: dict[str, list[int]]) -> None:
+        self.forced = forced
+        self.scheduled: list[ScheduledRequest] = []
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        tokens = []
+        for s in self.scheduled:
+            if not s.sample_ids:
+                continue  # a prompt chunk short of the prompt's end
+            assert s.sample_ids == [s.request_id], "forcing needs n == 1"
+            assert s.request_id in self.forced, f"request {s.request_id} is not forced"
+            forced = self.forced[s.request_id]
+            assert s.num_output_tokens < len(forced), (
+                f"request {s.request_id} samples token {s.num_output_tokens} of {len(forced)}"
+            )
+            tokens.append(forced[s.num_output_tokens])
+        assert len(tokens) == logits.shape[0], f"{len(tokens)} forced rows, {logits.shape[0]} rows"
+        sampled = to_device(tokens, torch.int64, logits.device)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = compute_logprobs_for(logits, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled, logprobs)
+
+    compute_logprobs_for = staticmethod(compute_logprobs_for)  # prompt log-probs, unchanged
+
+
+@contextmanager
+def teacher_forcing(llm: LLM, forced_tokens: Sequence[Sequence[int]]) -> Iterator[None]:
+    """Within the block, the i-th request added to `llm` (n = 1) samples forced_tokens[i][s] at
+    its step s: its output tokens, and the inputs of its next steps, are the forced ones.
+    Afterwards the engine's add_request and runner's execute and sampler are as before."""
+    engine, runner = llm.engine, llm.engine.runner
+    forcing = _ForcedSampler({})
+    add_request, execute = engine.add_request, runner.execute
+
+    def add(req: EngineRequest) -> None:
+        assert req.sampling_params.n == 1, "forcing needs n == 1"
+        assert len(forcing.forced) < len(forced_tokens), "more requests than forced sequences"
+        forcing.forced[req.request_id] = list(forced_tokens[len(forcing.forced)])
+        add_request(req)
+
+    def execute_forced(out: SchedulerOutput) -> PendingOutput:
+        forcing.scheduled = out.scheduled
+        return execute(out)
+
+    # Instance attributes shadowing the class's methods; deleted afterwards, not set back to the
+    # bound methods (which would hold the engine in a reference cycle).
+    assert "add_request" not in vars(engine) and "execute" not in vars(runner)
+    sampler = runner.sampler
+    engine.add_request = add  # type: ignore[method-assign]
+    runner.execute = execute_forced  # type: ignore[method-assign]
+    runner.sampler = forcing  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        runner.sampler = sampler
+        del runner.execute
+        del engine.add_request
+
+
+def forced_logprobs(
+    llm: LLM,
+    prompts: Sequence[Sequence[int]],
+    forced_tokens: Sequence[Sequence[int]],
+    num_logprobs: int,
+) -> list[RequestOutput]:
+    """`llm`'s greedy run of each prompt teacher-forced to its forced tokens (as many steps, EOS
+    ignored), with each step's top `num_logprobs` (>= 1: rule 6 needs the top-1) and the forced
+    token's own log-prob."""
+    assert num_logprobs >= 1, "the top-1 token is compared: num_logprobs >= 1"
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=len(f), ignore_eos=True, logprobs=num_logprobs)
+        for f in forced_tokens
+    ]
+    with teacher_forcing(llm, forced_tokens):
+        batch = [{"prompt_token_ids": list(p)} for p in prompts]
+        return llm.generate(batch, params, use_tqdm=False)
+
+
+def expected_from(outputs: Sequence[RequestOutput], vocab_size: int) -> list[Expected]:
+    """A pagoda reference run as the oracle's (tokens, log-prob table) per prompt."""
+    return [
+        (o.outputs[0].token_ids, logprob_table(o.outputs[0].logprobs or [], vocab_size))
+        for o in outputs
+    ]
+
+
+def assert_forced_match(
+    outputs: Sequence[RequestOutput],
+    expected: Sequence[Expected],
+    *,
+    tie_gap: float,
+    logprob_atol: float,
+    expected_finish_reason: str = "length",
+) -> int:
+    """Rule 6 of the module doc: `outputs[i]` is the fast path's run of prompt i forced to (or,
+    for `hf_forced`, forcing) `expected[i]`'s tokens, with log-probs. Prints and returns the
+    number of ties, and prints the largest forced-token log-prob difference."""
+    assert len(outputs) == len(expected), f"{len(outputs)} outputs for {len(expected)} prompts"
+    ties, steps, worst = 0, 0, 0.0
+    for i, (out, (tokens, table)) in enumerate(zip(outputs, expected)):
+        completion = out.outputs[0]
+        what = f"prompt {i}"
+        assert list(completion.token_ids) == list(tokens), (
+            f"{what}: not forced to the reference's tokens\n  fast: {completion.token_ids}"
+            f"\n  reference: {list(tokens)}"
+        )
+        assert completion.finish_reason == expected_finish_reason, (
+            f"{what}: finish reason {completion.finish_reason!r}, "
+            f"expected {expected_finish_reason!r}"
+        )
+        assert completion.logprobs is not None and len(completion.logprobs) == len(tokens), (
+            f"{what}: one log-prob entry per token needed"
+        )
+        assert table.shape[0] == len(tokens), f"{what}: one row of reference log-probs per token"
+        for step, (token, entry) in enumerate(zip(tokens, completion.logprobs)):
+            assert any(lp.rank == 1 for lp in entry.values()), f"{what}: no top-1 at step {step}"
+            fast = logprob_table([entry], table.shape[1])[0]
+            ref = table[step]
+            diff = abs(float(fast[token]) - float(ref[token]))
+            worst = max(worst, diff)
+            assert diff <= logprob_atol, (
+                f"{what}: log-prob of forced token {token} at step {step}: fast "
+                f"{float(fast[token]):.6f}, reference {float(ref[token]):.6f} "
+                f"(|diff| {diff:.3e} > atol {logprob_atol})"
+            )
+            ref_top = int(ref.argmax())
+            # Of equal top log-probs argmax returns the first index: prefer the reference's.
+            fast_top = ref_top if fast[ref_top] == fast.max() else int(fast.argmax())
+            if fast_top != ref_top:
+                gap = float(ref[ref_top] - ref[fast_top])
+                seen = (
+                    f"{what}, step {step}: fast top-1 {fast_top} (reference log-prob "
+                    f"{float(ref[fast_top]):.6f}), reference top-1 {ref_top} "
+                    f"({float(ref[ref_top]):.6f}), gap {gap:.3e}"
+                )
+                assert gap < tie_gap, f"top-1 differs at {seen}, not a near tie (< {tie_gap:.1e})"
+                print(f"oracle: forced near tie, {seen} < {tie_gap:.1e}")
+                ties += 1
+        steps += len(tokens)
+    print(
+        f"oracle: forced, {steps} steps of {len(outputs)} prompts: {ties} near ties "
+        f"(tie gap {tie_gap:.1e}); max |fast - reference| log-prob of the forced token "
+        f"{worst:.3e} (atol {logprob_atol:.1e})"
+    )
+    return ties

@@ -11,6 +11,7 @@ from tests.oracle import (
     BF16_TIE_GAP,
     MIN_EQUAL_TOKENS,
     TIE_GAP,
+    assert_forced_match,
     assert_greedy_match,
     assert_greedy_matches,
     assert_outputs_match,
@@ -172,3 +173,129 @@ def test_logprob_table_puts_tokens_outside_the_top_k_out_of_any_gap() -> None:
     assert torch.isneginf(table[0, 0])
     with pytest.raises(AssertionError, match="not a near tie"):
         assert_greedy_match([0], [3], table, tie_gap=BF16_TIE_GAP)
+
+
+# ---- rule 6: teacher-forced comparison (assert_forced_match) ------------------------------
+
+
+def _forced_output(tokens: list[int], logprobs: torch.Tensor, top: int = 5) -> RequestOutput:
+    """A fast path's forced run as forced_logprobs gives it: at each step the forced token's
+    log-prob and rank, then the top `top` (ranks 1..top) of `logprobs` (steps, VOCAB)."""
+    entries = []
+    for step, token in enumerate(tokens):
+        row = logprobs[step]
+        rank = int((row > row[token]).sum()) + 1
+        entry = {token: Logprob(float(row[token]), rank)}
+        values, ids = row.topk(top)
+        for r, (lp, tid) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            entry.setdefault(tid, Logprob(lp, r))
+        entries.append(entry)
+    completion = CompletionOutput(0, "", tokens, None, entries, "length")
+    return RequestOutput("0", None, [1], None, [completion], True)
+
+
+def _runner_up(row: torch.Tensor, token: int) -> int:
+    others = row.clone()
+    others[token] = float("-inf")
+    return int(others.argmax())
+
+
+def test_forced_all_equal_passes_with_no_tie(capsys: pytest.CaptureFixture[str]) -> None:
+    expected = [_hf(seed) for seed in range(80, 83)]
+    outs = [_forced_output(toks, lp.clone()) for toks, lp in expected]
+    assert assert_forced_match(outs, expected, tie_gap=BF16_TIE_GAP, logprob_atol=1e-6) == 0
+    out = capsys.readouterr().out
+    assert (
+        "36 steps of 3 prompts: 0 near ties" in out
+        and "log-prob of the forced token 0.000e+00" in out
+    )
+
+
+def test_forced_wrong_top1_outside_the_gap_is_caught() -> None:
+    tokens, ref = _hf(84)
+    fast = ref.clone()
+    other = _runner_up(ref[3], tokens[3])  # the reference ranks it >= 1 nat below its top-1
+    fast[3, other] = fast[3, tokens[3]] + 0.5
+    with pytest.raises(
+        AssertionError, match=r"top-1 differs at prompt 0, step 3: .*not a near tie"
+    ):
+        assert_forced_match(
+            [_forced_output(tokens, fast)], [(tokens, ref)], tie_gap=BF16_TIE_GAP, logprob_atol=0.1
+        )
+
+
+def test_forced_top1_outside_the_reference_top_k_is_caught() -> None:
+    tokens, ref = _hf(85)
+    table = logprob_table(_forced_output(tokens, ref, top=2).outputs[0].logprobs or [], VOCAB)
+    fast = ref.clone()
+    outside = int(ref[5].argsort()[-4])  # the reference's 4th: -inf in its top-2 table
+    fast[5, outside] = ref[5, tokens[5]] + 1.0
+    with pytest.raises(AssertionError, match=r"step 5: .*gap inf, not a near tie"):
+        assert_forced_match(
+            [_forced_output(tokens, fast)],
+            [(tokens, table)],
+            tie_gap=BF16_TIE_GAP,
+            logprob_atol=2.0,
+        )
+
+
+def test_forced_logprob_beyond_atol_is_caught() -> None:
+    tokens, ref = _hf(86)
+    fast = ref.clone()
+    fast[7, tokens[7]] -= 0.09  # still the top-1: every reference gap is >= 1 nat
+    assert_forced_match(
+        [_forced_output(tokens, fast)], [(tokens, ref)], tie_gap=BF16_TIE_GAP, logprob_atol=0.1
+    )
+    fast[7, tokens[7]] -= 0.02
+    with pytest.raises(
+        AssertionError, match=r"log-prob of forced token \d+ at step 7: .* > atol 0.1"
+    ):
+        assert_forced_match(
+            [_forced_output(tokens, fast)], [(tokens, ref)], tie_gap=BF16_TIE_GAP, logprob_atol=0.1
+        )
+
+
+def test_forced_ties_are_counted_at_any_step_in_any_number_of_prompts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Step 0 (rule 3 would refuse it) and in 2 of 2 prompts (rule 5 would): nothing is skipped
+    after a forced tie, so neither rule applies."""
+    expected = [_hf(seed) for seed in (87, 88)]
+    outs = []
+    for toks, ref in expected:
+        fast = ref.clone()
+        for step in (0, 6):
+            other = _runner_up(ref[step], toks[step])
+            ref[step, other] = ref[step, toks[step]] - 0.125  # one bf16 step below
+            fast[step, other] = fast[step, toks[step]] + 0.125
+        outs.append(_forced_output(toks, fast))
+    assert assert_forced_match(outs, expected, tie_gap=BF16_TIE_GAP, logprob_atol=1e-6) == 4
+    out = capsys.readouterr().out
+    assert "forced near tie, prompt 0, step 0: fast top-1" in out and "gap 1.250e-01" in out
+    assert "24 steps of 2 prompts: 4 near ties" in out
+    with pytest.raises(AssertionError, match="not a near tie"):  # the float32 gap is narrower
+        assert_forced_match(outs, expected, tie_gap=TIE_GAP, logprob_atol=1e-6)
+
+
+def test_forced_exactly_equal_top_logprobs_are_one_top1() -> None:
+    """Which of two equal log-probs argmax returns is index order: when the fast path's top-1
+    ties exactly with the reference's top-1, that is a match, not a tie."""
+    tokens, ref = _hf(89)
+    step = next(s for s, t in enumerate(tokens) if t > 0)
+    fast = ref.clone()
+    fast[step, 0] = fast[step, tokens[step]]  # argmax of fast[step] returns 0
+    assert int(fast[step].argmax()) == 0
+    outs = [_forced_output(tokens, fast)]
+    assert assert_forced_match(outs, [(tokens, ref)], tie_gap=TIE_GAP, logprob_atol=1e-6) == 0
+
+
+def test_forced_run_not_following_the_reference_is_caught() -> None:
+    tokens, ref = _hf(90)
+    wrong = tokens[:4] + [(tokens[4] + 1) % VOCAB] + tokens[5:]
+    with pytest.raises(AssertionError, match="not forced to the reference's tokens"):
+        assert_forced_match(
+            [_forced_output(wrong, ref)], [(tokens, ref)], tie_gap=BF16_TIE_GAP, logprob_atol=1.0
+        )
+    short = _forced_output(tokens[:-1], ref)
+    with pytest.raises(AssertionError, match="not forced"):
+        assert_forced_match([short], [(tokens, ref)], tie_gap=BF16_TIE_GAP, logprob_atol=1.0)
