@@ -9,14 +9,17 @@ host-bound. Run it on the machine whose figures it explains, e.g.
     python benchmarks/host_overhead.py                     # this machine's default device
     python benchmarks/host_overhead.py --device cuda --no-async-scheduling
 
-Prints one JSON line: output tok/s of each workload (best of --repeats runs; shared machines are
-noisy) and the median host time of each phase at W1's full batch.
+Prints one JSON line (and writes it to --output-json): output tok/s of each workload (best of
+--repeats runs; shared machines are noisy), the median host time of each phase at W1's full
+batch, and the load average before and after the run (other jobs on the machine move the
+figures).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -114,7 +117,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output-json", default=None, help="also write the JSON line here")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     folder = stub_model_dir()
 
     w1_llm = make_llm(folder, args, max_num_seqs=256)
@@ -147,8 +152,17 @@ def main() -> None:
         "b1_host_ceiling_tok_s": round(max(b1)),
         "b1_host_us_per_token": round(1e6 / max(b1), 1),
         "b1_runs_tok_s": [round(x) for x in b1],
+        "repeats": args.repeats,
+        "cpu_count": os.cpu_count(),
+        "loadavg_1m_before": round(load_before[0], 2),
+        "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        "torch": torch.__version__,
     }
-    print(json.dumps(record))
+    line = json.dumps(record)
+    print(line, flush=True)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            f.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
 """Serving benchmark, pagoda against llama.cpp's OpenAI server on the same GGUF, in one run.
 
-Starts `pagoda serve` on the embedded SmolLM2-135M Q4_1 GGUF, runs `pagoda bench serve`
-scenarios against it (concurrency 1, 8, 32 and a Poisson rate sweep), stops it; then does the
-same with `python -m llama_cpp.server` on the same file (skipped, with a message, when
-llama-cpp-python is not installed). Both get the same seeded prompts. Writes summaries
-(compare.json) and plots under benchmarks/results/serve/ and prints a table with the
-pagoda / llama.cpp output-throughput ratio.
+Starts `pagoda serve` on the embedded SmolLM2-135M Q4_1 GGUF (`--quantization gguf`: kept
+quantized) and `python -m llama_cpp.server` on the same file (skipped, with a message, when
+llama-cpp-python is not importable), then runs each `pagoda bench serve` scenario (concurrency
+1, 8, 32 and a Poisson rate sweep) on pagoda and right after on llama.cpp, with the same seeded
+prompts. Writes summaries (compare.json, with both systems' precisions and the machine's load)
+and plots under benchmarks/results/serve/ and prints the tables with the pagoda / llama.cpp
+output-throughput ratio.
 
-    python benchmarks/serve_compare.py              # about 15 minutes on the 2-core CPU box
+llama-cpp-python runs under the Python given by --llama-cpp-python (default:
+$PAGODA_LLAMA_CPP_PYTHON, else this interpreter), so it can live in its own virtualenv:
+
+    python3 -m venv /tmp/peers && /tmp/peers/bin/pip install 'llama-cpp-python[server]'
+    python benchmarks/serve_compare.py --llama-cpp-python /tmp/peers/bin/python
+    python benchmarks/serve_compare.py --scale 0.5  # half the prompts (about 8 minutes idle)
     python benchmarks/serve_compare.py --scale 0.1  # smoke run: a few prompts per scenario
 """
 
@@ -23,11 +29,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import httpx
 
+from pagoda.bench.common import gguf_weight_type, llama_cpp_precision, pagoda_precision
 from pagoda.bench.serve import plot_cdfs, plot_sweep
 from pagoda.loader import resolve_model
 
@@ -72,18 +80,24 @@ class System:
     bench_args: tuple[str, ...] = ()
 
 
-def pagoda_command(gguf: str, port: int) -> list[str]:
+PAGODA_QUANTIZATION = "gguf"  # the CPU default for a GGUF file, said explicitly
+
+
+def pagoda_command(gguf: str, port: int, extra: tuple[str, ...] = ()) -> list[str]:
     # No MODEL: `pagoda serve` runs the embedded SmolLM2 GGUF, the same file as `gguf`.
     return [sys.executable, "-m", "pagoda.cli", "serve", "--host", "127.0.0.1"] + [
         "--port",
         str(port),
+        "--quantization",
+        PAGODA_QUANTIZATION,
         "--disable-log-requests",
+        *extra,
     ]
 
 
-def llama_cpp_command(gguf: str, port: int) -> list[str]:
+def llama_cpp_command(gguf: str, port: int, python: str = sys.executable) -> list[str]:
     # interrupt_requests false: by default a new request cuts the stream being generated short.
-    return [sys.executable, "-m", "llama_cpp.server", "--model", gguf] + [
+    return [python, "-m", "llama_cpp.server", "--model", gguf] + [
         "--n_threads",
         "2",
         "--n_threads_batch",
@@ -172,41 +186,66 @@ def bench_argv(system: System, scenario: Scenario, base_url: str, n: int, out: s
     return argv
 
 
-def run_system(system: System, gguf: str, scale: float, raw_dir: str) -> dict[str, dict[str, Any]]:
-    """{scenario name: the bench's full JSON (config, runs)} for one server."""
-    proc, base_url = start_server(system, gguf, raw_dir)
-    results: dict[str, dict[str, Any]] = {}
+def run_scenario(
+    system: System, scenario: Scenario, base_url: str, scale: float, raw_dir: str
+) -> dict[str, Any] | None:
+    """The bench's full JSON (config, runs) of one scenario on one server; None if it failed."""
+    n = max(2, round(scenario.num_prompts * scale))
+    out = os.path.join(raw_dir, f"{system.label}-{scenario.name}.json")
+    load = round(os.getloadavg()[0], 2)
+    print(f"== {system.label}: {scenario.name} ({n} prompts, load {load})", flush=True)
+    t0 = time.perf_counter()
+    argv = bench_argv(system, scenario, base_url, n, out)
+    # stdout is the bench's JSON line, also in `out`; stderr (progress) passes through.
+    done = subprocess.run(argv, stdout=subprocess.DEVNULL, check=False)
+    if done.returncode != 0:
+        print(f"   failed (exit {done.returncode}); see above", flush=True)
+        return None
+    with open(out) as f:
+        result: dict[str, Any] = json.load(f)
+    result["loadavg_1m_before"] = load
+    result["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+    print(f"   {time.perf_counter() - t0:.0f} s", flush=True)
+    return result
+
+
+def run_all(
+    systems: list[System], gguf: str, scale: float, raw_dir: str
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """{system: {scenario: the bench's JSON}}. Every server is up at once (an idle one blocks
+    on its socket) and each scenario runs on each server in turn, so the peer runs right after
+    pagoda on the same prompts and a shared machine's load drifts on both alike."""
+    procs: list[subprocess.Popen[bytes]] = []
+    results: dict[str, dict[str, dict[str, Any]]] = {s.label: {} for s in systems}
     try:
+        urls = {}
+        for system in systems:
+            proc, urls[system.label] = start_server(system, gguf, raw_dir)
+            procs.append(proc)
         for scenario in SCENARIOS:
-            n = max(2, round(scenario.num_prompts * scale))
-            out = os.path.join(raw_dir, f"{system.label}-{scenario.name}.json")
-            print(f"== {system.label}: {scenario.name} ({n} prompts)", flush=True)
-            t0 = time.perf_counter()
-            argv = bench_argv(system, scenario, base_url, n, out)
-            # stdout is the bench's JSON line, also in `out`; stderr (progress) passes through.
-            done = subprocess.run(argv, stdout=subprocess.DEVNULL, check=False)
-            if done.returncode != 0:
-                print(f"   failed (exit {done.returncode}); see above", flush=True)
-                continue
-            with open(out) as f:
-                results[scenario.name] = json.load(f)
-            print(f"   {time.perf_counter() - t0:.0f} s", flush=True)
+            for system in systems:
+                result = run_scenario(system, scenario, urls[system.label], scale, raw_dir)
+                if result is not None:
+                    results[system.label][scenario.name] = result
     finally:
-        stop_server(proc)
+        for proc in procs:
+            stop_server(proc)
     return results
 
 
-def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp.server  # noqa: F401
-    except ImportError as e:
+def llama_cpp_version(python: str) -> str | None:
+    """llama-cpp-python's version under `python` if its server imports there, else None."""
+    code = "import importlib.metadata as m, llama_cpp.server; print(m.version('llama_cpp_python'))"
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
         print(
-            f"llama-cpp-python's server is not importable ({e}); skipping the llama.cpp peer. "
-            "Install it with: pip install 'llama-cpp-python[server]'",
+            f"llama-cpp-python's server is not importable by {python}: "
+            f"{done.stderr.strip().splitlines()[-1:]}; skipping the llama.cpp peer. Install it "
+            "with: pip install 'llama-cpp-python[server]' (and pass --llama-cpp-python)",
             flush=True,
         )
-        return False
-    return True
+        return None
+    return done.stdout.strip()
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -229,17 +268,29 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def tokens_cell(summary: dict[str, Any]) -> str:
+    """Output tokens counted, how (usage / server_timings / chunks), and the re-tokenized text's
+    count as the cross-check, e.g. "1,576 (chunks; text 1,506)"."""
+    if not summary:
+        return "-"
+    sources = "+".join(summary.get("output_tokens_source") or {}) or "-"
+    n = summary["total_output_tokens"]
+    text = summary.get("total_output_tokens_retokenized")
+    cross = f"; text {text:,}" if text is not None and text != n else ""
+    return f"{n:,} ({sources}{cross})"
+
+
 def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Throughput: requests, output tokens and how they were counted, tok/s, goodput."""
     a, b = PAGODA.label, LLAMA_CPP.label
     head = [
         "scenario",
+        "requests",
+        f"{a} output tokens",
+        f"{b} output tokens",
         f"{a} out tok/s",
         f"{b} out tok/s",
         "ratio",
-        f"{a} P99 TPOT ms",
-        f"{b} P99 TPOT ms",
-        f"{a} P99 TTFT ms",
-        f"{b} P99 TTFT ms",
         f"{a} goodput req/s",
         f"{b} goodput req/s",
     ]
@@ -248,18 +299,39 @@ def table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
         sa, sb = by_system.get(a, {}), by_system.get(b, {})
         ta, tb = sa.get("output_throughput"), sb.get("output_throughput")
         ratio = f"**{ta / tb:.2f}x**" if ta is not None and tb else "-"
+        done = sorted({s["completed"] + s["failed"] for s in (sa, sb) if s})
         cells = [
             name,
+            "/".join(str(n) for n in done),
+            tokens_cell(sa),
+            tokens_cell(sb),
             fmt(ta),
             fmt(tb),
             ratio,
-            fmt(sa.get("p99_tpot_ms")),
-            fmt(sb.get("p99_tpot_ms")),
-            fmt(sa.get("p99_ttft_ms"), 0),
-            fmt(sb.get("p99_ttft_ms"), 0),
             fmt(sa.get("request_goodput"), 3),
             fmt(sb.get("request_goodput"), 3),
         ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def latency_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """Latency: TTFT and ITL median / P99, P99 TPOT, in ms."""
+    a, b = PAGODA.label, LLAMA_CPP.label
+
+    def pair(summary: dict[str, Any], metric: str) -> str:
+        med, p99 = summary.get(f"median_{metric}_ms"), summary.get(f"p99_{metric}_ms")
+        digits = 0 if metric == "ttft" else 1
+        return f"{fmt(med, digits)} / {fmt(p99, digits)}"
+
+    head = ["scenario"]
+    head += [f"{s} TTFT p50 / p99" for s in (a, b)] + [f"{s} ITL p50 / p99" for s in (a, b)]
+    head += [f"{s} P99 TPOT" for s in (a, b)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, by_system in rows(results):
+        sa, sb = by_system.get(a, {}), by_system.get(b, {})
+        cells = [name, pair(sa, "ttft"), pair(sb, "ttft"), pair(sa, "itl"), pair(sb, "itl")]
+        cells += [fmt(sa.get("p99_tpot_ms")), fmt(sb.get("p99_tpot_ms"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -298,6 +370,8 @@ def summaries_record(results: dict[str, dict[str, dict[str, Any]]], scale: float
             s: {
                 name: {
                     "config": rec["config"],
+                    "loadavg_1m_before": rec.get("loadavg_1m_before"),
+                    "loadavg_1m_after": rec.get("loadavg_1m_after"),
                     "summaries": [run["summary"] for run in rec["runs"]],
                 }
                 for name, rec in by_scenario.items()
@@ -311,15 +385,16 @@ def summaries_record(results: dict[str, dict[str, dict[str, Any]]], scale: float
     }
 
 
-def versions() -> dict[str, str | None]:
+def versions(llama_cpp_python: str | None) -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, str | None] = {}
-    for dist in ("pagoda", "llama_cpp_python", "torch"):
+    for dist in ("pagoda", "torch"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
             out[dist] = None
+    out["llama_cpp_python"] = llama_cpp_python
     return out
 
 
@@ -338,9 +413,23 @@ def main() -> int:
     parser.add_argument(
         "--systems", default="pagoda,llama.cpp", help="comma-separated subset to run"
     )
+    parser.add_argument(
+        "--llama-cpp-python",
+        default=os.environ.get("PAGODA_LLAMA_CPP_PYTHON", sys.executable),
+        help="the Python that runs llama-cpp-python's server (default: "
+        "$PAGODA_LLAMA_CPP_PYTHON, else this interpreter)",
+    )
+    parser.add_argument(
+        "--pagoda-args",
+        default="",
+        help="extra `pagoda serve` flags, space-separated, e.g. '-O2' (compiled decode steps)",
+    )
     args = parser.parse_args()
     wanted = set(args.systems.split(","))
-    systems = [s for s in (PAGODA, LLAMA_CPP) if s.label in wanted]
+    pagoda_args = tuple(args.pagoda_args.split())
+    pagoda = replace(PAGODA, command=partial(pagoda_command, extra=pagoda_args))
+    llama_cpp = replace(LLAMA_CPP, command=partial(llama_cpp_command, python=args.llama_cpp_python))
+    systems = [s for s in (pagoda, llama_cpp) if s.label in wanted]
     if wanted - {s.label for s in systems}:
         parser.error(f"--systems: unknown {sorted(wanted - {s.label for s in systems})}")
     folder, gguf_file = resolve_model(None)
@@ -349,8 +438,11 @@ def main() -> int:
     raw_dir = args.raw_dir or tempfile.mkdtemp(prefix="pagoda-serve-compare-")
     os.makedirs(raw_dir, exist_ok=True)
     os.makedirs(args.out_dir, exist_ok=True)
-    if LLAMA_CPP in systems and not llama_cpp_available():
-        systems.remove(LLAMA_CPP)
+    llama_version = None
+    if llama_cpp in systems:
+        llama_version = llama_cpp_version(args.llama_cpp_python)
+        if llama_version is None:
+            systems.remove(llama_cpp)
     print(f"model: {gguf}\nraw results and server logs: {raw_dir}", flush=True)
     load_before = os.getloadavg()
     if load_before[0] > 1.0:
@@ -360,16 +452,26 @@ def main() -> int:
             flush=True,
         )
     t0 = time.perf_counter()
-    results = {s.label: run_system(s, gguf, args.scale, raw_dir) for s in systems}
+    results = run_all(systems, gguf, args.scale, raw_dir)
     record = summaries_record(results, args.scale)
     record["wall_s"] = round(time.perf_counter() - t0, 1)
     record["loadavg_1m_before"] = round(load_before[0], 2)
-    record["versions"] = versions()
+    record["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+    record["cpu_count"] = os.cpu_count()
+    gguf_type = gguf_weight_type(None)
+    record["precisions"] = {
+        PAGODA.label: pagoda_precision(PAGODA_QUANTIZATION, "float32", gguf_type, "cpu"),
+        LLAMA_CPP.label: llama_cpp_precision(gguf_type),
+    }
+    record["commands"] = {s.label: s.command("GGUF", 0) for s in systems}
+    record["versions"] = versions(llama_version)
     with open(os.path.join(args.out_dir, "compare.json"), "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
     plots = write_plots(results, args.out_dir)
     print(table(results))
+    print()
+    print(latency_table(results))
     print(f"wrote {os.path.join(args.out_dir, 'compare.json')} and {len(plots)} plots")
     print(f"total {record['wall_s']:.0f} s")
     return 0

@@ -1,5 +1,6 @@
 """What the benchmarks share: random-token workloads, rate and summary helpers, the JSON line,
-and the HF transformers peer loaded from the same weights as pagoda."""
+the precision each system computes in (so a ratio names both), and the HF transformers peer
+loaded from the same weights as pagoda."""
 
 from __future__ import annotations
 
@@ -154,6 +155,109 @@ def token_id_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_output_json_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None, help="also write the JSON line here")
+
+
+# ---- precisions: what each system computes in ----------------------------------------------
+# A peer ratio compares two systems and the weights they read: a 4-bit model against a float32
+# one measures the bytes per weight as much as the engine. Every record with a peer names both
+# precisions (`precisions`, `same_precision`) and so does the ratio line on stderr.
+FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
+GGUF_WEIGHT_BITS = {"Q4_0": "4-bit", "Q4_1": "4-bit", "Q4_K": "4-bit", "Q8_0": "8-bit"}
+
+
+def gguf_weight_type(model: str | None) -> str | None:
+    """The GGUF type most of the model's tensors are stored in ("Q4_1" for the embedded SmolLM2:
+    210 Q4_1 tensors, the token embedding Q8_0, norms F32); None for an HF folder."""
+    import collections
+    import os
+
+    from gguf import GGUFReader
+
+    from pagoda.loader import resolve_model
+
+    folder, gguf_file = resolve_model(model)
+    if gguf_file is None:
+        return None
+    types = collections.Counter(
+        t.tensor_type.name for t in GGUFReader(os.path.join(folder, gguf_file)).tensors
+    )
+    quantized = {k: v for k, v in types.items() if k not in FLOAT_GGUF_TYPES}
+    return max(quantized or types, key=lambda k: (quantized or types)[k])
+
+
+def pagoda_precision(quantization: str, dtype: str, gguf_type: str | None, device: str) -> str:
+    """pagoda's weights and activations in words, e.g. "gguf Q4_1 (4-bit weights, bf16
+    activations)" or "float32 dequantized from the GGUF Q4_1".
+
+    quantization: the scheme in effect (ModelConfig.quantization); dtype: the model dtype
+    ("float32"); device: "cpu" or "cuda" (torch's packed CPU ops take bf16 activations)."""
+    act = "bf16" if device == "cpu" else dtype.replace("bfloat16", "bf16")
+    source = f"the GGUF {gguf_type}" if gguf_type else "the checkpoint"
+    if quantization == "none":
+        return f"{dtype} dequantized from {source}" if gguf_type else f"{dtype} ({source})"
+    if quantization == "gguf":
+        bits = GGUF_WEIGHT_BITS.get(gguf_type or "", "int8-per-row")
+        return f"gguf {gguf_type} ({bits} weights, {act} activations)"
+    return f"{quantization} weights quantized from {source}, {act} activations"
+
+
+def weights_record(llm: Any, gguf_type: str | None) -> dict[str, Any]:
+    """pagoda's weight scheme, model dtype, weight bytes in memory (and the GGUF file's size)
+    and precision in words."""
+    import os
+
+    from pagoda.loader import resolve_model
+
+    mc = llm.engine.model_config
+    dtype = str(mc.dtype).removeprefix("torch.")
+    record: dict[str, Any] = {
+        "quantization": mc.quantization,
+        "dtype": dtype,
+        "weight_mib": round(mc.weight_bytes / 2**20, 2),
+        "precision": pagoda_precision(mc.quantization, dtype, gguf_type, llm.engine.device.type),
+    }
+    folder, gguf_file = resolve_model(llm.engine.config.model)
+    if gguf_file is not None:
+        size = os.path.getsize(os.path.join(folder, gguf_file))
+        record["gguf_file_mib"] = round(size / 2**20, 2)
+    return record
+
+
+def hf_precision(gguf_type: str | None) -> str:
+    """The HF peer: transformers dequantizes a GGUF at load; load_hf_peer runs float32."""
+    return f"float32 dequantized from the GGUF {gguf_type}" if gguf_type else "float32"
+
+
+def llama_cpp_precision(gguf_type: str | None) -> str:
+    """llama.cpp reads the GGUF file pagoda reads; on CPU its Q4 / Q8 dot products quantize the
+    activations to 8 bits (ggml's vec_dot_type Q8_0 / Q8_1)."""
+    return f"gguf {gguf_type}, the same file (llama.cpp's kernels, 8-bit activations)"
+
+
+def like_with_like_kwargs(peer: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """HF runs the checkpoint dequantized to float32, so with --peer hf pagoda does too
+    (--quantization none) unless the user chose a --quantization."""
+    if peer == "hf" and "quantization" not in kwargs:
+        log("--peer hf: pagoda runs --quantization none, the float32 weights HF runs")
+        return {**kwargs, "quantization": "none"}
+    return kwargs
+
+
+def peer_comparison(
+    pagoda: str, peer_name: str, peer: str, same_weights: bool, metric: str, value: float | None
+) -> dict[str, Any]:
+    """The record's fields that name both precisions, and the ratio line printed with them.
+    same_weights: both systems read the same weight values in the same format."""
+    shown = "-" if value is None else f"{value:.2f}x"
+    weights = "same weights" if same_weights else "DIFFERENT weight precisions"
+    return {
+        "precisions": {"pagoda": pagoda, "peer": peer},
+        "same_weights": same_weights,
+        "ratio_line": (
+            f"pagoda / {peer_name} {metric}: {shown} ({weights}: pagoda {pagoda}; "
+            f"{peer_name} {peer})"
+        ),
+    }
 
 
 # ---- the HF transformers peer --------------------------------------------------------------

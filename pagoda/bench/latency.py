@@ -13,14 +13,20 @@ from pagoda.bench.common import (
     add_output_json_arg,
     decode_tok_s,
     emit,
+    gguf_weight_type,
     hf_pad_token_id,
+    hf_precision,
     left_pad,
+    like_with_like_kwargs,
+    llama_cpp_precision,
     load_hf_peer,
     log,
     median,
+    peer_comparison,
     random_prompt,
     ratio,
     token_id_engine_kwargs,
+    weights_record,
 )
 
 NAME = "latency"
@@ -53,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer",
         choices=["none", "hf", "llama.cpp"],
         default="none",
-        help="hf: transformers fp32; llama.cpp: llama-cpp-python on the same GGUF, 2 threads",
+        help="hf: transformers, float32 dequantized from the same checkpoint (pagoda then runs "
+        "--quantization none unless --quantization is given); llama.cpp: llama-cpp-python on the "
+        "same GGUF file, 2 threads",
     )
     g.add_argument(
         "--profile-steps",
@@ -72,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--num-iters must be >= 1 and --num-iters-warmup >= 0")
     total = args.num_iters_warmup + args.num_iters
     prompts = [random_prompt(args.input_len, args.seed + i) for i in range(total)]
-    kwargs = token_id_engine_kwargs(args)
+    kwargs = like_with_like_kwargs(args.peer, token_id_engine_kwargs(args))
     record: dict[str, Any] = {
         "bench": NAME,
         "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
@@ -87,7 +95,8 @@ def main(args: argparse.Namespace) -> int:
         },
         "engine_args": kwargs,
     }
-    timings, weights, llm = run_pagoda(args.model, kwargs, prompts, args.output_len)
+    gguf_type = gguf_weight_type(args.model)
+    timings, weights, llm = run_pagoda(args.model, kwargs, prompts, args.output_len, gguf_type)
     record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
     if args.profile_steps > 0:
         record["decode_step_profile"] = profile_decode_steps(
@@ -95,28 +104,53 @@ def main(args: argparse.Namespace) -> int:
         )
     del llm
     record["peer"] = None
+    same = False
     if args.peer == "hf":
         timings = run_hf(args.model, prompts, args.output_len)
-        record["peer"] = {"name": "hf-transformers", **summarize(timings[args.num_iters_warmup :])}
+        record["peer"] = {
+            "name": "hf-transformers",
+            "precision": hf_precision(gguf_type),
+            **summarize(timings[args.num_iters_warmup :]),
+        }
+        same = weights["quantization"] == "none" and weights["dtype"] == "float32"
     elif args.peer == "llama.cpp":
         timings = run_llama_cpp(args.model, prompts, args.output_len)
-        peer_summary = summarize(timings[args.num_iters_warmup :])
-        record["peer"] = {"name": "llama-cpp-python, 2 threads", **peer_summary}
+        record["peer"] = {
+            "name": "llama-cpp-python, 2 threads",
+            "precision": llama_cpp_precision(gguf_type),
+            **summarize(timings[args.num_iters_warmup :]),
+        }
+        same = weights["quantization"] == "gguf"
     peer = record["peer"] or {}
     # Every ratio is pagoda / peer: above 1 is better for tok/s, below 1 is better for ms.
     for key in ("ttft_ms", "decode_tok_s", "e2e_ms"):
         record[f"ratio_{key}"] = ratio(record["pagoda"][key], peer.get(key))
+    if peer:
+        record.update(
+            peer_comparison(
+                weights["precision"],
+                peer["name"],
+                peer["precision"],
+                same,
+                "decode tok/s",
+                record["ratio_decode_tok_s"],
+            )
+        )
+        log(record["ratio_line"])
     emit(record, args.output_json)
     return 0
 
 
 def summarize(timings: list[IterTiming]) -> dict[str, Any]:
-    """Medians over iterations, plus the per-iteration values."""
+    """Medians over iterations, plus the per-iteration values. decode_ms_per_token is the
+    batch-1 decode step time as the client sees it (1000 / decode_tok_s)."""
     rates = [t.decode_tok_s for t in timings]
     known = [r for r in rates if r is not None]
+    rate = median(known) if known else None
     return {
         "ttft_ms": round(median([t.ttft_s * 1e3 for t in timings]), 2),
-        "decode_tok_s": round(median(known), 2) if known else None,
+        "decode_tok_s": None if rate is None else round(rate, 2),
+        "decode_ms_per_token": None if rate is None else round(1e3 / rate, 2),
         "e2e_ms": round(median([t.last_token_s * 1e3 for t in timings]), 2),
         "num_output_tokens": [t.num_tokens for t in timings],
         "num_cached_tokens": [t.num_cached_tokens for t in timings],
@@ -126,14 +160,19 @@ def summarize(timings: list[IterTiming]) -> dict[str, Any]:
 
 
 def run_pagoda(
-    model: str | None, kwargs: dict[str, Any], prompts: list[list[int]], output_len: int
+    model: str | None,
+    kwargs: dict[str, Any],
+    prompts: list[list[int]],
+    output_len: int,
+    gguf_type: str | None = None,
 ) -> tuple[list[IterTiming], dict[str, Any], Any]:
-    """Timings, the weight scheme with its bytes in memory, and the LLM."""
+    """Timings, the weight scheme (its dtype, bytes in memory, precision in words), the LLM."""
     from pagoda import LLM, SamplingParams
 
+    t0 = time.perf_counter()
     llm = LLM(model, **kwargs)
-    mc = llm.engine.model_config
-    weights = {"quantization": mc.quantization, "weight_mib": round(mc.weight_bytes / 2**20, 2)}
+    # Loading, KV sizing and, at -O2 on CPU, compiling both decode graphs.
+    weights = {**weights_record(llm, gguf_type), "startup_s": round(time.perf_counter() - t0, 2)}
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     timings = []
     for ids in prompts:
@@ -185,17 +224,19 @@ def profile_decode_steps(llm: Any, prompt: list[int], num_steps: int) -> dict[st
         engine.step()
     events = prof.events()
     steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == "pagoda_step"]
+    top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:15]
     record: dict[str, Any] = {
         "num_steps": num_steps,
         "step_ms": round(median(wall) * 1e3, 3),
+        # torch ops called from Python (not from inside another op) per step: the dispatches.
+        "top_level_ops_per_step": round(_top_level_ops(events) / num_steps, 1),
         "top_ops": [
             {
                 "name": a.key,
                 "self_cpu_ms_per_step": round(a.self_cpu_time_total / 1e3 / num_steps, 3),
+                "calls_per_step": round(a.count / num_steps, 1),
             }
-            for a in sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[
-                :10
-            ]
+            for a in top
         ],
     }
     if cuda:
@@ -210,6 +251,19 @@ def profile_decode_steps(llm: Any, prompt: list[int], num_steps: int) -> dict[st
         record["gpu_busy_ms_per_step"] = round(busy / 1e3 / num_steps, 3)
         record["host_ms_per_step"] = round((span - busy) / 1e3 / num_steps, 3)
     return record
+
+
+def _top_level_ops(events: Any) -> int:
+    """aten ops with no aten op above them in the call tree."""
+    count = 0
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        count += parent is None
+    return count
 
 
 def _covered(intervals: list[tuple[float, float]], windows: list[tuple[float, float]]) -> float:

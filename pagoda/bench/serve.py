@@ -43,15 +43,22 @@ class RequestResult:
     error: str = ""
     prompt_len: int = 0
     output_len: int = 0  # what was asked for (max_tokens)
-    output_tokens: int = 0  # what came back (usage, else the re-tokenized text)
+    output_tokens: int = 0  # what came back, counted as output_tokens_source says
+    output_tokens_source: str = ""  # one of COUNT_SOURCES
+    retokenized_tokens: int = 0  # the whole text re-tokenized: a cross-check, lossy
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
     e2el: float = 0.0
     start: float = 0.0  # send time (perf_counter; relative to the run's start after run_load)
-    text: str = ""
+    chunks: list[str] = field(default_factory=list)  # the text of each text-carrying chunk
     finish_reason: str | None = None
     usage_output_tokens: int | None = None
     usage_prompt_tokens: int | None = None
+    server_output_tokens: int | None = None  # llama.cpp's timings.predicted_n, no usage sent
+
+    @property
+    def text(self) -> str:
+        return "".join(self.chunks)
 
     @property
     def tpot(self) -> float | None:
@@ -307,7 +314,6 @@ async def send_request(
     n_out = req.output_len if max_tokens is None else max_tokens
     result = RequestResult(prompt_len=req.prompt_len, output_len=n_out)
     body = request_body(req, cfg, n_out)
-    texts: list[str] = []
     t0 = time.perf_counter()
     result.start = t0
     last = t0
@@ -331,38 +337,54 @@ async def send_request(
                 if usage:
                     result.usage_output_tokens = usage.get("completion_tokens")
                     result.usage_prompt_tokens = usage.get("prompt_tokens")
+                timings = event.get("timings")
+                if isinstance(timings, dict) and "predicted_n" in timings:
+                    result.server_output_tokens = timings["predicted_n"]
                 result.finish_reason = finish_reason(event) or result.finish_reason
                 text = chunk_text(event)
                 if text:
                     now = time.perf_counter()
-                    if not texts:
+                    if not result.chunks:
                         result.ttft = now - t0
                     else:
                         result.itl.append(now - last)
                     last = now
-                    texts.append(text)
+                    result.chunks.append(text)
         result.e2el = time.perf_counter() - t0
     except Exception as e:  # a load generator records failures and goes on
         result.error = f"{type(e).__name__}: {e}"[:300]
         return result
-    result.text = "".join(texts)
-    if not texts:
+    if not result.chunks:
         result.error = f"no text in the response (finish_reason {result.finish_reason})"
         return result
     result.success = True
     return result
 
 
+# How a request's output tokens were counted, best first: the server's usage
+# (stream_options.include_usage: pagoda, vLLM, llama.cpp's llama-server), llama-server's
+# timings.predicted_n, else each streamed chunk re-tokenized on its own and summed (a chunk is
+# one token in llama-cpp-python's stream unless several make up one UTF-8 character).
+# Re-tokenizing the whole text is kept beside as a cross-check only: it undercounts, because a
+# model's greedy output is often not the tokenizer's own split of that text (two tokens the
+# tokenizer would merge into one), and tokens that decode to nothing vanish.
+COUNT_SOURCES = ("usage", "server_timings", "chunks")
+
+
 def count_output_tokens(results: Sequence[RequestResult], tokenizer: Any) -> None:
-    """Usage from the server when it sent one, else the re-tokenized text; after the run, so
-    tokenizing never competes with the timed streams."""
+    """Each successful request's output_tokens and its source (COUNT_SOURCES), and the
+    re-tokenized cross-check; after the run, so tokenizing never competes with the streams."""
     for r in results:
         if not r.success:
             continue
+        r.retokenized_tokens = num_tokens(tokenizer, r.text)
         if r.usage_output_tokens is not None:
-            r.output_tokens = int(r.usage_output_tokens)
+            r.output_tokens, r.output_tokens_source = int(r.usage_output_tokens), "usage"
+        elif r.server_output_tokens is not None:
+            r.output_tokens, r.output_tokens_source = int(r.server_output_tokens), "server_timings"
         else:
-            r.output_tokens = num_tokens(tokenizer, r.text)
+            r.output_tokens = sum(num_tokens(tokenizer, c) for c in r.chunks)
+            r.output_tokens_source = "chunks"
         if r.usage_prompt_tokens is not None:
             r.prompt_len = int(r.usage_prompt_tokens)
 
@@ -506,6 +528,18 @@ def summarize(
     for metric in METRICS:
         for stat, value in latency_stats(metric_values(results, metric)).items():
             summary[f"{stat}_{metric}_ms"] = value
+    # How the output tokens were counted, and the cross-checks: the tokens asked for, the whole
+    # texts re-tokenized, and requests that finished at their length ("length") with a count
+    # other than what they asked for (a count that is wrong, or a server that stopped at its
+    # context length).
+    summary["output_tokens_source"] = {
+        s: n for s in COUNT_SOURCES if (n := sum(r.output_tokens_source == s for r in ok))
+    }
+    summary["total_output_tokens_asked"] = sum(r.output_len for r in ok)
+    summary["total_output_tokens_retokenized"] = sum(r.retokenized_tokens for r in ok)
+    summary["length_count_mismatches"] = sum(
+        r.finish_reason == "length" and r.output_tokens != r.output_len for r in ok
+    )
     # Requests that ended for another reason than their length: with --ignore-eos, a server that
     # stopped at EOS anyway (it would look faster than it is).
     summary["early_stops"] = sum(r.finish_reason not in (None, "length") for r in ok)
@@ -528,6 +562,9 @@ def request_records(results: Sequence[RequestResult]) -> list[dict[str, Any]]:
             "prompt_len": r.prompt_len,
             "output_len": r.output_len,
             "output_tokens": r.output_tokens,
+            "output_tokens_source": r.output_tokens_source or None,
+            "retokenized_tokens": r.retokenized_tokens if r.success else None,
+            "num_chunks": len(r.chunks),
             "finish_reason": r.finish_reason,
             "ttft_ms": ms(r.ttft) if r.success else None,
             "tpot_ms": ms(r.tpot) if r.success else None,

@@ -13,16 +13,21 @@ from pagoda.bench.common import (
     add_output_json_arg,
     batches,
     emit,
+    gguf_weight_type,
     hf_pad_token_id,
+    hf_precision,
     hit_rate,
     left_pad,
+    like_with_like_kwargs,
     load_hf_peer,
     log,
     parse_range,
+    peer_comparison,
     random_workload,
     ratio,
     throughput_stats,
     token_id_engine_kwargs,
+    weights_record,
 )
 
 NAME = "throughput"
@@ -42,7 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="put the same L random tokens in front of every prompt (prefix caching)",
     )
     p = parser.add_argument_group("peer")
-    p.add_argument("--peer", choices=["none", "hf"], default="none")
+    p.add_argument(
+        "--peer",
+        choices=["none", "hf"],
+        default="none",
+        help="hf: transformers, float32 dequantized from the same checkpoint; pagoda then runs "
+        "--quantization none (the same weights) unless --quantization is given",
+    )
     p.add_argument("--peer-batch-size", type=int, default=16, help="HF static batch size")
     p.add_argument(
         "--peer-num-prompts",
@@ -62,20 +73,22 @@ def main(args: argparse.Namespace) -> int:
         shared_prefix_len=args.shared_prefix_len,
     )
     peer_n = _peer_num_prompts(args)
-    kwargs = token_id_engine_kwargs(args)
+    kwargs = like_with_like_kwargs(args.peer, token_id_engine_kwargs(args))
     record: dict[str, Any] = {
         "bench": NAME,
         "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
         "workload": workload_record(args, requests),
         "engine_args": kwargs,
     }
-    record["pagoda"] = run_pagoda(args.model, kwargs, requests, args.temperature)
+    gguf_type = gguf_weight_type(args.model)
+    record["pagoda"] = run_pagoda(args.model, kwargs, requests, args.temperature, gguf_type)
     gc.collect()
     record["peer"] = None
     if args.peer == "hf":
         record["peer"] = run_hf(
             args.model, requests[:peer_n], args.temperature, args.peer_batch_size, args.seed
         )
+        record["peer"]["precision"] = hf_precision(gguf_type)
         record["peer"]["extrapolated"] = peer_n < len(requests)
         if peer_n < len(requests):
             total_out = record["workload"]["num_output_tokens"]
@@ -90,6 +103,20 @@ def main(args: argparse.Namespace) -> int:
     record["ratio_output_tok_s"] = ratio(
         record["pagoda"]["output_tok_s"], peer["output_tok_s"] if peer else None
     )
+    if peer:
+        pagoda = record["pagoda"]
+        same = pagoda["quantization"] == "none" and pagoda["dtype"] == "float32"
+        record.update(
+            peer_comparison(
+                pagoda["precision"],
+                peer["name"],
+                peer["precision"],
+                same,
+                "output tok/s",
+                record["ratio_output_tok_s"],
+            )
+        )
+        log(record["ratio_line"])
     emit(record, args.output_json)
     return 0
 
@@ -120,11 +147,18 @@ def workload_record(args: argparse.Namespace, requests: list[BenchRequest]) -> d
 
 
 def run_pagoda(
-    model: str | None, kwargs: dict[str, Any], requests: list[BenchRequest], temperature: float
+    model: str | None,
+    kwargs: dict[str, Any],
+    requests: list[BenchRequest],
+    temperature: float,
+    gguf_type: str | None = None,
 ) -> dict[str, Any]:
     from pagoda import LLM, SamplingParams
 
+    t0 = time.perf_counter()
     llm = LLM(model, **kwargs)
+    # Loading, KV sizing and, at -O2 on CPU, compiling both decode graphs.
+    weights = {**weights_record(llm, gguf_type), "startup_s": round(time.perf_counter() - t0, 2)}
     warmup = {"prompt_token_ids": list(range(1, 17))}
     llm.generate([warmup], SamplingParams(temperature=temperature, max_tokens=4), use_tqdm=False)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
@@ -147,6 +181,7 @@ def run_pagoda(
             after.prefix_cache_queries - before.prefix_cache_queries,
         ),
     )
+    result = {**weights, **result}
     result["num_cached_tokens"] = sum(o.num_cached_tokens for o in outputs)
     result["num_preemptions"] = after.num_preemptions - before.num_preemptions
     if num_out != sum(r.output_len for r in requests):

@@ -14,10 +14,14 @@ from pagoda.bench.common import (
     batches,
     decode_tok_s,
     emit,
+    hf_precision,
     hit_rate,
     left_pad,
+    llama_cpp_precision,
     median,
+    pagoda_precision,
     parse_range,
+    peer_comparison,
     random_prompt,
     random_workload,
     ratio,
@@ -192,6 +196,104 @@ def test_latency_defaults_and_summary():
     assert s["decode_tok_s"] == 10.0  # per-iteration 10, 5, 20
     assert s["e2e_ms"] == 1100.0
     assert s["iters_decode_tok_s"] == [10.0, 5.0, 20.0]
+
+
+def test_precision_labels():
+    assert pagoda_precision("gguf", "float32", "Q4_1", "cpu") == (
+        "gguf Q4_1 (4-bit weights, bf16 activations)"
+    )
+    assert pagoda_precision("none", "float32", "Q4_1", "cpu") == (
+        "float32 dequantized from the GGUF Q4_1"
+    )
+    assert pagoda_precision("none", "bfloat16", None, "cuda") == "bfloat16 (the checkpoint)"
+    assert pagoda_precision("int8", "float32", None, "cpu") == (
+        "int8 weights quantized from the checkpoint, bf16 activations"
+    )
+    assert hf_precision("Q4_1") == "float32 dequantized from the GGUF Q4_1"
+    assert llama_cpp_precision("Q4_1").startswith("gguf Q4_1, the same file")
+    c = peer_comparison("gguf Q4_1 (...)", "hf", "float32 (...)", False, "output tok/s", 2.5)
+    assert c["precisions"] == {"pagoda": "gguf Q4_1 (...)", "peer": "float32 (...)"}
+    assert c["same_weights"] is False
+    assert c["ratio_line"].startswith("pagoda / hf output tok/s: 2.50x (DIFFERENT")
+    assert "gguf Q4_1 (...)" in c["ratio_line"] and "float32 (...)" in c["ratio_line"]
+
+
+def _fake_weights(quantization: str) -> dict[str, object]:
+    return {
+        "quantization": quantization,
+        "dtype": "float32",
+        "weight_mib": 1.0,
+        "precision": pagoda_precision(quantization, "float32", "Q4_1", "cpu"),
+    }
+
+
+@pytest.mark.parametrize(
+    "extra, quantization, same",
+    [([], "none", True), (["--quantization", "gguf"], "gguf", False)],
+)
+def test_throughput_peer_hf_record_names_both_precisions(
+    monkeypatch, capsys, extra, quantization, same
+):
+    """--peer hf runs pagoda on HF's float32 weights unless --quantization says otherwise; the
+    JSON and the ratio line on stderr name both precisions either way."""
+    seen: dict[str, object] = {}
+
+    def fake_pagoda(model, kwargs, requests, temperature, gguf_type):
+        seen["kwargs"] = kwargs
+        out = sum(r.output_len for r in requests)
+        return {**_fake_weights(kwargs["quantization"]), **throughput_stats(2.0, 1, out)}
+
+    def fake_hf(model, requests, temperature, batch_size, seed):
+        out = sum(r.output_len for r in requests)
+        return {"name": "hf-transformers", **throughput_stats(4.0, 1, out)}
+
+    def fake_kwargs(args):  # what the user set, as pagoda.cli.engine_kwargs returns it
+        return {"seed": 0, **({"quantization": args.quantization} if args.quantization else {})}
+
+    monkeypatch.setattr(throughput, "token_id_engine_kwargs", fake_kwargs)
+    monkeypatch.setattr(throughput, "gguf_weight_type", lambda model: "Q4_1")
+    monkeypatch.setattr(throughput, "run_pagoda", fake_pagoda)
+    monkeypatch.setattr(throughput, "run_hf", fake_hf)
+    parser = _parser(throughput)
+    parser.add_argument("--quantization", default=None)
+    args = parser.parse_args(["--num-prompts", "4", "--peer", "hf"] + extra)
+    args.model = None
+    assert throughput.main(args) == 0
+    captured = capsys.readouterr()
+    record = json.loads(captured.out)
+    assert seen["kwargs"] == {"seed": 0, "quantization": quantization}
+    assert record["pagoda"]["quantization"] == quantization
+    pagoda = pagoda_precision(quantization, "float32", "Q4_1", "cpu")
+    assert record["precisions"] == {
+        "pagoda": pagoda,
+        "peer": "float32 dequantized from the GGUF Q4_1",
+    }
+    assert record["peer"]["precision"] == "float32 dequantized from the GGUF Q4_1"
+    assert record["same_weights"] is same and record["ratio_output_tok_s"] == 2.0
+    assert record["ratio_line"] in captured.err
+    assert pagoda in record["ratio_line"] and "float32 dequantized" in record["ratio_line"]
+
+
+def test_latency_peer_llama_cpp_record_names_the_same_file(monkeypatch, capsys):
+    timings = [latency.IterTiming(0.1, 1.1, 11)] * 2
+
+    def fake_pagoda(model, kwargs, prompts, output_len, gguf_type):
+        return timings, _fake_weights(kwargs.get("quantization", "gguf")), None
+
+    monkeypatch.setattr(latency, "token_id_engine_kwargs", lambda args: {"seed": 0})
+    monkeypatch.setattr(latency, "gguf_weight_type", lambda model: "Q4_1")
+    monkeypatch.setattr(latency, "run_pagoda", fake_pagoda)
+    monkeypatch.setattr(latency, "run_llama_cpp", lambda model, prompts, n: timings)
+    args = _parser(latency).parse_args(["--peer", "llama.cpp"])
+    args.model = None
+    assert latency.main(args) == 0
+    captured = capsys.readouterr()
+    record = json.loads(captured.out)
+    assert record["precisions"]["pagoda"] == "gguf Q4_1 (4-bit weights, bf16 activations)"
+    assert record["precisions"]["peer"] == llama_cpp_precision("Q4_1")
+    assert "the same file" in record["ratio_line"] and record["same_weights"] is True
+    assert record["pagoda"]["decode_ms_per_token"] == 100.0
+    assert record["ratio_line"] in captured.err
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from pagoda.bench.serve import (
     arrival_times,
     build_requests,
     chunk_text,
+    count_output_tokens,
     finish_reason,
     fit_prompt,
     goodput,
@@ -103,8 +104,11 @@ def test_summarize():
     assert s["mean_ttft_ms"] == 200.0 and s["median_tpot_ms"] == 150.0
     assert s["mean_itl_ms"] == 150.0 and s["p99_e2el_ms"] == pytest.approx(2288.0)
     assert s["errors"] == ["HTTP 503: busy"] and s["early_stops"] == 0
+    assert s["total_output_tokens_asked"] == 22 and s["length_count_mismatches"] == 0
     results[0].finish_reason, results[1].finish_reason = "stop", "length"
     assert summarize(results, 4.0)["early_stops"] == 1
+    results[1].output_tokens = 10  # finished at its length, yet counted one short
+    assert summarize(results, 4.0)["length_count_mismatches"] == 1
     with pytest.raises(ValueError):
         summarize(results, 0.0)
 
@@ -176,6 +180,23 @@ def test_sse_parsing():
     assert finish_reason({"choices": []}) is None
 
 
+# ---- prompts and counts (SmolLM2's tokenizer) ----------------------------------------------
+def test_count_output_tokens_prefers_what_the_server_reports(smollm2_tokenizer):
+    # " hel" and "lo" are one token each, and " hello" is one token too: a model that streams
+    # them as two tokens produced two, while re-tokenizing the text counts one.
+    chunks = [" hel", "lo"] * 3
+    usage = RequestResult(success=True, chunks=chunks, usage_output_tokens=6, usage_prompt_tokens=9)
+    timed = RequestResult(success=True, chunks=chunks, server_output_tokens=6)
+    bare = RequestResult(success=True, chunks=chunks + ["!"])
+    failed = RequestResult(success=False, chunks=chunks)
+    count_output_tokens([usage, timed, bare, failed], smollm2_tokenizer)
+    assert (usage.output_tokens, usage.output_tokens_source, usage.prompt_len) == (6, "usage", 9)
+    assert (timed.output_tokens, timed.output_tokens_source) == (6, "server_timings")
+    assert (bare.output_tokens, bare.output_tokens_source) == (7, "chunks")
+    assert [r.retokenized_tokens for r in (usage, timed, bare)] == [3, 3, 4]  # the lossy way
+    assert (failed.output_tokens, failed.output_tokens_source) == (0, "")
+
+
 # ---- prompts (SmolLM2's tokenizer) ---------------------------------------------------------
 def test_vocab_and_special_ids(smollm2_tokenizer):
     vocab = ordinary_vocab(smollm2_tokenizer)
@@ -243,11 +264,15 @@ def _fake_app(state: dict[str, Any]) -> FastAPI:
                 yield "data: " + json.dumps({"choices": [{"delta": {"role": "assistant"}}]})
                 yield "\n\n"
             await asyncio.sleep(0.02)  # "prefill"
+            pieces = state["chunks"]
             for i in range(body["max_tokens"]):
                 if i:
                     await asyncio.sleep(0.002)
-                yield chunk(" hello")
+                yield chunk(pieces[i % len(pieces)])
             yield chunk(None if chat else "", "length")
+            if state["timings"]:  # llama.cpp's llama-server, without include_usage
+                timings = {"predicted_n": body["max_tokens"]}
+                yield "data: " + json.dumps({"choices": [], "timings": timings}) + "\n\n"
             if state["usage"]:
                 usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}
                 yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
@@ -260,7 +285,13 @@ def _fake_app(state: dict[str, Any]) -> FastAPI:
 
 @pytest.fixture(scope="module")
 def fake_server() -> Iterator[tuple[str, dict[str, Any]]]:
-    state: dict[str, Any] = {"bodies": [], "fail_every": 0, "usage": True}
+    state: dict[str, Any] = {
+        "bodies": [],
+        "fail_every": 0,
+        "usage": True,
+        "timings": False,
+        "chunks": [" hello"],
+    }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -280,7 +311,7 @@ def fake_server() -> Iterator[tuple[str, dict[str, Any]]]:
 @pytest.fixture
 def server_state(fake_server):
     url, state = fake_server
-    state.update(bodies=[], fail_every=0, usage=True)
+    state.update(bodies=[], fail_every=0, usage=True, timings=False, chunks=[" hello"])
     return url, state
 
 
@@ -323,7 +354,9 @@ def test_main_end_to_end(capsys, tmp_path, smollm2_path, server_state):
     assert 0 < line["mean_ttft_ms"] < line["mean_e2el_ms"]
     assert line["mean_tpot_ms"] > 0 and line["p99_itl_ms"] > 0
     assert line["total_input_tokens"] == 6 * 7  # usage from the server wins
-    assert line["early_stops"] == 0
+    assert line["early_stops"] == 0 and line["output_tokens_source"] == {"usage": 6}
+    assert line["total_output_tokens"] == line["total_output_tokens_asked"]
+    assert line["length_count_mismatches"] == 0
 
     record = json.loads(path.read_text())
     assert record["config"]["num_prompts"] == 6 and record["config"]["label"] == "fake"
@@ -339,7 +372,7 @@ def test_main_end_to_end(capsys, tmp_path, smollm2_path, server_state):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_main_sweep_chat_and_retokenized_counts(capsys, tmp_path, smollm2_path, server_state):
+def test_main_sweep_chat_and_chunk_counts(capsys, tmp_path, smollm2_path, server_state):
     url, state = server_state
     state["usage"] = False
     path = tmp_path / "sweep.json"
@@ -362,15 +395,33 @@ def test_main_sweep_chat_and_retokenized_counts(capsys, tmp_path, smollm2_path, 
     assert all(s["completed"] == 6 and s["failed"] == 0 for s in line["sweep"])
     record = json.loads(path.read_text())
     assert len(record["runs"]) == 2
-    for run in record["runs"]:  # " hello" x n re-tokenizes to n tokens
+    for run in record["runs"]:  # no usage: " hello" chunks, one token each
         assert [r["output_tokens"] for r in run["requests"]] == [
             r["output_len"] for r in run["requests"]
         ]
+        assert {r["output_tokens_source"] for r in run["requests"]} == {"chunks"}
     prompts = [b["messages"][0]["content"] for b in state["bodies"]]
     # the same prompts at every rate (sent all at once, they may reach the server in any order)
     assert sorted(prompts[1:7]) == sorted(prompts[7:13]) and len(set(prompts[1:7])) == 6
     assert state["bodies"][-1]["logit_bias"]["2"] == -100.0  # SmolLM2's EOS
     assert (plots / "latency_cdf.png").exists() and (plots / "sweep.png").exists()
+
+
+def test_main_counts_split_tokens_without_usage(capsys, smollm2_path, server_state):
+    """A server without usage (llama-cpp-python) streaming tokens that re-tokenize into fewer:
+    counted per chunk, every request has the tokens it asked for; the re-tokenized text, kept as
+    the cross-check, comes out short (as in the first llama.cpp serve comparison)."""
+    url, state = server_state
+    state.update(usage=False, chunks=[" hel", "lo"])
+    line = _run(capsys, smollm2_path, url, "--max-concurrency", "3")
+    asked = line["total_output_tokens_asked"]
+    assert line["output_tokens_source"] == {"chunks": 6}
+    assert line["total_output_tokens"] == asked and line["length_count_mismatches"] == 0
+    assert line["total_output_tokens_retokenized"] < asked
+    state["timings"] = True  # llama-server's timings.predicted_n outranks the chunk count
+    line = _run(capsys, smollm2_path, url)
+    assert line["output_tokens_source"] == {"server_timings": 6}
+    assert line["total_output_tokens"] == line["total_output_tokens_asked"]
 
 
 def test_main_counts_failures(capsys, smollm2_path, server_state):
