@@ -78,6 +78,7 @@ class System:
     command: Callable[[str, int], list[str]]  # (gguf path, port) -> argv
     ready_path: str  # GET this until it answers 200
     bench_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()  # set in the server's environment
 
 
 PAGODA_QUANTIZATION = "gguf"  # the CPU default for a GGUF file, said explicitly
@@ -95,13 +96,15 @@ def pagoda_command(gguf: str, port: int, extra: tuple[str, ...] = ()) -> list[st
     ]
 
 
-def llama_cpp_command(gguf: str, port: int, python: str = sys.executable) -> list[str]:
+def llama_cpp_command(
+    gguf: str, port: int, python: str = sys.executable, threads: int = 2
+) -> list[str]:
     # interrupt_requests false: by default a new request cuts the stream being generated short.
     return [python, "-m", "llama_cpp.server", "--model", gguf] + [
         "--n_threads",
-        "2",
+        str(threads),
         "--n_threads_batch",
-        "2",
+        str(threads),
         "--n_ctx",
         "2048",
         "--host",
@@ -139,7 +142,11 @@ def start_server(system: System, gguf: str, log_dir: str) -> tuple[subprocess.Po
     log_path = os.path.join(log_dir, f"{system.label}-server.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            system.command(gguf, port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            system.command(gguf, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **dict(system.env)},
         )
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -420,6 +427,13 @@ def main() -> int:
         "$PAGODA_LLAMA_CPP_PYTHON, else this interpreter)",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="CPU threads of each server: OMP_NUM_THREADS for both (torch's intra-op threads in "
+        "pagoda) and llama.cpp's --n_threads / --n_threads_batch",
+    )
+    parser.add_argument(
         "--pagoda-args",
         default="",
         help="extra `pagoda serve` flags, space-separated, e.g. '-O2' (compiled decode steps)",
@@ -427,8 +441,13 @@ def main() -> int:
     args = parser.parse_args()
     wanted = set(args.systems.split(","))
     pagoda_args = tuple(args.pagoda_args.split())
-    pagoda = replace(PAGODA, command=partial(pagoda_command, extra=pagoda_args))
-    llama_cpp = replace(LLAMA_CPP, command=partial(llama_cpp_command, python=args.llama_cpp_python))
+    env = (("OMP_NUM_THREADS", str(args.threads)),)
+    pagoda = replace(PAGODA, command=partial(pagoda_command, extra=pagoda_args), env=env)
+    llama_cpp = replace(
+        LLAMA_CPP,
+        command=partial(llama_cpp_command, python=args.llama_cpp_python, threads=args.threads),
+        env=env,
+    )
     systems = [s for s in (pagoda, llama_cpp) if s.label in wanted]
     if wanted - {s.label for s in systems}:
         parser.error(f"--systems: unknown {sorted(wanted - {s.label for s in systems})}")
@@ -463,6 +482,7 @@ def main() -> int:
         PAGODA.label: pagoda_precision(PAGODA_QUANTIZATION, "float32", gguf_type, "cpu"),
         LLAMA_CPP.label: llama_cpp_precision(gguf_type),
     }
+    record["threads"] = args.threads
     record["commands"] = {s.label: s.command("GGUF", 0) for s in systems}
     record["versions"] = versions(llama_version)
     with open(os.path.join(args.out_dir, "compare.json"), "w") as f:

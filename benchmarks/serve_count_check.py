@@ -62,6 +62,7 @@ def stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[list[s
                 continue
             if event == DONE:
                 break
+            assert isinstance(event, dict)
             events.append(event)
             if text := chunk_text(event):
                 chunks.append(text)
@@ -119,6 +120,7 @@ def main() -> int:
         help="the Python that runs llama-cpp-python's server",
     )
     parser.add_argument("--num-prompts", type=int, default=SCENARIOS[0].num_prompts)
+    parser.add_argument("--threads", type=int, default=1, help="llama.cpp's --n_threads")
     parser.add_argument("--output-json", default=os.path.join(RESULTS_DIR, "count_check.json"))
     args = parser.parse_args()
     version = llama_cpp_version(args.llama_cpp_python)
@@ -126,10 +128,16 @@ def main() -> int:
         return 1
     folder, gguf_file = resolve_model(None)
     assert gguf_file is not None
-    system = replace(LLAMA_CPP, command=partial(llama_cpp_command, python=args.llama_cpp_python))
+    command = partial(llama_cpp_command, python=args.llama_cpp_python, threads=args.threads)
+    system = replace(LLAMA_CPP, command=command, env=(("OMP_NUM_THREADS", str(args.threads)),))
     proc, base_url = start_server(system, os.path.join(folder, gguf_file), tempfile.mkdtemp())
     try:
-        record = {"bench": "serve_count_check", "llama_cpp_python": version}
+        record = {
+            "bench": "serve_count_check",
+            "llama_cpp_python": version,
+            "threads": args.threads,
+            "loadavg_1m_before": round(os.getloadavg()[0], 2),
+        }
         record.update(check(base_url, args.num_prompts))
     finally:
         stop_server(proc)
