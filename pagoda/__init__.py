@@ -7,8 +7,8 @@ The whole public Python API::
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
 
-from pagoda.engine import EngineCore
-from pagoda.llm import LLM
+from pagoda.client.llm import LLM
+from pagoda.engine.core import EngineCore
 from pagoda.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -16,12 +16,12 @@ from pagoda.outputs import (
     Logprob,
     RequestOutput,
 )
-from pagoda.request import EngineRequest
-from pagoda.sampling import BeamSearchParams, SamplingParams
-
-__version__ = "0.1.0"
+from pagoda.sampling_params import BeamSearchParams, SamplingParams
+from pagoda.scheduling.messages import EngineRequest
+from pagoda.version import __version__
 
 __all__ = [
+    "__version__",
     "LLM",
     "BeamSearchOutput",
     "BeamSearchParams",

@@ -10,11 +10,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dtypes are named as torch names them (getattr(torch, name) is the dtype); bytes per element.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
+_DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: triton on CUDA, torch on CPU. torch is the reference every kernel is tested against.
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -32,7 +32,7 @@ class ModelConfig:
 
     hf_config: Any
     architecture: str
-    dtype: torch.dtype
+    dtype: str  # the activations' and KV cache's dtype, e.g. "float32"
     max_model_len: int
     quantization: str = "none"  # the weight scheme in effect (see layers/quant.py)
     weight_bytes: int = 0  # bytes of every parameter and buffer of the loaded model
@@ -54,21 +54,21 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
-    def kv_bytes_per_token(self, kv_quant_dtype: torch.dtype | None = None) -> int:
+    def kv_bytes_per_token(self, kv_quant_dtype: str | None = None) -> int:
         """K and V bytes of one token over all layers: head_dim values per kv head in the model
         dtype, or in `kv_quant_dtype` plus one KV_SCALE_DTYPE scale (CacheConfig.kv_quant_dtype)."""
         if kv_quant_dtype is None:
-            per_head = self.head_dim * self.dtype.itemsize
+            per_head = self.head_dim * DTYPE_BYTES[self.dtype]
         else:
-            per_head = self.head_dim * kv_quant_dtype.itemsize + KV_SCALE_DTYPE.itemsize
+            per_head = self.head_dim * DTYPE_BYTES[kv_quant_dtype] + DTYPE_BYTES[KV_SCALE_DTYPE]
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 # --kv-cache-dtype values (vLLM's) -> storage dtype of quantized K/V, each (token, kv head) row
 # beside one KV_SCALE_DTYPE scale; "auto" stores the model dtype without scales.
-KV_QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_QUANT_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 KV_CACHE_DTYPES = ("auto", *KV_QUANT_DTYPES)
-KV_SCALE_DTYPE = torch.float32
+KV_SCALE_DTYPE = "float32"
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class CacheConfig:
             )
 
     @property
-    def kv_quant_dtype(self) -> torch.dtype | None:
+    def kv_quant_dtype(self) -> str | None:
         """Storage dtype of quantized K/V (int8, float8_e4m3fn); None for auto (model dtype)."""
         return KV_QUANT_DTYPES.get(self.kv_cache_dtype)
 
@@ -168,7 +168,7 @@ class EngineConfig:
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
                 f"got {self.attention_backend!r}"
             )
-        if self.kernel_backend == "triton" and self.torch_device.type != "cuda":
+        if self.device == "cpu" and self.attention_backend == "triton":
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError(
                     "attention_backend='triton' needs a CUDA device (or TRITON_INTERPRET=1 to run "
@@ -185,16 +185,23 @@ class EngineConfig:
             )
 
     @property
-    def torch_device(self) -> torch.device:
+    def device_type(self) -> str:
+        """ "cpu" or "cuda"; "auto" must be resolved first (pagoda/runner/device.py)."""
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+            raise RuntimeError(
+                "EngineConfig.device is 'auto': resolve it first (runner.device.resolve_device)"
+            )
+        return self.device
+
+    def with_device(self, device: str) -> EngineConfig:
+        """This config on a concrete device ("cpu" or "cuda"), checked again."""
+        return dataclasses.replace(self, device=device)
 
     @property
     def kernel_backend(self) -> str:
         """The backend in effect: "triton" or "torch" (auto picks triton on CUDA)."""
         if self.attention_backend == "auto":
-            return "triton" if self.torch_device.type == "cuda" else "torch"
+            return "triton" if self.device_type == "cuda" else "torch"
         return self.attention_backend
 
     @property
@@ -204,32 +211,31 @@ class EngineConfig:
             return 0
         if self.optimization_level is not None:
             return self.optimization_level
-        return 2 if self.torch_device.type == "cuda" else 0
+        return 2 if self.device_type == "cuda" else 0
 
     @property
     def use_cuda_graphs(self) -> bool:
         """Decode batches replay captured graphs: CUDA, the triton backend, level >= 1."""
-        return (
-            self.torch_device.type == "cuda" and self.kernel_backend == "triton" and self.level > 0
-        )
+        return self.device_type == "cuda" and self.kernel_backend == "triton" and self.level > 0
 
     @property
     def compile_decode(self) -> bool:
         """Pure-decode steps run the model through torch.compile: CPU, torch backend, level >= 1."""
-        return self.torch_device.type == "cpu" and self.kernel_backend == "torch" and self.level > 0
+        return self.device_type == "cpu" and self.kernel_backend == "torch" and self.level > 0
 
     @property
     def use_async_scheduling(self) -> bool:
         """Whether async scheduling is in effect (see async_scheduling)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.torch_device.type == "cuda"
+        return self.device_type == "cuda"
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def dtype_name(self) -> str:
+        """The dtype in effect: auto is bfloat16 on CUDA, float32 on CPU."""
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+            return "bfloat16" if self.device_type == "cuda" else "float32"
+        return self.dtype
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:

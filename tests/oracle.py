@@ -51,11 +51,10 @@ from contextlib import contextmanager
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.model_runner import PendingOutput
 from pagoda.outputs import RequestOutput, SampleLogprobs
-from pagoda.request import EngineRequest
-from pagoda.sampling import SamplerOutput, SamplingMetadata, compute_logprobs_for, to_device
-from pagoda.scheduler import ScheduledRequest, SchedulerOutput
+from pagoda.runner.model_runner import PendingOutput
+from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, compute_logprobs_for, to_device
+from pagoda.scheduling.messages import EngineRequest, ScheduledRequest, SchedulerOutput
 
 TIE_GAP = 1e-3
 # bf16 paths: logits rounded to bf16 step by 0.125 at |logit| in [16, 32), so an fp32-level

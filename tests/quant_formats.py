@@ -298,7 +298,7 @@ def awq_quantization_config(group_size: int, **extra: Any) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=1)
 def _smollm2_tokenizer() -> Any:
-    from pagoda.loader import load_tokenizer, resolve_model
+    from pagoda.loading.loader import load_tokenizer, resolve_model
 
     return load_tokenizer(*resolve_model(None))
 

@@ -167,7 +167,8 @@ def run_pagoda(
     gguf_type: str | None = None,
 ) -> tuple[list[IterTiming], dict[str, Any], Any]:
     """Timings, the weight scheme (its dtype, bytes in memory, precision in words), the LLM."""
-    from pagoda import LLM, SamplingParams
+    from pagoda.client.llm import LLM
+    from pagoda.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, **kwargs)
@@ -202,8 +203,8 @@ def profile_decode_steps(llm: Any, prompt: list[int], num_steps: int) -> dict[st
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from pagoda import SamplingParams
-    from pagoda.request import EngineRequest
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.scheduling.messages import EngineRequest
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=num_steps + 8, ignore_eos=True)
@@ -284,7 +285,7 @@ def _covered(intervals: list[tuple[float, float]], windows: list[tuple[float, fl
 def run_llama_cpp(model: str | None, prompts: list[list[int]], output_len: int) -> list[IterTiming]:
     """llama-cpp-python on the same GGUF file: 2 threads, greedy, no stop at EOS (its token
     generator runs until we stop it); each token is stamped as it is yielded."""
-    from pagoda.loader import resolve_model
+    from pagoda.loading.loader import resolve_model
 
     try:
         from llama_cpp import Llama

@@ -650,7 +650,7 @@ def plot_sweep(series: Mapping[str, Sequence[dict[str, Any]]], path: str, title:
 
 # ---- main ----------------------------------------------------------------------------------
 def load_bench_tokenizer(path: str | None) -> Any:
-    from pagoda.loader import load_tokenizer, resolve_model
+    from pagoda.loading.loader import load_tokenizer, resolve_model
 
     folder, gguf = resolve_model(path)
     return load_tokenizer(folder, gguf)

@@ -153,7 +153,8 @@ def run_pagoda(
     temperature: float,
     gguf_type: str | None = None,
 ) -> dict[str, Any]:
-    from pagoda import LLM, SamplingParams
+    from pagoda.client.llm import LLM
+    from pagoda.sampling_params import SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, **kwargs)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from pagoda.layers.attention import KVCache
+    from pagoda.layers.kv_cache import KVCache
 
 _LOG2E = 1.4426950408889634
 

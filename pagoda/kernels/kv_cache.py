@@ -24,11 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.config import KV_SCALE_DTYPE
 from pagoda.kernels.rotary import _load_angles, _rotate_pair
+from pagoda.layers.kv_cache import KV_SCALE_DTYPE
 
 if TYPE_CHECKING:
-    from pagoda.layers.attention import KVCache
+    from pagoda.layers.kv_cache import KVCache
 
 _MIN_SCALE = torch.finfo(KV_SCALE_DTYPE).tiny
 # Adding then subtracting 1.5 * 2**23 rounds a float32 |y| < 2**22 to an integer, half to even

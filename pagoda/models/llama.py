@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from pagoda.config import head_dim_of
-from pagoda.forward_context import ForwardContext
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention
 from pagoda.layers.embedding import LMHead, VocabEmbedding
+from pagoda.layers.forward_context import ForwardContext
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm

@@ -26,12 +26,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda import __version__
+from pagoda.client.async_client import AsyncEngine, EngineDeadError, RequestStream
+from pagoda.client.tokenizer import apply_chat_template
 from pagoda.config import EngineConfig
-from pagoda.llm import apply_chat_template
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.sampling import SamplingParams
-from pagoda.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagoda.sampling_params import SamplingParams
 from pagoda.server.metrics import Metrics
 from pagoda.server.protocol import (
     ChatChoice,
@@ -57,6 +56,7 @@ from pagoda.server.protocol import (
     TopLogprob,
     Usage,
 )
+from pagoda.version import __version__
 
 logger = logging.getLogger("pagoda.server")
 

@@ -17,8 +17,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from pagoda.output_processor import RequestState
-from pagoda.scheduler import SchedulerStats
+from pagoda.client.output_processor import RequestState
+from pagoda.scheduling.messages import SchedulerStats
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagoda.sampling import SamplingParams
+from pagoda.sampling_params import SamplingParams
 
 
 class OpenAIModel(BaseModel):

@@ -20,7 +20,7 @@ import pytest
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
 from pagoda.outputs import RequestOutput
-from pagoda.request import EngineRequest
+from pagoda.scheduling.messages import EngineRequest
 from tests.equivalence import assert_same_outputs
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Compiled decode steps on CPU (-O1 and above, pagoda/compilation.py): greedy tokens equal HF's
+"""Compiled decode steps on CPU (-O1 and above, pagoda/runner/compilation.py): greedy tokens equal HF's
 (near-tie rules of tests/oracle.py) while prompts arrive in chunks beside other requests'
 decodes, decode batches shrink from five requests to one, and block tables grow from one block
 to several; no step after startup compiles again. SmolLM2's GGUF (slow), compiled against
@@ -12,8 +12,9 @@ import pytest
 import torch._dynamo
 
 from pagoda import LLM, SamplingParams
-from pagoda.cli import build_parser, engine_kwargs
+from pagoda.cli import build_parser
 from pagoda.config import EngineConfig
+from pagoda.engine_args import engine_kwargs
 from tests.oracle import (
     BF16_LOGPROB_ATOL,
     BF16_TIE_GAP,
@@ -86,7 +87,7 @@ def test_compiled_decode_greedy_matches_hf(
 def test_compile_failure_names_the_way_out(
     tiny_model_dir: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pagoda.compilation import CompiledDecode
+    from pagoda.runner.compilation import CompiledDecode
 
     def fail(*args: Any) -> None:
         raise OSError("no C++ compiler")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.sampling import Sampler
+from pagoda.runner.sampler import Sampler
 from tests.oracle import forced_logprobs, hf_forced, hf_greedy, teacher_forcing
 
 # The second prompt is longer than the step budget (16): it is prefilled in chunks beside the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda import LLM, EngineRequest, SamplingParams
-from pagoda.request import RequestStatus
+from pagoda.scheduling.request import RequestStatus
 
 PROMPT = {
     "prompt_token_ids": [

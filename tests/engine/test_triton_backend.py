@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.cuda_graphs import capture_sizes
+from pagoda.runner.cuda_graphs import capture_sizes
 from tests.oracle import assert_outputs_match, hf_greedy
 
 PROMPTS = [[(7 * i + 3 * j) % 1000 + 5 for j in range(3 + 4 * i)] for i in range(5)]

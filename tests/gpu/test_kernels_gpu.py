@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pagoda.layers.activation import SiluAndMul
-from pagoda.layers.attention import KVCache, write_kv_cache
+from pagoda.layers.attention import write_kv_cache
+from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
 

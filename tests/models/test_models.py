@@ -18,10 +18,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagoda.config import EngineConfig
-from pagoda.forward_context import build_attention_metadata, forward_context
-from pagoda.layers.attention import KVCache
+from pagoda.layers.forward_context import forward_context
+from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.rotary import compute_inv_freq, get_rope, rope_parameters
-from pagoda.loader import (
+from pagoda.loading.loader import (
     gguf_to_hf_name,
     iter_weights,
     load_hf_config,
@@ -32,6 +32,7 @@ from pagoda.loader import (
 )
 from pagoda.models import get_model_class
 from pagoda.models.llama import LlamaForCausalLM
+from pagoda.runner.input_batch import build_attention_metadata
 from tests.oracle import assert_greedy_matches, assert_logits_close, hf_greedy, hf_logits
 
 ARCHS = ["llama", "qwen2", "qwen3"]

@@ -48,12 +48,13 @@ from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
-from pagoda.forward_context import build_attention_metadata, forward_context
-from pagoda.layers.attention import KVCache
+from pagoda.layers.forward_context import forward_context
+from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.linear import Linear
 from pagoda.layers.quant import stored_bytes
-from pagoda.loader import load_model
+from pagoda.loading.loader import load_model
 from pagoda.models.llama import LlamaForCausalLM
+from pagoda.runner.input_batch import build_attention_metadata
 from tests.quant_formats import (
     QUANTIZED_MODULES,
     TINY_LLAMA,

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.forward_context import build_attention_metadata
 from pagoda.layers.attention import (
-    KVCache,
     decode_attention_reductions,
     paged_attention_torch,
     write_kv_cache,
 )
+from pagoda.layers.kv_cache import KVCache
+from pagoda.runner.input_batch import build_attention_metadata
 
 BLOCK = 4
 HEAD_DIM = 16

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagoda.block_pool import BlockPool, hash_block_tokens
+from pagoda.scheduling.block_pool import BlockPool, hash_block_tokens
 
 
 def free_ids(pool: BlockPool) -> list[int]:

@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 
-from pagoda.detokenizer import IncrementalDetokenizer
-from pagoda.output_processor import RequestState
-from pagoda.request import sample_request_id
-from pagoda.sampling import SamplingParams
-from pagoda.scheduler import EngineCoreOutput
+from pagoda.client.detokenizer import IncrementalDetokenizer
+from pagoda.client.output_processor import RequestState
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling.messages import EngineCoreOutput, sample_request_id
 
 TEXTS = [
     "Hello world, this is a plain sentence.",

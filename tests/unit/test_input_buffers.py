@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.forward_context import InputBuffers
+from pagoda.runner.input_batch import InputBuffers
 
 BS = 4
 

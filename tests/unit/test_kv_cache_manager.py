@@ -6,10 +6,10 @@ advance num_computed_tokens, publish full blocks, free.
 
 import pytest
 
-from pagoda.block_pool import BlockPool, hash_block_tokens
-from pagoda.kv_cache_manager import KVCacheManager
-from pagoda.request import Request, RequestStatus
-from pagoda.sampling import SamplingParams
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling.block_pool import BlockPool, hash_block_tokens
+from pagoda.scheduling.kv_cache_manager import KVCacheManager
+from pagoda.scheduling.request import Request, RequestStatus
 
 BS = 4
 

@@ -13,15 +13,10 @@ import torch.nn.functional as F
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig
-from pagoda.forward_context import build_attention_metadata
-from pagoda.layers.attention import (
-    KVCache,
-    dequantize_kv,
-    paged_attention_torch,
-    quantize_kv,
-    write_kv_cache,
-)
-from pagoda.model_runner import ModelRunner
+from pagoda.layers.attention import paged_attention_torch, write_kv_cache
+from pagoda.layers.kv_cache import KVCache, dequantize_kv, quantize_kv
+from pagoda.runner.input_batch import build_attention_metadata
+from pagoda.runner.model_runner import ModelRunner
 
 FP8 = torch.float8_e4m3fn
 QUANT = {"int8": torch.int8, "fp8": FP8}
@@ -180,7 +175,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
-def _model_config(layers: int = 30, kv_heads: int = 3, dtype: torch.dtype = torch.float32):
+def _model_config(layers: int = 30, kv_heads: int = 3, dtype: str = "float32"):
     """SmolLM2-135M's attention shape by default: 30 layers, 3 kv heads of head_dim 64."""
     hf = SimpleNamespace(
         num_hidden_layers=layers,
@@ -229,10 +224,10 @@ def test_runner_allocates_and_copies_blocks_with_scales(kind: str):
 
 # ---- sizing and config ----------------------------------------------------------------------
 def test_kv_bytes_per_token_counts_values_and_scales():
-    fp32, bf16 = _model_config(), _model_config(dtype=torch.bfloat16)
+    fp32, bf16 = _model_config(), _model_config(dtype="bfloat16")
     assert fp32.kv_bytes_per_token() == 2 * 30 * 3 * 64 * 4 == 46080
     assert bf16.kv_bytes_per_token() == 23040
-    for dtype in (torch.int8, FP8):
+    for dtype in ("int8", "float8_e4m3fn"):
         # 64 one-byte values plus one float32 scale per (token, kv head), for K and V.
         assert fp32.kv_bytes_per_token(dtype) == bf16.kv_bytes_per_token(dtype) == 2 * 30 * 3 * 68
     assert 3.7 < 46080 / 12240 < 3.8 and 1.85 < 23040 / 12240 < 1.9
@@ -240,9 +235,9 @@ def test_kv_bytes_per_token_counts_values_and_scales():
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("auto", None), ("int8", torch.int8), ("fp8", FP8), ("fp8_e4m3", FP8)],
+    [("auto", None), ("int8", "int8"), ("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn")],
 )
-def test_cache_config_kv_cache_dtype(value: str, expected: torch.dtype | None):
+def test_cache_config_kv_cache_dtype(value: str, expected: str | None):
     assert value in KV_CACHE_DTYPES
     assert CacheConfig(kv_cache_dtype=value).kv_quant_dtype == expected
     assert EngineConfig.from_kwargs(kv_cache_dtype=value).cache.kv_quant_dtype == expected

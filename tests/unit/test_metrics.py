@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagoda.output_processor import RequestState
-from pagoda.sampling import SamplingParams
-from pagoda.scheduler import EngineCoreOutput, SchedulerStats
+from pagoda.client.output_processor import RequestState
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling.messages import EngineCoreOutput, SchedulerStats
 from pagoda.server.metrics import Metrics
 
 NAMES = (

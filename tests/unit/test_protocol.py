@@ -6,15 +6,9 @@ import msgspec
 import pytest
 from pydantic import ValidationError
 
-from pagoda.sampling import SamplingParams
-from pagoda.scheduler import EngineCoreOutput, SchedulerStats
-from pagoda.server.core_process import (
-    ADD,
-    OutputsOut,
-    RequestIn,
-    _to_engine_request,
-    params_to_wire,
-)
+from pagoda.engine.process import ADD, OutputsOut, RequestIn, _to_engine_request, params_to_wire
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling.messages import EngineCoreOutput, SchedulerStats
 from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest
 
 

@@ -10,13 +10,9 @@ import pickle
 import pytest
 import torch
 
-from pagoda.sampling import (
-    MAX_LOGPROBS,
-    BeamSearchParams,
+from pagoda.runner.sampler import (
     Sampler,
     SamplingMetadata,
-    SamplingParams,
-    SamplingType,
     apply_banned_tokens,
     apply_logit_bias,
     apply_min_p,
@@ -25,6 +21,7 @@ from pagoda.sampling import (
     apply_top_p,
     compute_logprobs_for,
 )
+from pagoda.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, SamplingType
 
 NEG_INF = float("-inf")
 

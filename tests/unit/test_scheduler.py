@@ -9,18 +9,20 @@ from collections.abc import Callable
 
 import pytest
 
-from pagoda.block_pool import BlockPool
 from pagoda.config import SchedulerConfig
-from pagoda.kv_cache_manager import KVCacheManager
-from pagoda.request import (
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling.block_pool import BlockPool
+from pagoda.scheduling.kv_cache_manager import KVCacheManager
+from pagoda.scheduling.messages import (
     PLACEHOLDER_TOKEN_ID,
+    EngineCoreOutput,
     EngineRequest,
-    Request,
-    RequestStatus,
+    RunnerOutput,
+    SchedulerOutput,
     sample_request_id,
 )
-from pagoda.sampling import SamplingParams
-from pagoda.scheduler import EngineCoreOutput, RunnerOutput, Scheduler, SchedulerOutput
+from pagoda.scheduling.request import Request, RequestStatus
+from pagoda.scheduling.scheduler import Scheduler
 
 BS = 4
 EOS = 2

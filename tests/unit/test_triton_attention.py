@@ -27,13 +27,14 @@ from tests.triton_interpreter import check_interpreted, interpreter_as_gpu  # no
 check_interpreted()
 pytestmark = pytest.mark.usefixtures("interpreter_as_gpu")
 
-from pagoda.forward_context import AttentionMetadata, build_attention_metadata  # noqa: E402
 from pagoda.kernels.attention import (  # noqa: E402
     decode_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
 )
-from pagoda.layers.attention import KVCache, paged_attention_torch, write_kv_cache  # noqa: E402
+from pagoda.layers.attention import paged_attention_torch, write_kv_cache  # noqa: E402
+from pagoda.layers.forward_context import AttentionMetadata, build_attention_metadata  # noqa: E402
+from pagoda.layers.kv_cache import KVCache  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-2, 2e-2)}

@@ -179,7 +179,7 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
         w8a16_matmul,
     )
     from pagoda.kernels.rotary import rotary_qk
-    from pagoda.layers.attention import KVCache
+    from pagoda.layers.kv_cache import KVCache
 
     heads, kv_heads, head_dim, hidden, inter = MODELS[model]
     quant = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}

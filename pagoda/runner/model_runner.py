@@ -14,15 +14,22 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.compilation import CompiledDecode
 from pagoda.config import ModelConfig
-from pagoda.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
-from pagoda.forward_context import InputBuffers, forward_context
-from pagoda.layers.attention import KVCache
+from pagoda.layers.forward_context import forward_context
+from pagoda.layers.kv_cache import KVCache
 from pagoda.models.llama import LlamaForCausalLM
-from pagoda.request import PLACEHOLDER_TOKEN_ID
-from pagoda.sampling import LogprobsTensors, Sampler, SamplingMetadata, to_device
-from pagoda.scheduler import LogprobEntry, RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagoda.runner.compilation import CompiledDecode
+from pagoda.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from pagoda.runner.device import torch_dtype
+from pagoda.runner.input_batch import InputBuffers
+from pagoda.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata, to_device
+from pagoda.scheduling.messages import (
+    PLACEHOLDER_TOKEN_ID,
+    LogprobEntry,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 # (batch, block-table width) of the warm-up decode steps: one per compiled graph.
 WARMUP_SHAPES = ((1, 2), (2, 2))
@@ -45,7 +52,7 @@ class ModelRunner:
     ) -> None:
         """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay captured
         graphs for pure-decode batches (CUDA, triton). compile_decode: run pure-decode batches
-        through torch.compile (pagoda/compilation.py)."""
+        through torch.compile (pagoda/runner/compilation.py)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -86,7 +93,7 @@ class ModelRunner:
                 self.block_size,
                 mc.num_kv_heads,
                 mc.head_dim,
-                mc.dtype,
+                torch_dtype(mc.dtype),
                 self.kv_quant_dtype,
                 self.device,
             )

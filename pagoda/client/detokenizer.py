@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.sampling import SamplingParams
+from pagoda.sampling_params import SamplingParams
 
 # Prompt tokens decoded as left context; the first delta starts after them.
 _PROMPT_CONTEXT = 5

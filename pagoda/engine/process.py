@@ -22,9 +22,8 @@ import msgspec
 import zmq
 
 from pagoda.config import EngineConfig
-from pagoda.request import EngineRequest
-from pagoda.sampling import SamplingParams
-from pagoda.scheduler import EngineCoreOutput, SchedulerStats
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling.messages import EngineCoreOutput, EngineRequest, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +152,7 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str, ready:
     out_socket.connect(out_addr)
     encoder = msgspec.msgpack.Encoder()
     try:
-        from pagoda.engine import EngineCore
+        from pagoda.engine.core import EngineCore
 
         engine = EngineCore(config)
         info = EngineInfo(

@@ -1,6 +1,6 @@
 """AsyncEngine: the API process's client of the engine process, with one stream per request.
 
-The engine process owns EngineCore (core_process.py). This side tokenizes, sends RequestIn,
+The engine process owns EngineCore (pagoda/engine/process.py). This side tokenizes, sends RequestIn,
 and folds every OutputsOut into per-request `RequestState`s (output_processor.py: detokenize,
 stop strings, n > 1 grouping). A request's consumer wakes on its stream's event and builds a
 (delta) RequestOutput from the state, so outputs that arrive faster than the consumer reads them
@@ -18,19 +18,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from pagoda.client.output_processor import RequestState
 from pagoda.config import EngineConfig
-from pagoda.loader import load_tokenizer_for
-from pagoda.output_processor import RequestState
-from pagoda.outputs import RequestOutput
-from pagoda.sampling import SamplingParams
-from pagoda.scheduler import SchedulerStats
-from pagoda.server.core_process import (
+from pagoda.engine.process import (
     ABORT,
     ABORT_SAMPLE,
     ADD,
@@ -40,11 +36,26 @@ from pagoda.server.core_process import (
     params_to_wire,
     run_engine_process,
 )
-from pagoda.server.metrics import Metrics
+from pagoda.loading.loader import load_tokenizer_for
+from pagoda.outputs import RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling.messages import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 ENGINE_START_TIMEOUT_S = 600.0
+
+
+class EngineObserver(Protocol):
+    """What the client reports as outputs arrive (the server's Prometheus metrics)."""
+
+    def set_engine_stats(self, stats: SchedulerStats) -> None: ...
+
+    def observe_tokens(
+        self, state: RequestState, num_new: int, previous_token_time: float | None, now: float
+    ) -> None: ...
+
+    def observe_finished(self, state: RequestState) -> None: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -65,7 +76,7 @@ class AsyncEngine:
     def __init__(
         self,
         config: EngineConfig,
-        metrics: Metrics,
+        metrics: EngineObserver,
         on_dead: Callable[[str], None],
         log_requests: bool = True,
     ) -> None:

@@ -17,87 +17,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from pagoda.block_pool import KVCacheBlock
 from pagoda.config import SchedulerConfig
-from pagoda.kv_cache_manager import KVCacheManager
-from pagoda.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
-from pagoda.sampling import SamplingParams
-
-
-@dataclass
-class ScheduledRequest:
-    request_id: str
-    # Inputs of this step: positions [start, start + len). The last one may be
-    # PLACEHOLDER_TOKEN_ID: the token the previous step (still in flight) samples.
-    token_ids: list[int]
-    start: int  # num_computed_tokens before this step
-    block_ids: list[int]
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # the known outputs (a live list; it lacks a placeholder's)
-    num_output_tokens: int  # sampled before this step, placeholders included (min_tokens)
-    # Requests that sample from this row's logits: the request itself, plus n > 1 siblings on
-    # the step its prompt completes. Empty while a prompt chunk does not reach the end.
-    sample_ids: list[str] = field(default_factory=list)
-    sample_indices: list[int] = field(default_factory=list)  # each one's index among the n
-    # Rows [offset, offset + num) of this chunk score prompt tokens (prompt_logprobs).
-    prompt_logprob_offset: int = 0
-    num_prompt_logprob_tokens: int = 0
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write, before the forward pass
-    finished_request_ids: list[str]  # since the last step: the runner drops their state
-    preempted_request_ids: list[str]
-    requests: list[Request]  # the Request of each entry of `scheduled` (update matches these)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-# One position's logprobs: (token ids, logprobs, rank of column 0); column 0 is the sampled or
-# scored token, the rest the top-k.
-LogprobEntry = tuple[list[int], list[float], int]
-
-
-@dataclass
-class RunnerOutput:
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, LogprobEntry]  # ids, logprobs (col 0 = sampled), rank
-    prompt_logprobs: dict[str, list[LogprobEntry]]
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[LogprobEntry]
-    new_prompt_logprobs: list[LogprobEntry]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
-    parent_id: str = ""
-    sample_index: int = 0
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
+from pagoda.scheduling.block_pool import KVCacheBlock
+from pagoda.scheduling.kv_cache_manager import KVCacheManager
+from pagoda.scheduling.messages import (
+    PLACEHOLDER_TOKEN_ID,
+    EngineCoreOutput,
+    LogprobEntry,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from pagoda.scheduling.request import Request, RequestStatus
 
 
 class Scheduler:
@@ -115,6 +48,9 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.step_id = 0
+        # The Request of each entry of a step's `scheduled`, until update() matches outputs to them.
+        self.in_flight: dict[int, list[Request]] = {}
 
     # ---- queues -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -253,12 +189,14 @@ class Scheduler:
             if s.sample_ids:
                 request.num_output_placeholders += 1
         finished, self.finished_ids = self.finished_ids, []
+        self.step_id += 1
+        self.in_flight[self.step_id] = requests
         return SchedulerOutput(
             scheduled=batch,
             block_copies=self.kv.take_pending_copies(),
             finished_request_ids=finished,
             preempted_request_ids=[r.request_id for r in preempted],
-            requests=requests,
+            step_id=self.step_id,
         )
 
     def _finishes_in_flight(self, request: Request) -> bool:
@@ -327,7 +265,7 @@ class Scheduler:
     # ---- update -------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, runner: RunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        for s, request in zip(out.scheduled, out.requests):
+        for s, request in zip(out.scheduled, self.in_flight.pop(out.step_id)):
             if request.is_finished:  # finished (e.g. aborted) while the step ran
                 continue
             prompt_lps = runner.prompt_logprobs.get(s.request_id, [])

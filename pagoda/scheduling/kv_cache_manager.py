@@ -14,8 +14,8 @@ through `take_pending_copies()` and must be done before the step's forward pass.
 
 from __future__ import annotations
 
-from pagoda.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
-from pagoda.request import Request
+from pagoda.scheduling.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from pagoda.scheduling.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

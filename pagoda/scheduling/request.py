@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
 
-from pagoda.sampling import SamplingParams
+from pagoda.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -36,35 +35,11 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
-# The input of a position whose token an in-flight step is still sampling.
-PLACEHOLDER_TOKEN_ID = -1
-
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-def sample_request_id(request_id: str, index: int) -> str:
-    """Engine id of sample `index` of a user request (the first sample keeps the user's id)."""
-    return request_id if index == 0 else f"{request_id}#{index}"
-
-
-@dataclass
-class EngineRequest:
-    """What a client sends to EngineCore: an already tokenized prompt."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float | None = None
-    priority: int = 0  # lower is served first (scheduling_policy="priority"; fcfs ignores it)
-    cache_salt: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
-            raise ValueError(f"priority must be an int, got {self.priority!r}")
 
 
 class Request:

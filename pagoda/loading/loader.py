@@ -381,7 +381,7 @@ def max_positions(hf_config: Any) -> int:
 
 
 def load_model(config: EngineConfig) -> tuple[LlamaForCausalLM, ModelConfig, Any]:
-    """Build the model on config.torch_device in config.torch_dtype with its weights loaded
+    """Build the model on config.device (resolved) in config.dtype_name with its weights loaded
     (random for load_format="dummy"), in eval mode; return it with its ModelConfig and tokenizer
     (None with skip_tokenizer_init)."""
     folder, gguf_file = resolve_model(config.model)
@@ -405,7 +405,7 @@ def load_model(config: EngineConfig) -> tuple[LlamaForCausalLM, ModelConfig, Any
             f"positions); pass --max-model-len {limit} or less"
         )
 
-    dtype, device = config.torch_dtype, config.torch_device
+    dtype, device = getattr(torch, config.dtype_name), torch.device(config.device_type)
     quantization, quant_config = resolve_quantization(config, hf_config, gguf_file)
     with torch.device(device):
         model = model_cls(hf_config, dtype)
@@ -437,7 +437,7 @@ def load_model(config: EngineConfig) -> tuple[LlamaForCausalLM, ModelConfig, Any
     model_config = ModelConfig(
         hf_config=hf_config,
         architecture=architecture,
-        dtype=dtype,
+        dtype=config.dtype_name,
         max_model_len=max_model_len,
         quantization=quantization,
         weight_bytes=weight_bytes,
@@ -469,7 +469,7 @@ def resolve_quantization(
         if dummy:
             return "none", ckpt
         if ckpt_method == "gguf":
-            return ("gguf" if config.torch_device.type == "cpu" else "none"), ckpt
+            return ("gguf" if config.device_type == "cpu" else "none"), ckpt
         return ckpt_method or "none", ckpt
     if requested in ("awq", "gptq") and (dummy or ckpt_method != requested):
         raise ValueError(
@@ -483,7 +483,7 @@ def resolve_quantization(
             f"the checkpoint is {ckpt_method.upper()}-quantized; pass --quantization "
             f"{ckpt_method} or leave it unset"
         )
-    if requested == "fp8" and not _fp8_supported(config.torch_device):
+    if requested == "fp8" and not _fp8_supported(torch.device(config.device_type)):
         raise ValueError("--quantization fp8 needs torch._scaled_mm for float8 on this device")
     return requested, ckpt
 

@@ -11,13 +11,21 @@ from typing import Any
 
 import torch
 
-from pagoda.block_pool import BlockPool
 from pagoda.config import EngineConfig, ModelConfig
-from pagoda.kv_cache_manager import KVCacheManager
-from pagoda.loader import load_model
-from pagoda.model_runner import ModelRunner, PendingOutput
-from pagoda.request import EngineRequest, Request, RequestStatus, sample_request_id
-from pagoda.scheduler import EngineCoreOutput, Scheduler, SchedulerOutput, SchedulerStats
+from pagoda.loading.loader import load_model
+from pagoda.runner.device import resolve_device, torch_dtype
+from pagoda.runner.model_runner import ModelRunner, PendingOutput
+from pagoda.scheduling.block_pool import BlockPool
+from pagoda.scheduling.kv_cache_manager import KVCacheManager
+from pagoda.scheduling.messages import (
+    EngineCoreOutput,
+    EngineRequest,
+    SchedulerOutput,
+    SchedulerStats,
+    sample_request_id,
+)
+from pagoda.scheduling.request import Request, RequestStatus
+from pagoda.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -26,22 +34,23 @@ CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        config = resolve_device(config)
         self.config = config
         torch.manual_seed(config.seed)
-        self.device = config.torch_device
+        self.device = torch.device(config.device_type)
         model, model_config, tokenizer = load_model(config)
         self.model_config: ModelConfig = model_config
         self.tokenizer: Any = tokenizer
         self.eos_token_ids = _eos_token_ids(model_config.hf_config, tokenizer)
         self.block_size = config.cache.block_size
-        kv_quant_dtype = config.cache.kv_quant_dtype
+        kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
         self.runner = ModelRunner(
             model,
             model_config,
             self.block_size,
             self.device,
             self.eos_token_ids,
-            kv_quant_dtype,
+            None if kv_quant_dtype is None else torch_dtype(kv_quant_dtype),
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             kernel_backend=config.kernel_backend,
@@ -64,7 +73,7 @@ class EngineCore:
             "KV cache %s (%s%s): %d blocks of %d tokens = %d tokens, %.1f MiB; "
             "max concurrency %.2fx at max_model_len %d",
             config.cache.kv_cache_dtype,
-            str(kv_quant_dtype or model_config.dtype).removeprefix("torch."),
+            kv_quant_dtype or model_config.dtype,
             "" if kv_quant_dtype is None else " + a scale per token and kv head",
             self.num_blocks,
             self.block_size,

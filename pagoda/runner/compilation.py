@@ -27,7 +27,7 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
-from pagoda.forward_context import ForwardContext
+from pagoda.layers.forward_context import ForwardContext
 from pagoda.models.llama import LlamaForCausalLM, LlamaModel
 
 logger = logging.getLogger(__name__)

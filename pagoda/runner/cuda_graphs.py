@@ -21,9 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from pagoda.forward_context import InputBuffers, forward_context
-from pagoda.layers.attention import KVCache
+from pagoda.layers.forward_context import forward_context
+from pagoda.layers.kv_cache import KVCache
 from pagoda.models.llama import LlamaForCausalLM
+from pagoda.runner.input_batch import InputBuffers
 
 logger = logging.getLogger(__name__)
 

@@ -8,15 +8,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagoda.client.beam_search import beam_search
+from pagoda.client.output_processor import RequestState
+from pagoda.client.tokenizer import Conversation, apply_chat_template, as_conversations
 from pagoda.config import EngineConfig
-from pagoda.engine import EngineCore
-from pagoda.output_processor import RequestState
+from pagoda.engine.core import EngineCore
 from pagoda.outputs import BeamSearchOutput, RequestOutput
-from pagoda.request import EngineRequest
-from pagoda.sampling import BeamSearchParams, SamplingParams
+from pagoda.sampling_params import BeamSearchParams, SamplingParams
+from pagoda.scheduling.messages import EngineRequest
 
 PromptType = str | dict[str, Any]
-Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -194,7 +195,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        conversations = _as_conversations(messages)
+        conversations = as_conversations(messages)
         self._params_per_prompt(sampling_params, len(conversations))  # TypeError before templating
         prompts: list[PromptType] = [
             {
@@ -229,37 +230,17 @@ class LLM:
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
     ) -> list[BeamSearchOutput]:
-        from pagoda.beam_search import beam_search
-
         if not isinstance(params, BeamSearchParams):
             raise _params_type_error("params", BeamSearchParams, params)
         prompt_ids = [self._tokenize(p)[1] for p in _as_list(prompts)]
-        return beam_search(self, prompt_ids, params)
+        return beam_search(
+            self._generate_ids, self.engine.eos_token_ids, self.tokenizer, prompt_ids, params
+        )
 
-
-def apply_chat_template(
-    tokenizer: Any,
-    conversation: Conversation,
-    chat_template: str | None = None,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-) -> str:
-    """The prompt text of a conversation under the tokenizer's (or the given) chat template."""
-    if not conversation:
-        raise ValueError("messages must not be empty")
-    for m in conversation:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise ValueError("each message must be a dict with 'role' and 'content'")
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; pass chat_template=...")
-    text = tokenizer.apply_chat_template(
-        conversation,
-        chat_template=chat_template,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message,
-    )
-    return str(text)
+    def _generate_ids(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> list[RequestOutput]:
+        return self.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
 def _params_type_error(
@@ -275,11 +256,3 @@ def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     return list(prompts)
-
-
-def _as_conversations(messages: Conversation | list[Conversation]) -> list[Conversation]:
-    if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of messages or of conversations")
-    if all(isinstance(m, list) for m in messages):
-        return [list(c) for c in messages]  # type: ignore[arg-type]
-    return [messages]  # type: ignore[list-item]

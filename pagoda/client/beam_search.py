@@ -16,13 +16,14 @@ The search for each prompt follows HF transformers' `generate(num_beams=...)` (i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
-from pagoda.outputs import BeamSearchOutput, BeamSearchSequence
-from pagoda.sampling import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from pagoda.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagoda.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
-if TYPE_CHECKING:
-    from pagoda.llm import LLM
+# Generates one step for token-id prompts: LLM.generate without a progress bar.
+GenerateFn = Callable[[list[list[int]], SamplingParams], list[RequestOutput]]
 
 
 def _score(seq: BeamSearchSequence, prompt_len: int, length_penalty: float) -> float:
@@ -30,10 +31,15 @@ def _score(seq: BeamSearchSequence, prompt_len: int, length_penalty: float) -> f
 
 
 def beam_search(
-    llm: LLM, prompts: list[list[int]], params: BeamSearchParams
+    generate: GenerateFn,
+    eos_token_ids: frozenset[int],
+    tokenizer: Any,
+    prompts: list[list[int]],
+    params: BeamSearchParams,
 ) -> list[BeamSearchOutput]:
+    """tokenizer: decodes the finished sequences' text; None leaves text None."""
     width = params.beam_width
-    eos = llm.engine.eos_token_ids
+    eos = eos_token_ids
     per_beam = max(2, 1 + len(eos))
     num_candidates = per_beam * width  # K: enough for width live beams if the best end in EOS
     if num_candidates > MAX_LOGPROBS:
@@ -51,9 +57,7 @@ def beam_search(
         flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
         if not flat:
             break
-        outs = llm.generate(
-            [{"prompt_token_ids": beam.tokens} for _, beam in flat], step_params, use_tqdm=False
-        )
+        outs = generate([beam.tokens for _, beam in flat], step_params)
         candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
         for (i, beam), out in zip(flat, outs):
             step_lps = out.outputs[0].logprobs
@@ -89,8 +93,8 @@ def beam_search(
     results = []
     for hypotheses in done:
         for seq in hypotheses:
-            if llm.tokenizer is not None:  # None with skip_tokenizer_init: text stays None
-                seq.text = llm.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+            if tokenizer is not None:  # None with skip_tokenizer_init: text stays None
+                seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
         results.append(BeamSearchOutput(sequences=hypotheses))
     return results
 

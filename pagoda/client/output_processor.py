@@ -11,11 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.detokenizer import IncrementalDetokenizer, decode_token
+from pagoda.client.detokenizer import IncrementalDetokenizer, decode_token
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
-from pagoda.request import sample_request_id
-from pagoda.sampling import SamplingParams
-from pagoda.scheduler import EngineCoreOutput, LogprobEntry
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling.messages import EngineCoreOutput, LogprobEntry, sample_request_id
 
 
 @dataclass

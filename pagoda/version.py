@@ -1,0 +1,3 @@
+"""The package version (pagoda.__version__)."""
+
+__version__ = "0.1.0"
