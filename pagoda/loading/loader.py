@@ -44,7 +44,7 @@ from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quant import QUANTIZED_EMBEDDING_METHODS, make_method, stored_bytes
 from pagoda.models import MODEL_REGISTRY, get_model_class
-from pagoda.models.llama import LlamaForCausalLM
+from pagoda.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -380,7 +380,7 @@ def max_positions(hf_config: Any) -> int:
     return limit
 
 
-def load_model(config: EngineConfig) -> tuple[LlamaForCausalLM, ModelConfig, Any]:
+def load_model(config: EngineConfig) -> tuple[CausalLM, ModelConfig, Any]:
     """Build the model on config.device (resolved) in config.dtype_name with its weights loaded
     (random for load_format="dummy"), in eval mode; return it with its ModelConfig and tokenizer
     (None with skip_tokenizer_init)."""

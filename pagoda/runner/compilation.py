@@ -28,26 +28,26 @@ import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
 from pagoda.layers.forward_context import ForwardContext
-from pagoda.models.llama import LlamaForCausalLM, LlamaModel
+from pagoda.models.interface import Backbone, CausalLM
 
 logger = logging.getLogger(__name__)
 
 
 # Two functions, so that each graph has a dynamo cache (keyed by code object) of its own.
 def _decode_one(
-    model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    model: Backbone, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
 ) -> torch.Tensor:
     return model(input_ids, positions, ctx)
 
 
 def _decode_many(
-    model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    model: Backbone, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
 ) -> torch.Tensor:
     return model(input_ids, positions, ctx)
 
 
 class CompiledDecode:
-    def __init__(self, model: LlamaForCausalLM) -> None:
+    def __init__(self, model: CausalLM) -> None:
         self.model = model.model
         self._one = torch.compile(_decode_one, fullgraph=True)
         self._many = torch.compile(_decode_many, fullgraph=True)

@@ -23,7 +23,7 @@ import torch
 
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
-from pagoda.models.llama import LlamaForCausalLM
+from pagoda.models.interface import CausalLM
 from pagoda.runner.input_batch import InputBuffers
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def padded_size(sizes: list[int], num_reqs: int) -> int | None:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[KVCache],
         buffers: InputBuffers,
         block_size: int,

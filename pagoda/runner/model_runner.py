@@ -17,7 +17,7 @@ import torch
 from pagoda.config import ModelConfig
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
-from pagoda.models.llama import LlamaForCausalLM
+from pagoda.models.interface import CausalLM
 from pagoda.runner.compilation import CompiledDecode
 from pagoda.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from pagoda.runner.device import torch_dtype
@@ -38,7 +38,7 @@ WARMUP_SHAPES = ((1, 2), (2, 2))
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         model_config: ModelConfig,
         block_size: int,
         device: torch.device,

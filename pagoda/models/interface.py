@@ -1,0 +1,49 @@
+"""The model interface the runner and the loader use: any registered architecture provides it
+(models/__init__.py maps HF architecture names to classes), so neither names a model class."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from pagoda.layers.forward_context import ForwardContext
+
+
+class Backbone(Protocol):
+    """The decoder stack: token ids and positions (num_tokens,) -> hidden states
+    (num_tokens, hidden_size). `ctx` is handed in by compiled steps (dynamo cannot trace the
+    context variable); None reads it from forward_context()."""
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None = None
+    ) -> torch.Tensor: ...
+
+
+class CausalLM(Protocol):
+    @property
+    def model(self) -> Backbone:
+        """The decoder stack without the LM head (compiled decode steps run it)."""
+        ...
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(num_tokens,) ids and positions -> (num_tokens, hidden_size), inside forward_context."""
+        ...
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """(n, hidden_size) -> (n, vocab_size) float32."""
+        ...
+
+    def set_kernel_backend(self, backend: str) -> None: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Route HF-named tensors to their layers; returns what was written."""
+        ...
+
+    def expected_weights(self) -> set[str]: ...
+
+    def finalize_weights(self) -> None: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
