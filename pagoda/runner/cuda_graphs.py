@@ -24,7 +24,7 @@ import torch
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
 from pagoda.models.interface import CausalLM
-from pagoda.runner.input_batch import InputBuffers
+from pagoda.runner.step_inputs import InputBuffers
 
 logger = logging.getLogger(__name__)
 

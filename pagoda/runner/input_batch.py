@@ -1,213 +1,175 @@
-"""The step's flat inputs in persistent buffers: token ids, positions, slot mapping, block
-tables and the attention metadata over them (layout: pagoda/layers/forward_context.py).
+"""The runner's persistent batch: per-request rows kept between steps and updated from the
+scheduler's deltas (scheduling/messages.py, SchedulerOutput).
+
+A request's prompt, sampling params and block table arrive once, in NewRequestData; later steps
+carry only block-table changes, and finished or preempted ids (a preempted request comes back
+whole). Sampled tokens are appended to their rows when they reach the host, which is all the
+output history penalties need. Each row owns a slot in column arrays of its sampling params, so
+a step's sampling tensors are one gather per column, not a walk over SamplingParams objects.
 """
 
 from __future__ import annotations
 
-import itertools
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from pagoda.layers.forward_context import AttentionMetadata, PrefillSeq
+from pagoda.sampling_params import SAMPLING_EPS, SamplingParams
+from pagoda.scheduling.messages import NewRequestData, ScheduledRequest, SchedulerOutput
 
-
-def build_attention_metadata(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """One-off metadata in fresh tensors (tests, profiling); the runner uses `InputBuffers`.
-
-    block_tables[i] must cover positions [0, seq_lens[i]) of request i.
-    """
-    max_blocks = max((-(-s // block_size) for s in seq_lens), default=1)
-    buffers = InputBuffers(
-        max(sum(query_lens), 1), max(len(query_lens), 1), max_blocks, torch.device(device)
-    )
-    token_ids = [[0] * q for q in query_lens]
-    _, _, meta = buffers.prepare(token_ids, seq_lens, block_tables, block_size)
-    return meta
+# name -> numpy dtype of the per-slot sampling columns
+_COLUMNS = {
+    "temperature": np.float32,
+    "top_k": np.int64,  # vocab_size where disabled
+    "top_p": np.float32,
+    "min_p": np.float32,
+    "presence_penalty": np.float32,
+    "frequency_penalty": np.float32,
+    "repetition_penalty": np.float32,
+    "greedy": np.bool_,
+    "penalized": np.bool_,  # any of the three penalties is active
+    "num_logprobs": np.int64,  # -1: no logprobs asked for
+    "min_tokens": np.int64,
+    "has_logit_bias": np.bool_,
+}
 
 
-class InputBuffers:
-    """Persistent step inputs. Each step fills host arrays in place (pinned on CUDA) and copies
-    the used rows to device buffers of the same shapes with non_blocking copies; the tensors
-    handed to the model are views of the device buffers, so CUDA graphs captured on them see
-    each step's values. On CPU the host buffers are the device buffers.
+@dataclass
+class RequestRow:
+    """The runner's copy of one request."""
 
-    Invariant: host buffers are refilled only after the previous step's copies ran: prepare()
-    records an event after its copies and waits on the previous one before writing (a step that
-    samples nothing does not sync with the host otherwise).
-    """
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # known outputs; a sample is appended when it reaches the host
+    params: SamplingParams
+    block_ids: list[int]
+    sample_index: int
+    slot: int  # its index in InputBatch's column arrays
 
-    def __init__(
-        self, max_tokens: int, max_reqs: int, max_blocks_per_seq: int, device: torch.device
+
+class InputBatch:
+    def __init__(self, vocab_size: int, capacity: int = 64) -> None:
+        self.vocab_size = vocab_size
+        self.rows: dict[str, RequestRow] = {}
+        self.columns: dict[str, np.ndarray] = {
+            name: np.zeros(capacity, dtype) for name, dtype in _COLUMNS.items()
+        }
+        self._free_slots = list(range(capacity - 1, -1, -1))
+
+    # ---- deltas -------------------------------------------------------------------------
+    def apply(self, out: SchedulerOutput) -> None:
+        """Bring the rows up to date with one step's SchedulerOutput (its documented order)."""
+        for rid in out.finished_request_ids:
+            self._remove(rid)
+        for rid in out.preempted_request_ids:
+            self._remove(rid)
+        for new in out.new_requests:
+            self._add(new)
+        for change in out.cached_requests:
+            row = self.rows[change.request_id]
+            row.block_ids[change.start :] = change.block_ids
+
+    def record_sampled(self, rows: list[RequestRow | None], tokens: list[int]) -> None:
+        """Append each sampled token to the row that sampled it, if that row is still held (a
+        request finished or preempted meanwhile is gone; an id reused since is another row)."""
+        for row, token in zip(rows, tokens):
+            if row is not None and self.rows.get(row.request_id) is row:
+                row.output_token_ids.append(token)
+
+    def _add(self, new: NewRequestData) -> None:
+        assert new.request_id not in self.rows, f"{new.request_id} is already in the batch"
+        if not self._free_slots:
+            self._grow()
+        slot = self._free_slots.pop()
+        self.rows[new.request_id] = RequestRow(
+            request_id=new.request_id,
+            prompt_token_ids=new.prompt_token_ids,
+            output_token_ids=list(new.output_token_ids),
+            params=new.sampling_params,
+            block_ids=list(new.block_ids),
+            sample_index=new.sample_index,
+            slot=slot,
+        )
+        self._write_columns(slot, new.sampling_params)
+
+    def _remove(self, request_id: str) -> None:
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self._free_slots.append(row.slot)
+
+    def _grow(self) -> None:
+        old = len(self.columns["temperature"])
+        for name, column in self.columns.items():
+            grown = np.zeros(2 * old, column.dtype)
+            grown[:old] = column
+            self.columns[name] = grown
+        self._free_slots.extend(range(2 * old - 1, old - 1, -1))
+
+    def _write_columns(self, slot: int, p: SamplingParams) -> None:
+        c = self.columns
+        c["temperature"][slot] = p.temperature
+        c["top_k"][slot] = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
+        c["top_p"][slot] = p.top_p
+        c["min_p"][slot] = p.min_p
+        c["presence_penalty"][slot] = p.presence_penalty
+        c["frequency_penalty"][slot] = p.frequency_penalty
+        c["repetition_penalty"][slot] = p.repetition_penalty
+        c["greedy"][slot] = p.temperature < SAMPLING_EPS
+        c["penalized"][slot] = (
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        )
+        c["num_logprobs"][slot] = -1 if p.logprobs is None else p.logprobs
+        c["min_tokens"][slot] = p.min_tokens
+        c["has_logit_bias"][slot] = bool(p.logit_bias)
+
+    # ---- reading ------------------------------------------------------------------------
+    def gather(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """Column `name` at `slots`, in that order (a fresh array)."""
+        return self.columns[name][slots]
+
+    def state(self) -> dict[str, tuple[list[int], list[int], SamplingParams, list[int], int]]:
+        """Every row's contents, without slots (for comparisons)."""
+        return {
+            rid: (r.prompt_token_ids, r.output_token_ids, r.params, r.block_ids, r.sample_index)
+            for rid, r in self.rows.items()
+        }
+
+
+class SamplingRows:
+    """The rows that sample in one step, in order: each request that catches up, and on the
+    step its prompt completes, its n > 1 siblings (which sample from the same logits row, with
+    the leader's params)."""
+
+    def __init__(self) -> None:
+        self.row_ids: list[str] = []
+        self.flat_rows: list[int] = []  # the row of the step's hidden states each samples from
+        self.leaders: list[RequestRow] = []  # whose params and prompt each uses
+        self.own_rows: list[RequestRow | None] = []  # None: a sibling not yet in the batch
+        self.indices: list[int] = []  # index among the n samples (seed + index)
+        self.num_outputs: list[int] = []  # sampled before this step, placeholders included
+        self.pending_rows: list[int] = []  # rows whose outputs lack an in-flight token
+        self.pending_inputs: list[int] = []  # the flat input row that holds that token
+
+    def add(
+        self, s: ScheduledRequest, row: RequestRow, flat_row: int, placeholders: dict[str, int]
     ) -> None:
-        self.max_tokens = max_tokens
-        self.max_reqs = max_reqs
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self.device = device
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # Recorded after each step's host-to-device copies (CUDA only).
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
-        int64, int32 = torch.int64, torch.int32
-        self.input_ids = self._pair((max_tokens,), int64)
-        self.positions = self._pair((max_tokens,), int64)
-        self.slot_mapping = self._pair((max_tokens,), int64)
-        self.decode_token_idx = self._pair((max_reqs,), int64)
-        self.decode_seq_lens = self._pair((max_reqs,), int32)
-        self.decode_block_tables = self._pair((max_reqs, max_blocks_per_seq), int32)
-        self.prefill_token_start = self._pair((max_reqs,), int32)
-        self.prefill_query_lens = self._pair((max_reqs,), int32)
-        self.prefill_seq_lens = self._pair((max_reqs,), int32)
-        self.prefill_block_tables = self._pair((max_reqs, max_blocks_per_seq), int32)
+        for rid, index in zip(s.sample_ids, s.sample_indices):
+            is_self = rid == s.request_id
+            if is_self and rid in placeholders:
+                self.pending_rows.append(len(self.row_ids))
+                self.pending_inputs.append(placeholders[rid])
+            self.row_ids.append(rid)
+            self.flat_rows.append(flat_row)
+            self.leaders.append(row)
+            self.own_rows.append(row if is_self else None)
+            self.indices.append(index)
+            self.num_outputs.append(s.num_output_tokens if is_self else 0)
 
-    def _pair(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        pin = self.device.type == "cuda"
-        host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-        dev = (
-            host
-            if self.device.type == "cpu"
-            else torch.zeros(shape, dtype=dtype, device=self.device)
-        )
-        self._pairs.append((host, dev))
-        return len(self._pairs) - 1
+    def slots_array(self) -> np.ndarray:
+        return np.fromiter((r.slot for r in self.leaders), np.int64, len(self.leaders))
 
-    def host(self, buf: int) -> np.ndarray:
-        return self._pairs[buf][0].numpy()
+    def output_token_ids(self) -> list[list[int]]:
+        return [r.output_token_ids if r is not None else [] for r in self.own_rows]
 
-    def device_view(self, buf: int, rows: int) -> torch.Tensor:
-        """Rows [0, rows) of a device buffer, copied from the host first."""
-        host, dev = self._pairs[buf]
-        if dev is not host:
-            dev[:rows].copy_(host[:rows], non_blocking=True)
-        return dev[:rows]
-
-    def host_table(self, buf: int, rows: int, cols: int) -> np.ndarray:
-        """A block-table buffer as a contiguous (rows, cols) array over its first elements."""
-        return self._pairs[buf][0].view(-1)[: rows * cols].view(rows, cols).numpy()
-
-    def device_table(self, buf: int, rows: int, cols: int) -> torch.Tensor:
-        """The device side of host_table(buf, rows, cols), copied from the host first.
-        Contiguous, so that no consumer depends on the buffer's full width."""
-        host, dev = self._pairs[buf]
-        n = rows * cols
-        if dev is not host:
-            dev.view(-1)[:n].copy_(host.view(-1)[:n], non_blocking=True)
-        return dev.view(-1)[:n].view(rows, cols)
-
-    def prepare(
-        self,
-        token_ids: list[list[int]],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
-        block_size: int,
-        pad_to: int | None = None,
-        decode_num_splits: int = 1,
-        full_width: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids, positions, metadata) of a step: request i brings token_ids[i], the last
-        tokens of its first seq_lens[i] positions, and block_tables[i] covers those positions.
-
-        pad_to: a pure-decode batch is padded to that many rows (ids 0, position 0, slot -1,
-        seq_len 0). full_width: decode block tables span every column (a captured graph's view).
-        """
-        query_lens = [len(t) for t in token_ids]
-        num_reqs = len(query_lens)
-        num_tokens = sum(query_lens)
-        rows = num_tokens if pad_to is None else pad_to
-        assert num_tokens <= rows <= self.max_tokens and num_reqs <= self.max_reqs
-        if self._copied is not None:
-            self._copied.synchronize()
-        ids, pos, slots = (
-            self.host(b) for b in (self.input_ids, self.positions, self.slot_mapping)
-        )
-        d_idx, d_lens = (self.host(b) for b in (self.decode_token_idx, self.decode_seq_lens))
-        p_start, p_qlens, p_lens = (
-            self.host(b)
-            for b in (self.prefill_token_start, self.prefill_query_lens, self.prefill_seq_lens)
-        )
-        # Vectorized over requests (a decode step of hundreds of requests is host time).
-        q_lens = np.asarray(query_lens, dtype=np.int64)
-        s_lens = np.asarray(seq_lens, dtype=np.int64)
-        n_blocks = -(-s_lens // block_size)
-        assert (q_lens > 0).all() and (q_lens <= s_lens).all()
-        assert (np.asarray([len(t) for t in block_tables], dtype=np.int64) >= n_blocks).all()
-        starts = np.cumsum(q_lens) - q_lens  # first flat row of each request
-        req = np.repeat(np.arange(num_reqs), q_lens)  # request of each flat row
-        p = np.arange(num_tokens) - starts[req] + (s_lens - q_lens)[req]
-        flat_tables = np.fromiter(
-            itertools.chain.from_iterable(t[:n] for t, n in zip(block_tables, n_blocks.tolist())),
-            dtype=np.int64,
-            count=int(n_blocks.sum()),
-        )
-        table_start = np.cumsum(n_blocks) - n_blocks
-        ids[:num_tokens] = np.fromiter(
-            itertools.chain.from_iterable(token_ids), dtype=np.int64, count=num_tokens
-        )
-        pos[:num_tokens] = p
-        blocks = flat_tables[table_start[req] + p // block_size]
-        slots[:num_tokens] = blocks * block_size + p % block_size
-
-        decode = np.flatnonzero(q_lens == 1)
-        prefill = np.flatnonzero(q_lens > 1)
-        num_decodes = len(decode)
-        # A padded batch's rows past num_tokens are decodes too (their tables are never read).
-        num_decode_rows = num_decodes + rows - num_tokens
-        cols_d = self.max_blocks_per_seq if full_width else int(n_blocks[decode].max(initial=0))
-        d_tables = self.host_table(self.decode_block_tables, num_decode_rows, cols_d)
-        d_idx[:num_decodes] = starts[decode]
-        d_lens[:num_decodes] = s_lens[decode]
-        _scatter_rows(d_tables, flat_tables, table_start[decode], n_blocks[decode])
-        num_prefills = len(prefill)
-        cols_p = int(n_blocks[prefill].max(initial=0))
-        p_tables = self.host_table(self.prefill_block_tables, num_prefills, cols_p)
-        p_start[:num_prefills] = starts[prefill]
-        p_qlens[:num_prefills] = q_lens[prefill]
-        p_lens[:num_prefills] = s_lens[prefill]
-        _scatter_rows(p_tables, flat_tables, table_start[prefill], n_blocks[prefill])
-        prefills = [
-            PrefillSeq(int(starts[i]), int(starts[i] + q_lens[i]), int(s_lens[i])) for i in prefill
-        ]
-        if rows > num_tokens:
-            assert not prefills, "only pure-decode batches are padded"
-            pad = slice(num_tokens, rows)
-            ids[pad], pos[pad], slots[pad] = 0, 0, -1
-            d_idx[pad] = np.arange(num_tokens, rows)
-            d_lens[pad] = 0
-        meta = AttentionMetadata(
-            num_tokens=rows,
-            query_lens=query_lens,
-            seq_lens=list(seq_lens),
-            slot_mapping=self.device_view(self.slot_mapping, rows),
-            decode_token_idx=self.device_view(self.decode_token_idx, num_decode_rows),
-            decode_seq_lens=self.device_view(self.decode_seq_lens, num_decode_rows),
-            decode_block_tables=self.device_table(
-                self.decode_block_tables, num_decode_rows, cols_d
-            ),
-            prefill_token_start=self.device_view(self.prefill_token_start, num_prefills),
-            prefill_query_lens=self.device_view(self.prefill_query_lens, num_prefills),
-            prefill_seq_lens=self.device_view(self.prefill_seq_lens, num_prefills),
-            prefill_block_tables=self.device_table(self.prefill_block_tables, num_prefills, cols_p),
-            prefills=prefills,
-            max_prefill_query_len=max((p.token_end - p.token_start for p in prefills), default=0),
-            decode_num_splits=decode_num_splits,
-        )
-        input_ids = self.device_view(self.input_ids, rows)
-        positions = self.device_view(self.positions, rows)
-        if self._copied is not None:
-            self._copied.record()
-        return input_ids, positions, meta
-
-
-def _scatter_rows(dst: np.ndarray, flat: np.ndarray, first: np.ndarray, counts: np.ndarray) -> None:
-    """dst[r, :counts[r]] = flat[first[r] : first[r] + counts[r]] for every row r."""
-    if not len(counts):  # no request of this kind (most steps lack prefills or decodes)
-        return
-    total = int(counts.sum())
-    rows = np.repeat(np.arange(len(counts)), counts)
-    cols = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-    dst[rows, cols] = flat[np.repeat(first, counts) + cols]
+    def prompt_token_ids(self) -> list[list[int]]:
+        return [r.prompt_token_ids for r in self.leaders]

@@ -12,6 +12,8 @@ token the previous step sampled straight from the device (_fill_placeholders).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagoda.config import ModelConfig
@@ -21,8 +23,9 @@ from pagoda.models.interface import CausalLM
 from pagoda.runner.compilation import CompiledDecode
 from pagoda.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from pagoda.runner.device import torch_dtype
-from pagoda.runner.input_batch import InputBuffers
+from pagoda.runner.input_batch import InputBatch, SamplingRows
 from pagoda.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata, to_device
+from pagoda.runner.step_inputs import InputBuffers
 from pagoda.scheduling.messages import (
     PLACEHOLDER_TOKEN_ID,
     LogprobEntry,
@@ -79,6 +82,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.compiled = CompiledDecode(model) if compile_decode else None
         self.sampler = Sampler()
+        self.batch = InputBatch(model_config.vocab_size, max(64, max_num_seqs))
         self.generators: dict[str, torch.Generator] = {}
         # The last executed step's sampled ids (R,) on the device, and each sampling request's
         # row in them: the inputs of the next step's placeholders.
@@ -184,6 +188,7 @@ class ModelRunner:
         (see PendingOutput)."""
         for rid in out.finished_request_ids:
             self.generators.pop(rid, None)
+        self.batch.apply(out)
         self._copy_blocks(out.block_copies)
         if out.is_empty:
             self.prev_sampled, self.prev_rows = None, {}
@@ -198,7 +203,7 @@ class ModelRunner:
         ids_t, pos_t, meta = self.buffers.prepare(
             token_ids,
             [s.start + len(s.token_ids) for s in out.scheduled],
-            [s.block_ids for s in out.scheduled],
+            [self.batch.rows[s.request_id].block_ids for s in out.scheduled],
             self.block_size,
             pad_to=size,
             decode_num_splits=self._decode_num_splits(size or num_decodes),
@@ -260,70 +265,54 @@ class ModelRunner:
     ) -> PendingOutput:
         """Sample every request that catches up this step; placeholder_rows: flat rows of
         inputs whose tokens are outputs the host does not know yet (penalties count them)."""
-        rows: list[int] = []
-        row_ids: list[str] = []
-        params, outputs, prompts, banned = [], [], [], []
-        pending_rows: list[int] = []  # sampling rows whose output lacks its last token
-        pending_inputs: list[int] = []  # the flat input row holding that token
-        generators: dict[int, torch.Generator] = {}
+        rows = SamplingRows()
         token_end = 0
         for s in scheduled:
             token_end += len(s.token_ids)
-            for rid, index in zip(s.sample_ids, s.sample_indices):
-                is_self = rid == s.request_id
-                p = s.sampling_params
-                gen = self._generator(rid, p.seed, index)
-                if gen is not None:
-                    generators[len(rows)] = gen
-                if is_self and rid in placeholder_rows:
-                    pending_rows.append(len(rows))
-                    pending_inputs.append(placeholder_rows[rid])
-                rows.append(token_end - 1)
-                row_ids.append(rid)
-                params.append(p)
-                outputs.append(s.output_token_ids if is_self else [])
-                prompts.append(s.prompt_token_ids)
-                num_out = s.num_output_tokens if is_self else 0
-                banned.append(self._banned(p.min_tokens, p.stop_token_ids, num_out))
-        if not rows:
+            if s.sample_ids:
+                rows.add(s, self.batch.rows[s.request_id], token_end - 1, placeholder_rows)
+        if not rows.row_ids:
             self.prev_sampled, self.prev_rows = None, {}
             return PendingOutput([], [], None, None, prompt_logprobs)
         # One row per request in a pure-decode step: no gather (and no index upload) needed.
-        last = hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
+        flat = rows.flat_rows
+        last = hidden if flat == list(range(hidden.shape[0])) else hidden[flat]
         logits = self.model.compute_logits(last)  # (num_rows, vocab) float32
-        meta = SamplingMetadata.from_rows(
-            params, outputs, prompts, generators, banned, logits.shape[-1], self.device
+        meta = SamplingMetadata.from_batch(
+            self.batch, rows, self._generators(rows), self.eos_token_ids, self.device
         )
-        if pending_rows and not meta.no_penalties:
-            meta.pending_output_rows = to_device(pending_rows, torch.int64, self.device)
+        if rows.pending_rows and not meta.no_penalties:
+            meta.pending_output_rows = to_device(rows.pending_rows, torch.int64, self.device)
             meta.pending_output_tokens = input_ids[
-                to_device(pending_inputs, torch.int64, self.device)
+                to_device(rows.pending_inputs, torch.int64, self.device)
             ]
         result = self.sampler(logits, meta)
         self.prev_sampled = result.sampled_token_ids
-        self.prev_rows = {rid: i for i, rid in enumerate(row_ids)}
+        self.prev_rows = {rid: i for i, rid in enumerate(rows.row_ids)}
+        num_logprobs = self.batch.gather("num_logprobs", rows.slots_array()).tolist()
         return PendingOutput(
-            row_ids,
-            [p.logprobs for p in params],
+            rows.row_ids,
+            [None if k < 0 else k for k in num_logprobs],
             result.sampled_token_ids,
             result.logprobs,
             prompt_logprobs,
+            on_host=lambda tokens: self.batch.record_sampled(rows.own_rows, tokens),
         )
 
-    def _banned(self, min_tokens: int, stop_token_ids: tuple[int, ...], num_out: int) -> list[int]:
-        if num_out >= min_tokens:
-            return []
-        return [*self.eos_token_ids, *stop_token_ids]
-
-    def _generator(self, rid: str, seed: int | None, index: int) -> torch.Generator | None:
-        if seed is None:
-            return None
-        gen = self.generators.get(rid)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed + index)
-            self.generators[rid] = gen
-        return gen
+    def _generators(self, rows: SamplingRows) -> dict[int, torch.Generator]:
+        """Each seeded row's generator, made on its first sample (seed + its index among n)."""
+        generators: dict[int, torch.Generator] = {}
+        for i, (rid, row, index) in enumerate(zip(rows.row_ids, rows.leaders, rows.indices)):
+            seed = row.params.seed
+            if seed is None:
+                continue
+            gen = self.generators.get(rid)
+            if gen is None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(seed + index)
+                self.generators[rid] = gen
+            generators[i] = gen
+        return generators
 
     def _prompt_logprobs(
         self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
@@ -333,10 +322,13 @@ class ModelRunner:
         for s in scheduled:
             n = s.num_prompt_logprob_tokens
             if n:
-                k = s.sampling_params.prompt_logprobs or 0
+                request = self.batch.rows[s.request_id]
+                k = request.params.prompt_logprobs or 0
                 row = token_start + s.prompt_logprob_offset
                 first = s.start + s.prompt_logprob_offset + 1
-                targets = to_device(s.prompt_token_ids[first : first + n], torch.int64, self.device)
+                targets = to_device(
+                    request.prompt_token_ids[first : first + n], torch.int64, self.device
+                )
                 # Slices of max_num_seqs rows: the (rows, vocab) temporaries then stay within
                 # the LM-head peak that profile_run measured (a whole chunk's would not).
                 step = self.max_num_seqs
@@ -371,8 +363,11 @@ class PendingOutput:
         sampled: torch.Tensor | None,
         logprobs: LogprobsTensors | None,
         prompt_logprobs: dict[str, LogprobsTensors],
+        on_host: Callable[[list[int]], None] | None = None,
     ) -> None:
-        """row_ids[i] sampled sampled[i] and asked for num_logprobs[i] top logprobs."""
+        """row_ids[i] sampled sampled[i] and asked for num_logprobs[i] top logprobs; get()
+        hands the sampled ids to on_host (the runner's rows record them)."""
+        self.on_host = on_host
         self.row_ids = row_ids
         self.num_logprobs = num_logprobs
         self.ready: torch.cuda.Event | None = None
@@ -395,7 +390,10 @@ class PendingOutput:
             self.ready.synchronize()
         sampled: dict[str, int] = {}
         if self.sampled is not None:
-            sampled = dict(zip(self.row_ids, self.sampled.tolist()))
+            tokens = self.sampled.tolist()
+            if self.on_host is not None:
+                self.on_host(tokens)
+            sampled = dict(zip(self.row_ids, tokens))
         logprobs: dict[str, LogprobEntry] = {}
         if self.logprobs is not None:
             entries = _logprob_entries(self.logprobs)

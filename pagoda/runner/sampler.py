@@ -18,8 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
+from pagoda.runner.input_batch import InputBatch, SamplingRows
 from pagoda.sampling_params import SAMPLING_EPS, SamplingParams, SamplingType
 
 
@@ -157,6 +159,83 @@ class SamplingMetadata:
             logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else [],
             max_top_k=max_top_k,
         )
+
+    @classmethod
+    def from_batch(
+        cls,
+        batch: InputBatch,
+        rows: SamplingRows,
+        generators: dict[int, torch.Generator],
+        eos_token_ids: Sequence[int],
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """The step's metadata from the persistent batch's columns (one gather each); the
+        same values as from_rows would build from the rows' SamplingParams."""
+        slots = rows.slots_array()
+        vocab_size = batch.vocab_size
+
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return _numpy_to_device(batch.gather(name, slots), dtype, device)
+
+        greedy = batch.gather("greedy", slots)
+        all_greedy, all_random = bool(greedy.all()), bool(len(slots)) and not greedy.any()
+        random = ~greedy
+        temperature = top_k = top_p = min_p = None
+        max_top_k = 0
+        if not all_greedy:
+            temperature = column("temperature", torch.float32)
+            ks = batch.gather("top_k", slots)
+            if bool((ks[random] < vocab_size).any()):
+                top_k = _numpy_to_device(ks, torch.int64, device)
+                max_top_k = int(ks[ks < vocab_size].max())
+            if bool((batch.gather("top_p", slots)[random] < 1.0).any()):
+                top_p = column("top_p", torch.float32)
+            if bool((batch.gather("min_p", slots)[random] > 0.0).any()):
+                min_p = column("min_p", torch.float32)
+
+        presence = frequency = repetition = None
+        output_token_ids: list[list[int]] = []
+        prompt_token_ids: list[list[int]] = []
+        if bool(batch.gather("penalized", slots).any()):
+            presence = column("presence_penalty", torch.float32)
+            frequency = column("frequency_penalty", torch.float32)
+            repetition = column("repetition_penalty", torch.float32)
+            output_token_ids, prompt_token_ids = rows.output_token_ids(), rows.prompt_token_ids()
+
+        num_logprobs = batch.gather("num_logprobs", slots)
+        banned: list[list[int]] = [[] for _ in slots]
+        min_tokens = batch.gather("min_tokens", slots)
+        for i in np.flatnonzero(min_tokens > np.asarray(rows.num_outputs, np.int64)).tolist():
+            banned[i] = [*eos_token_ids, *rows.leaders[i].params.stop_token_ids]
+        logit_bias = []
+        if bool(batch.gather("has_logit_bias", slots).any()):
+            logit_bias = [r.params.logit_bias for r in rows.leaders]
+        return cls(
+            temperature=temperature,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            presence_penalties=presence,
+            frequency_penalties=frequency,
+            repetition_penalties=repetition,
+            generators={row: g for row, g in generators.items() if not greedy[row]},
+            output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids,
+            banned_token_ids=banned,
+            max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
+            logit_bias=logit_bias,
+            max_top_k=max_top_k,
+        )
+
+
+def _numpy_to_device(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device`, without waiting for the device (see to_device)."""
+    host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:

@@ -1,10 +1,14 @@
 """The contract: what enters the engine, what the scheduler tells the runner, what the runner
-and the engine answer. Plain data only (no tensors, no torch).
+and the engine answer. msgspec Structs of plain data (no tensors, no torch): they cross a
+process boundary as they are (msgpack), with no hand-written conversion.
+
+    client --EngineInput--> EngineCore --SchedulerOutput--> ModelRunner
+    client <--EngineCoreOutput-- EngineCore <--RunnerOutput-- ModelRunner
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from pagoda.sampling_params import SamplingParams
 
@@ -17,9 +21,10 @@ def sample_request_id(request_id: str, index: int) -> str:
     return request_id if index == 0 else f"{request_id}#{index}"
 
 
-@dataclass
-class EngineRequest:
-    """What a client sends to EngineCore: an already tokenized prompt."""
+class EngineRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True):
+    """What a client sends to EngineCore: an already tokenized prompt, validated where it
+    enters (SamplingParams validates itself when built; EngineCore.add_request checks the rest
+    against the model)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -33,34 +38,73 @@ class EngineRequest:
             raise ValueError(f"priority must be an int, got {self.priority!r}")
 
 
-@dataclass
-class ScheduledRequest:
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True):
+    """Abort user requests (every sample of each), or with all_samples=False single samples
+    named by their engine ids (a stop string ended one of n)."""
+
+    request_ids: list[str]
+    all_samples: bool = True
+
+
+# What a client sends to the engine process.
+EngineInput = EngineRequest | AbortRequest
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request the runner does not hold: scheduled for the first time, or again after a
+    preemption (then `output_token_ids` holds what it sampled before). Sent once; later steps
+    carry only CachedRequestData."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    sample_index: int = 0  # its index among the n samples of its user request (seed + index)
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A change to the block table of a request the runner holds: its block ids from index
+    `start` on become `block_ids` (start == the old length: blocks were appended; less: a
+    copy-on-write replaced a shared block)."""
+
+    request_id: str
+    start: int
+    block_ids: list[int]
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's share of a step, in batch order."""
+
     request_id: str
     # Inputs of this step: positions [start, start + len). The last one may be
     # PLACEHOLDER_TOKEN_ID: the token the previous step (still in flight) samples.
     token_ids: list[int]
     start: int  # num_computed_tokens before this step
-    block_ids: list[int]
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # the known outputs (a live list; it lacks a placeholder's)
     num_output_tokens: int  # sampled before this step, placeholders included (min_tokens)
     # Requests that sample from this row's logits: the request itself, plus n > 1 siblings on
     # the step its prompt completes. Empty while a prompt chunk does not reach the end.
-    sample_ids: list[str] = field(default_factory=list)
-    sample_indices: list[int] = field(default_factory=list)  # each one's index among the n
+    sample_ids: list[str] = []
+    sample_indices: list[int] = []  # each one's index among the n
     # Rows [offset, offset + num) of this chunk score prompt tokens (prompt_logprobs).
     prompt_logprob_offset: int = 0
     num_prompt_logprob_tokens: int = 0
 
 
-@dataclass
-class SchedulerOutput:
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step tells the runner: new requests whole, known ones as deltas.
+
+    The runner applies, in this order: drop finished and preempted requests, add
+    `new_requests`, apply `cached_requests`, copy `block_copies`, run `scheduled`.
+    """
+
+    step_id: int  # the scheduler's count of its schedule() calls
     scheduled: list[ScheduledRequest]
-    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write, before the forward pass
-    finished_request_ids: list[str]  # since the last step: the runner drops their state
-    preempted_request_ids: list[str]
-    step_id: int = 0  # the scheduler's count of its schedule() calls
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, before the forward
+    finished_request_ids: list[str] = []  # since the last step: the runner drops their state
+    preempted_request_ids: list[str] = []  # the runner drops their state; they come back new
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -76,15 +120,13 @@ class SchedulerOutput:
 LogprobEntry = tuple[list[int], list[float], int]
 
 
-@dataclass
-class RunnerOutput:
+class RunnerOutput(msgspec.Struct, array_like=True):
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, LogprobEntry]  # ids, logprobs (col 0 = sampled), rank
     prompt_logprobs: dict[str, list[LogprobEntry]]
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[LogprobEntry]
@@ -97,8 +139,7 @@ class EngineCoreOutput:
     sample_index: int = 0
 
 
-@dataclass
-class SchedulerStats:
+class SchedulerStats(msgspec.Struct, array_like=True):
     num_running: int
     num_waiting: int
     kv_cache_usage: float

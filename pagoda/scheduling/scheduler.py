@@ -23,8 +23,10 @@ from pagoda.scheduling.block_pool import KVCacheBlock
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
 from pagoda.scheduling.messages import (
     PLACEHOLDER_TOKEN_ID,
+    CachedRequestData,
     EngineCoreOutput,
     LogprobEntry,
+    NewRequestData,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -51,6 +53,9 @@ class Scheduler:
         self.step_id = 0
         # The Request of each entry of a step's `scheduled`, until update() matches outputs to them.
         self.in_flight: dict[int, list[Request]] = {}
+        # The block ids each request's row in the runner holds (the list last sent: block id
+        # lists are replaced, never mutated). A request missing here is sent whole.
+        self.runner_blocks: dict[str, list[int]] = {}
 
     # ---- queues -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -108,6 +113,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        self.runner_blocks.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.finished_ids.append(request.request_id)
 
@@ -189,15 +195,47 @@ class Scheduler:
             if s.sample_ids:
                 request.num_output_placeholders += 1
         finished, self.finished_ids = self.finished_ids, []
+        new_requests, cached_requests = self._deltas(requests)
         self.step_id += 1
         self.in_flight[self.step_id] = requests
         return SchedulerOutput(
+            step_id=self.step_id,
             scheduled=batch,
+            new_requests=new_requests,
+            cached_requests=cached_requests,
             block_copies=self.kv.take_pending_copies(),
             finished_request_ids=finished,
             preempted_request_ids=[r.request_id for r in preempted],
-            step_id=self.step_id,
         )
+
+    def _deltas(
+        self, requests: list[Request]
+    ) -> tuple[list[NewRequestData], list[CachedRequestData]]:
+        """What the runner lacks of this step's requests: whole requests it does not hold, and
+        the changed part of the block tables of those it does."""
+        new: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        for request in requests:
+            rid = request.request_id
+            block_ids = self.kv.get_block_ids(rid)
+            held = self.runner_blocks.get(rid)
+            if held is None:
+                new.append(
+                    NewRequestData(
+                        request_id=rid,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        block_ids=block_ids,
+                        sample_index=request.sample_index,
+                    )
+                )
+            elif block_ids is not held:
+                start = _first_difference(held, block_ids)
+                if start < max(len(held), len(block_ids)):
+                    cached.append(CachedRequestData(rid, start, block_ids[start:]))
+            self.runner_blocks[rid] = block_ids
+        return new, cached
 
     def _finishes_in_flight(self, request: Request) -> bool:
         """Whether a step not yet updated samples the request's last token (max_tokens or
@@ -216,6 +254,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self.runner_blocks.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -251,10 +290,6 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=token_ids,
             start=start,
-            block_ids=self.kv.get_block_ids(request.request_id),
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
             num_output_tokens=num_outputs,
             sample_ids=sample_ids,
             sample_indices=sample_indices,
@@ -339,3 +374,12 @@ class Scheduler:
             parent_id=request.parent_id,
             sample_index=request.sample_index,
         )
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """The first index at which a and b differ (the shorter length if one is a prefix)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

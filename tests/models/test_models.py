@@ -32,7 +32,7 @@ from pagoda.loading.loader import (
 )
 from pagoda.models import get_model_class
 from pagoda.models.llama import LlamaForCausalLM
-from pagoda.runner.input_batch import build_attention_metadata
+from pagoda.runner.step_inputs import build_attention_metadata
 from tests.oracle import assert_greedy_matches, assert_logits_close, hf_greedy, hf_logits
 
 ARCHS = ["llama", "qwen2", "qwen3"]

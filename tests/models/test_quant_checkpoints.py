@@ -54,7 +54,7 @@ from pagoda.layers.linear import Linear
 from pagoda.layers.quant import stored_bytes
 from pagoda.loading.loader import load_model
 from pagoda.models.llama import LlamaForCausalLM
-from pagoda.runner.input_batch import build_attention_metadata
+from pagoda.runner.step_inputs import build_attention_metadata
 from tests.quant_formats import (
     QUANTIZED_MODULES,
     TINY_LLAMA,

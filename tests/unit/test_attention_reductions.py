@@ -15,7 +15,7 @@ from pagoda.layers.attention import (
     write_kv_cache,
 )
 from pagoda.layers.kv_cache import KVCache
-from pagoda.runner.input_batch import build_attention_metadata
+from pagoda.runner.step_inputs import build_attention_metadata
 
 BLOCK = 4
 HEAD_DIM = 16

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.runner.input_batch import InputBuffers
+from pagoda.runner.step_inputs import InputBuffers
 
 BS = 4
 

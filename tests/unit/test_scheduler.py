@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from pagoda.config import SchedulerConfig
+from pagoda.runner.input_batch import InputBatch, RequestRow
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduling.block_pool import BlockPool
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
@@ -18,6 +19,7 @@ from pagoda.scheduling.messages import (
     EngineCoreOutput,
     EngineRequest,
     RunnerOutput,
+    ScheduledRequest,
     SchedulerOutput,
     sample_request_id,
 )
@@ -27,6 +29,26 @@ from pagoda.scheduling.scheduler import Scheduler
 BS = 4
 EOS = 2
 TOK = 7  # a sampled token that stops nothing
+
+
+class RunnerSideScheduler(Scheduler):
+    """Applies each output to a runner-side InputBatch, as the model runner does, so a test
+    reads a step's block tables as the runner holds them after that step's deltas."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.runner_batch = InputBatch(vocab_size=1 << 20)
+
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        self.runner_batch.apply(out)
+        return out
+
+
+def held(sched: Scheduler, s: ScheduledRequest) -> RequestRow:
+    """The runner's row of a scheduled request, after the step's deltas."""
+    assert isinstance(sched, RunnerSideScheduler)
+    return sched.runner_batch.rows[s.request_id]
 
 
 def make_scheduler(
@@ -39,7 +61,7 @@ def make_scheduler(
     max_model_len: int = 1024,
 ) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, enable_caching), BS)
-    return Scheduler(
+    return RunnerSideScheduler(
         SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -138,7 +160,7 @@ def test_chunked_prefill_8_8_4_samples_only_on_last_chunk():
         assert len(out.scheduled) == 1
         s = out.scheduled[0]
         assert (s.request_id, s.start, s.token_ids) == ("a", start, tokens)
-        assert s.block_ids == block_ids
+        assert held(sched, s).block_ids == block_ids
         assert s.sample_ids == sample_ids
         assert s.sample_indices == ([0] if sample_ids else [])
         assert out.num_scheduled_tokens == len(tokens)
@@ -239,7 +261,7 @@ def test_preemption_evicts_latest_arrival_and_it_resumes_with_prefix_hits():
     sched.add_request(b)
 
     out, _ = step(sched)
-    assert [s.block_ids for s in out.scheduled] == [[0, 1], [2, 3]]
+    assert [held(sched, s).block_ids for s in out.scheduled] == [[0, 1], [2, 3]]
     out, _ = step(sched)  # position 7 still fits in each request's second block
     assert num_scheduled(out) == {"a": 1, "b": 1}
     assert free_ids(sched) == []
@@ -249,7 +271,11 @@ def test_preemption_evicts_latest_arrival_and_it_resumes_with_prefix_hits():
     out, outputs = step(sched)
     assert num_scheduled(out) == {"a": 1}
     assert out.preempted_request_ids == ["b"]
-    assert out.scheduled[0].block_ids == [0, 1, 3]  # b's freed tail block was evicted first
+    assert held(sched, out.scheduled[0]).block_ids == [
+        0,
+        1,
+        3,
+    ]  # b's freed tail block was evicted first
     assert b.status == RequestStatus.PREEMPTED
     assert b.num_computed_tokens == 0
     assert b.num_preemptions == 1
@@ -267,7 +293,7 @@ def test_preemption_evicts_latest_arrival_and_it_resumes_with_prefix_hits():
     assert out.preempted_request_ids == []
     (s,) = out.scheduled
     assert (s.request_id, s.start, s.token_ids) == ("b", 4, b.all_token_ids[4:9])
-    assert s.block_ids == [2, 3, 1]
+    assert held(sched, s).block_ids == [2, 3, 1]
     assert s.sample_ids == ["b"]
     assert b.num_cached_tokens == 0  # reported for the first scheduling only
     assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outputs] == [
@@ -584,7 +610,7 @@ def test_n_siblings_wait_and_fork_when_the_leader_prompt_completes():
         ("a#2", 6, [13]),
     ]
     assert out.block_copies == [(1, 2), (1, 3)]
-    assert [s.block_ids for s in out.scheduled] == [[0, 2], [0, 3], [0, 1]]
+    assert [held(sched, s).block_ids for s in out.scheduled] == [[0, 2], [0, 3], [0, 1]]
     assert ref_cnts(sched)[:4] == [3, 1, 1, 1]
 
     out, _ = step(sched)
@@ -598,7 +624,7 @@ def test_n_block_aligned_prompt_needs_no_copy():
     assert ref_cnts(sched)[:2] == [2, 2]
     out, _ = step(sched)
     assert out.block_copies == []
-    assert [s.block_ids for s in out.scheduled] == [[0, 1, 2], [0, 1, 3]]
+    assert [held(sched, s).block_ids for s in out.scheduled] == [[0, 1, 2], [0, 1, 3]]
     assert ref_cnts(sched)[:4] == [2, 2, 1, 1]
 
 
@@ -663,7 +689,7 @@ def test_second_identical_request_reports_cached_tokens():
     out, outputs = step(sched)
     (s,) = out.scheduled
     assert (s.request_id, s.start, s.token_ids) == ("b", 8, p[8:10])
-    assert s.block_ids == [0, 1, 3]
+    assert held(sched, s).block_ids == [0, 1, 3]
     assert b.num_cached_tokens == 8
     assert [(o.request_id, o.num_cached_tokens) for o in outputs] == [("b", 8)]
     assert ref_cnts(sched)[:4] == [1, 1, 0, 1]
@@ -707,7 +733,11 @@ def step_with_prompt_logprobs(sched: Scheduler) -> tuple[SchedulerOutput, list[E
     sampled = {rid: TOK for s in out.scheduled for rid in s.sample_ids}
     plp = {
         s.request_id: [
-            ([s.prompt_token_ids[s.start + s.prompt_logprob_offset + 1 + j]], [-1.0], 1)
+            (
+                [held(sched, s).prompt_token_ids[s.start + s.prompt_logprob_offset + 1 + j]],
+                [-1.0],
+                1,
+            )
             for j in range(s.num_prompt_logprob_tokens)
         ]
         for s in out.scheduled
@@ -773,8 +803,8 @@ def test_async_decode_from_placeholder_and_no_step_past_max_tokens():
     out2 = sched.schedule()
     s = out2.scheduled[0]
     assert (s.start, s.token_ids, s.sample_ids) == (6, [PLACEHOLDER_TOKEN_ID], ["a"])
-    assert s.num_output_tokens == 1 and s.output_token_ids == []
-    assert s.block_ids == [0, 1]
+    assert s.num_output_tokens == 1 and held(sched, s).output_token_ids == []
+    assert held(sched, s).block_ids == [0, 1]
     assert (a.num_computed_tokens, a.num_output_placeholders) == (7, 2)
 
     outputs = sched.update(out1, runner_output(out1, {"a": 11}))

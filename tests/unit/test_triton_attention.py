@@ -35,7 +35,7 @@ from pagoda.kernels.attention import (  # noqa: E402
 from pagoda.layers.attention import paged_attention_torch, write_kv_cache  # noqa: E402
 from pagoda.layers.forward_context import AttentionMetadata  # noqa: E402
 from pagoda.layers.kv_cache import KVCache  # noqa: E402
-from pagoda.runner.input_batch import build_attention_metadata  # noqa: E402
+from pagoda.runner.step_inputs import build_attention_metadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-2, 2e-2)}

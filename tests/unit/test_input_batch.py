@@ -1,0 +1,167 @@
+"""The runner's persistent batch (runner/input_batch.py) kept by the scheduler's deltas equals
+the state built from scratch from the scheduler's requests, step after step: new requests,
+continuing ones, preempted and resumed ones, n > 1 forks with copy-on-write, aborts, finishes
+and a reused id."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from pagoda.config import SchedulerConfig
+from pagoda.runner.input_batch import InputBatch, SamplingRows
+from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling.block_pool import BlockPool
+from pagoda.scheduling.kv_cache_manager import KVCacheManager
+from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput, sample_request_id
+from pagoda.scheduling.request import Request, RequestStatus
+from pagoda.scheduling.scheduler import Scheduler
+
+BS = 4
+EOS = 2
+VOCAB = 1000
+
+
+def make_request(rid: str, prompt: list[int], params: SamplingParams) -> Request:
+    assert params.max_tokens is not None
+    reqs = [
+        Request(
+            sample_request_id(rid, i),
+            list(prompt),
+            params,
+            max_tokens=params.max_tokens,
+            eos_token_ids=frozenset({EOS}),
+            arrival_time=float(len(rid)),
+            parent_id=rid,
+            sample_index=i,
+        )
+        for i in range(params.n)
+    ]
+    reqs[0].siblings = reqs[1:]
+    return reqs[0]
+
+
+def from_scratch(sched: Scheduler) -> dict[str, tuple]:
+    """Every row the runner should hold, built from the scheduler's requests alone."""
+    return {
+        r.request_id: (
+            r.prompt_token_ids,
+            r.output_token_ids,
+            r.sampling_params,
+            sched.kv.get_block_ids(r.request_id),
+            r.sample_index,
+        )
+        for r in sched.requests.values()
+        if r.request_id in sched.runner_blocks
+    }
+
+
+def run_step(
+    sched: Scheduler, batch: InputBatch, rng: random.Random, check: bool = False
+) -> SchedulerOutput:
+    """schedule -> apply the deltas (check: then compare with the state built from scratch)
+    -> (fake) sample -> record on the runner side -> update."""
+    out = sched.schedule()
+    held = {rid: len(row.block_ids) for rid, row in batch.rows.items()}
+    batch.apply(out)
+    out_of_place = [c for c in out.cached_requests if c.start < held[c.request_id]]
+    sched.num_copy_on_write = getattr(sched, "num_copy_on_write", 0) + len(out_of_place)
+    if check:
+        assert batch.state() == from_scratch(sched), f"step {out.step_id}"
+        for s in out.scheduled:  # each scheduled request's block table covers its inputs
+            assert len(batch.rows[s.request_id].block_ids) * BS >= s.start + len(s.token_ids)
+    sampled = {rid: rng.randrange(3, VOCAB) for s in out.scheduled for rid in s.sample_ids}
+    own = [batch.rows.get(rid) for rid in sampled]
+    batch.record_sampled(own, list(sampled.values()))
+    sched.update(out, RunnerOutput(sampled, logprobs={}, prompt_logprobs={}))
+    return out
+
+
+def test_deltas_rebuild_the_state_built_from_scratch() -> None:
+    rng = random.Random(0)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=24),
+        KVCacheManager(BlockPool(14, enable_caching=True), BS),
+        max_model_len=64,
+    )
+    batch = InputBatch(VOCAB, capacity=2)  # grows on demand
+    seen = {"new": 0, "appended": 0, "copy_on_write": 0, "preempted": 0, "finished": 0}
+    next_id = 0
+    for _ in range(120):
+        if rng.random() < 0.35 and len(sched.requests) < 8:
+            n = rng.choice([1, 1, 2, 3])
+            length = rng.randrange(2, 14)
+            prompt = [rng.randrange(3, VOCAB) for _ in range(length)]
+            params = SamplingParams(
+                n=n,
+                max_tokens=rng.randrange(1, 12),
+                temperature=rng.choice([0.0, 0.8]),
+                top_k=rng.choice([0, 5]),
+                repetition_penalty=rng.choice([1.0, 1.2]),
+                seed=rng.choice([None, 7]),
+            )
+            sched.add_request(make_request(f"r{next_id}", prompt, params))
+            next_id += 1
+        if rng.random() < 0.05 and sched.running:
+            victim = rng.choice(sched.running).parent_id
+            sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+        out = run_step(sched, batch, rng, check=True)
+        seen["new"] += len(out.new_requests)
+        seen["appended"] += len(out.cached_requests)
+        seen["preempted"] += len(out.preempted_request_ids)
+        seen["finished"] += len(out.finished_request_ids)
+    seen["copy_on_write"] = sched.num_copy_on_write  # a block replaced inside a held table
+    assert all(count > 0 for count in seen.values()), seen
+    print(seen)
+
+
+def test_a_reused_id_replaces_the_row_and_a_late_sample_is_dropped() -> None:
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+        KVCacheManager(BlockPool(16, enable_caching=False), BS),
+        max_model_len=64,
+    )
+    batch = InputBatch(VOCAB)
+    rng = random.Random(1)
+    sched.add_request(make_request("a", [5, 6, 7], SamplingParams(max_tokens=8)))
+    run_step(sched, batch, rng)
+    old_row = batch.rows["a"]
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    sched.add_request(make_request("a", [9, 9], SamplingParams(max_tokens=8, temperature=0.5)))
+    out = sched.schedule()
+    assert out.finished_request_ids == ["a"] and [n.request_id for n in out.new_requests] == ["a"]
+    batch.apply(out)
+    assert batch.rows["a"] is not old_row and batch.rows["a"].prompt_token_ids == [9, 9]
+    batch.record_sampled([old_row], [42])  # the old request's in-flight sample arrives late
+    assert batch.rows["a"].output_token_ids == [] and old_row.output_token_ids != [42]
+
+
+def test_sampling_columns_follow_the_rows_params() -> None:
+    batch = InputBatch(VOCAB, capacity=1)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+        KVCacheManager(BlockPool(16, enable_caching=False), BS),
+        max_model_len=64,
+    )
+    params = {
+        "g": SamplingParams(temperature=0.0, logprobs=3),
+        "t": SamplingParams(temperature=0.7, top_k=4, top_p=0.9, min_p=0.1, min_tokens=2),
+        "p": SamplingParams(temperature=1.0, top_k=VOCAB + 5, presence_penalty=0.5),
+    }
+    for rid, p in params.items():
+        sched.add_request(make_request(rid, [5, 6], p))
+    out = sched.schedule()
+    batch.apply(out)
+    rows = SamplingRows()
+    for i, s in enumerate(out.scheduled):
+        rows.add(s, batch.rows[s.request_id], i, {})
+    slots = rows.slots_array()
+    assert rows.row_ids == ["g", "t", "p"]
+    np.testing.assert_array_equal(batch.gather("greedy", slots), [True, False, False])
+    np.testing.assert_array_equal(batch.gather("top_k", slots), [VOCAB, 4, VOCAB])
+    np.testing.assert_allclose(batch.gather("top_p", slots), [1.0, 0.9, 1.0])
+    np.testing.assert_allclose(batch.gather("presence_penalty", slots), [0.0, 0.0, 0.5])
+    np.testing.assert_array_equal(batch.gather("penalized", slots), [False, False, True])
+    np.testing.assert_array_equal(batch.gather("num_logprobs", slots), [3, -1, -1])
+    np.testing.assert_array_equal(batch.gather("min_tokens", slots), [0, 2, 0])
