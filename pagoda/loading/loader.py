@@ -42,7 +42,8 @@ from pagoda.config import EngineConfig, ModelConfig
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.quant import QUANTIZED_EMBEDDING_METHODS, make_method, stored_bytes
+from pagoda.layers.quant import QUANTIZED_EMBEDDING_METHODS, make_method
+from pagoda.layers.quant_forms import stored_bytes
 from pagoda.models import MODEL_REGISTRY, get_model_class
 from pagoda.models.interface import CausalLM
 
