@@ -48,7 +48,7 @@ from pagoda.bench.serve import (
     parse_sse_line,
     special_token_ids,
 )
-from pagoda.loading.loader import resolve_model
+from pagoda.loading.model_files import resolve_model
 
 
 def stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[list[str], list[Any]]:

@@ -650,7 +650,8 @@ def plot_sweep(series: Mapping[str, Sequence[dict[str, Any]]], path: str, title:
 
 # ---- main ----------------------------------------------------------------------------------
 def load_bench_tokenizer(path: str | None) -> Any:
-    from pagoda.loading.loader import load_tokenizer, resolve_model
+    from pagoda.loading.model_files import resolve_model
+    from pagoda.loading.tokenizer import load_tokenizer
 
     folder, gguf = resolve_model(path)
     return load_tokenizer(folder, gguf)

@@ -92,7 +92,7 @@ def test_gguf_decoding_of_quantized_floats(qtype: str) -> None:
 def test_gguf_decoding_of_the_embedded_model() -> None:
     from gguf import GGUFReader
 
-    from pagoda.loading.loader import resolve_model
+    from pagoda.loading.model_files import resolve_model
 
     folder, name = resolve_model(None)
     reader = GGUFReader(f"{folder}/{name}")
