@@ -36,8 +36,8 @@ from typing import Any
 import httpx
 
 from pagoda.bench.common import gguf_weight_type, llama_cpp_precision, pagoda_precision
-from pagoda.bench.serve import plot_cdfs, plot_sweep
-from pagoda.loading.loader import resolve_model
+from pagoda.bench.serve_plots import plot_cdfs, plot_sweep
+from pagoda.loading.model_files import resolve_model
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "serve")
 

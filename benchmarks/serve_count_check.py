@@ -39,16 +39,14 @@ from serve_compare import (
     stop_server,
 )
 
-from pagoda.bench.serve import (
-    DONE,
+from pagoda.bench.serve_client import DONE, chunk_text, parse_sse_line
+from pagoda.bench.serve_prompts import (
     build_requests,
-    chunk_text,
     load_bench_tokenizer,
     num_tokens,
-    parse_sse_line,
     special_token_ids,
 )
-from pagoda.loading.loader import resolve_model
+from pagoda.loading.model_files import resolve_model
 
 
 def stream(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[list[str], list[Any]]:

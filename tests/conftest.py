@@ -23,7 +23,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from pagoda.loading.loader import load_tokenizer, resolve_model
+from pagoda.loading.model_files import resolve_model
+from pagoda.loading.tokenizer import load_tokenizer
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 

@@ -298,7 +298,8 @@ def awq_quantization_config(group_size: int, **extra: Any) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=1)
 def _smollm2_tokenizer() -> Any:
-    from pagoda.loading.loader import load_tokenizer, resolve_model
+    from pagoda.loading.model_files import resolve_model
+    from pagoda.loading.tokenizer import load_tokenizer
 
     return load_tokenizer(*resolve_model(None))
 

@@ -142,7 +142,7 @@ def token_id_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     runs with skip_tokenizer_init. A model with a tokenizer keeps it, so outputs are
     detokenized as in vLLM's benchmarks."""
     from pagoda.engine_args import engine_kwargs
-    from pagoda.loading.loader import has_tokenizer
+    from pagoda.loading.tokenizer import has_tokenizer
 
     kwargs = engine_kwargs(args)
     if not kwargs.get("skip_tokenizer_init") and not has_tokenizer(
@@ -173,7 +173,7 @@ def gguf_weight_type(model: str | None) -> str | None:
 
     from gguf import GGUFReader
 
-    from pagoda.loading.loader import resolve_model
+    from pagoda.loading.model_files import resolve_model
 
     folder, gguf_file = resolve_model(model)
     if gguf_file is None:
@@ -206,7 +206,7 @@ def weights_record(llm: Any, gguf_type: str | None) -> dict[str, Any]:
     and precision in words."""
     import os
 
-    from pagoda.loading.loader import resolve_model
+    from pagoda.loading.model_files import resolve_model
 
     mc = llm.engine.model_config
     dtype = str(mc.dtype).removeprefix("torch.")
@@ -266,7 +266,7 @@ def load_hf_peer(model: str | None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pagoda.loading.loader import resolve_model
+    from pagoda.loading.model_files import resolve_model
 
     folder, gguf_file = resolve_model(model)
     kwargs: dict[str, Any] = {"dtype": torch.float32}

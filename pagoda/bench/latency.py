@@ -285,7 +285,7 @@ def _covered(intervals: list[tuple[float, float]], windows: list[tuple[float, fl
 def run_llama_cpp(model: str | None, prompts: list[list[int]], output_len: int) -> list[IterTiming]:
     """llama-cpp-python on the same GGUF file: 2 threads, greedy, no stop at EOS (its token
     generator runs until we stop it); each token is stamped as it is yielded."""
-    from pagoda.loading.loader import resolve_model
+    from pagoda.loading.model_files import resolve_model
 
     try:
         from llama_cpp import Llama

@@ -1,5 +1,5 @@
 """Triton weight-only quantized GEMMs for CUDA: w4a16 and w8a16. References: `int4_dequantize`
-and the int8 forms in pagoda/layers/quant.py, then a float matmul; tests:
+and the int8 forms in pagoda/layers/quant_forms.py, then a float matmul; tests:
 tests/unit/test_triton_quant_matmul.py (interpreter) and tests/gpu/test_quant_gpu.py.
 
 Stored forms (N output rows, K input columns, G = K // group_size groups per row):

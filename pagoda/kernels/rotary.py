@@ -9,7 +9,8 @@ the reference's dtype arithmetic does, and the kernel is compiled without multip
 match the reference bit for bit in every dtype.
 
 The model runs this rotation fused into the KV-cache write (`rotary_write_kv_cache` in
-pagoda/kernels/kv_cache.py, which shares `_rotate_pair`); `rotary_qk` is its unfused reference.
+pagoda/kernels/rotary_kv_cache.py, which shares `_rotate_pair`); `rotary_qk` is its unfused
+reference.
 """
 
 from __future__ import annotations

@@ -242,8 +242,8 @@ def paged_attention_triton(
     rotating (rotary: cos, sin) q and k on the way when given, then one decode call (split-K)
     and one prefill call. Launches only; no host sync, so CUDA graphs capture it."""
     from pagoda.kernels import attention as kernels
-    from pagoda.kernels.kv_cache import rotary_write_kv_cache
     from pagoda.kernels.kv_cache import write_kv_cache as write_kv_cache_triton
+    from pagoda.kernels.rotary_kv_cache import rotary_write_kv_cache
 
     if rotary is None:
         write_kv_cache_triton(k, v, cache, meta.slot_mapping)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.quant import apply_stored, set_int8, take_float_weight
+from pagoda.layers.quant_forms import apply_stored, set_int8, take_float_weight
 
 
 class VocabEmbedding(nn.Module):

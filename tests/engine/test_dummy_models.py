@@ -14,7 +14,7 @@ from transformers import AutoConfig
 from pagoda import LLM, SamplingParams
 from pagoda.cli import main
 from pagoda.layers.rotary import compute_inv_freq, rope_parameters
-from pagoda.loading.loader import has_tokenizer, load_tokenizer
+from pagoda.loading.tokenizer import has_tokenizer, load_tokenizer
 from pagoda.models import get_model_class
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.qwen3 import Qwen3ForCausalLM

@@ -20,7 +20,8 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.common import random_prompt
-from pagoda.loading.loader import load_tokenizer, resolve_model
+from pagoda.loading.model_files import resolve_model
+from pagoda.loading.tokenizer import load_tokenizer
 from pagoda.outputs import RequestOutput
 from tests.engine.test_greedy_oracle import PROMPTS as ORACLE_PROMPTS
 from tests.oracle import (

@@ -114,10 +114,10 @@ def test_write_kv_cache_real_shapes(quant: torch.dtype | None) -> None:
 def test_rotary_write_kv_cache_real_shapes(model: str, quant: torch.dtype | None) -> None:
     """The fused launch against rotary_qk then write_kv_cache, compiled: bit-exact; with
     Qwen3's per-head q/k norm, against rms_norm then the two, within the norm's rounding."""
-    from pagoda.kernels.kv_cache import rotary_write_kv_cache
     from pagoda.kernels.kv_cache import write_kv_cache as write_triton
     from pagoda.kernels.norm import rms_norm
     from pagoda.kernels.rotary import rotary_qk
+    from pagoda.kernels.rotary_kv_cache import rotary_write_kv_cache
 
     heads, kv_heads, head_dim = MODELS[model][:3]
     num_blocks, block_size, tokens, dtype, dev = 512, 16, 4096, torch.bfloat16, "cuda"

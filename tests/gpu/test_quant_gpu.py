@@ -21,7 +21,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.layers.linear import Linear
-from pagoda.layers.quant import (
+from pagoda.layers.quant_forms import (
     int4_dequantize,
     quantize_int4_groups,
     quantize_int8_groups,

@@ -21,15 +21,10 @@ from pagoda.config import EngineConfig
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.rotary import compute_inv_freq, get_rope, rope_parameters
-from pagoda.loading.loader import (
-    gguf_to_hf_name,
-    iter_weights,
-    load_hf_config,
-    load_model,
-    max_positions,
-    resolve_model,
-    unpermute_qk,
-)
+from pagoda.loading.gguf import gguf_to_hf_name, unpermute_qk
+from pagoda.loading.hf_config import load_hf_config, max_positions
+from pagoda.loading.loader import iter_weights, load_model
+from pagoda.loading.model_files import resolve_model
 from pagoda.models import get_model_class
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.runner.step_inputs import build_attention_metadata

@@ -51,7 +51,7 @@ from pagoda.config import EngineConfig
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.linear import Linear
-from pagoda.layers.quant import stored_bytes
+from pagoda.layers.quant_forms import stored_bytes
 from pagoda.loading.loader import load_model
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.runner.step_inputs import build_attention_metadata

@@ -20,27 +20,26 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagoda.bench import serve
-from pagoda.bench.serve import (
+from pagoda.bench.serve import arrival_times, parse_rates
+from pagoda.bench.serve_client import (
     DONE,
     RequestConfig,
     RequestResult,
-    ServeRequest,
-    arrival_times,
-    build_requests,
     chunk_text,
     count_output_tokens,
     finish_reason,
-    fit_prompt,
-    goodput,
-    latency_stats,
-    ordinary_vocab,
-    parse_rates,
     parse_sse_line,
     request_body,
-    special_token_ids,
-    summarize,
     tpot,
 )
+from pagoda.bench.serve_prompts import (
+    ServeRequest,
+    build_requests,
+    fit_prompt,
+    ordinary_vocab,
+    special_token_ids,
+)
+from pagoda.bench.serve_stats import goodput, latency_stats, summarize
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

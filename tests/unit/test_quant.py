@@ -1,5 +1,6 @@
 """Quantized matmuls against their dequantize-then-matmul references; GGUF block decoding
-against the gguf package, bit for bit; the layer and embedding plumbing of layers/quant.py.
+against the gguf package, bit for bit; the layer and embedding plumbing of layers/quant.py
+and layers/quant_forms.py.
 
 Tolerances: the packed CPU ops take bf16 activations and bf16 scales and return bf16, so a
 quantized matmul is compared with the float32 matmul of its dequantized weight on the same
@@ -23,17 +24,19 @@ from pagoda.layers.quant import (
     GGUFMethod,
     Int4Method,
     Int8Method,
+    make_method,
+    unpack_int32,
+)
+from pagoda.layers.quant_forms import (
     int4_dequantize,
     int4_matmul,
     int4_pack,
     int8_matmul,
-    make_method,
     quantize_int4_groups,
     quantize_int8_groups,
     quantize_int8_rows,
     split_int8_groups,
     stored_bytes,
-    unpack_int32,
 )
 
 REAL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2 qkv, o, gate_up, down
@@ -89,7 +92,7 @@ def test_gguf_decoding_of_quantized_floats(qtype: str) -> None:
 def test_gguf_decoding_of_the_embedded_model() -> None:
     from gguf import GGUFReader
 
-    from pagoda.loading.loader import resolve_model
+    from pagoda.loading.model_files import resolve_model
 
     folder, name = resolve_model(None)
     reader = GGUFReader(f"{folder}/{name}")

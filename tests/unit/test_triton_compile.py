@@ -170,7 +170,7 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
         paged_decode_attention,
         paged_prefill_attention,
     )
-    from pagoda.kernels.kv_cache import rotary_write_kv_cache, write_kv_cache
+    from pagoda.kernels.kv_cache import write_kv_cache
     from pagoda.kernels.norm import fused_add_rms_norm, rms_norm
     from pagoda.kernels.quant_matmul import (
         w4a16_dequantize,
@@ -179,6 +179,7 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
         w8a16_matmul,
     )
     from pagoda.kernels.rotary import rotary_qk
+    from pagoda.kernels.rotary_kv_cache import rotary_write_kv_cache
     from pagoda.layers.kv_cache import KVCache
 
     heads, kv_heads, head_dim, hidden, inter = MODELS[model]

@@ -1,7 +1,7 @@
 """Triton w4a16 / w8a16 GEMMs and their dequantize kernel (pagoda/kernels/quant_matmul.py) against
-dequantize-then-matmul references from pagoda/layers/quant.py, under the Triton interpreter when
-there is no GPU; then the CUDA stored forms of layers/quant.py, run here on CPU by letting
-`triton_weights` answer yes.
+dequantize-then-matmul references from pagoda/layers/quant_forms.py, under the Triton
+interpreter when there is no GPU; then the CUDA stored forms of layers/quant_forms.py, run here
+on CPU by letting `triton_weights` answer yes.
 
 The reference multiplies x (exact in float32) by the float32 weight of `int4_dequantize` (or
 code * scale) built from the same stored scales and zero points the kernel reads. The kernel
@@ -46,12 +46,11 @@ from pagoda.kernels.quant_matmul import (  # noqa: E402
     w8a16_dequantize,
     w8a16_matmul,
 )
-from pagoda.layers import quant  # noqa: E402
+from pagoda.layers import quant, quant_forms  # noqa: E402
 from pagoda.layers.embedding import LMHead, VocabEmbedding  # noqa: E402
 from pagoda.layers.linear import Linear, MergedLinear  # noqa: E402
-from pagoda.layers.quant import (  # noqa: E402
-    Int4Method,
-    Int8Method,
+from pagoda.layers.quant import Int4Method, Int8Method  # noqa: E402
+from pagoda.layers.quant_forms import (  # noqa: E402
     int4_dequantize,
     quantize_int4_groups,
     quantize_int8_groups,
@@ -237,11 +236,11 @@ def test_dequantize_kernels(dtype: torch.dtype) -> None:
             torch.testing.assert_close(got, want.to(dtype), rtol=2**-7, atol=0)
 
 
-# ---- the CUDA stored forms of layers/quant.py, on CPU ---------------------------------------
+# ---- the CUDA stored forms of layers/quant_forms.py, on CPU ---------------------------------
 @pytest.fixture
 def triton_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     """Layers built on this device take the CUDA stored forms and the Triton kernels."""
-    monkeypatch.setattr(quant, "triton_weights", lambda device: True)
+    monkeypatch.setattr(quant_forms, "triton_weights", lambda device: True)
 
 
 def _linear(cls: type, *args: Any, dtype: torch.dtype = torch.bfloat16) -> Any:

@@ -1,0 +1,123 @@
+"""Tensors and metadata of a GGUF file. Tensors are renamed to HF names (so models only ever see
+HF names, `CausalLM.load_weights`), their q/k rows put back in HF's order, and dequantized to
+float32, or kept as their blocks (GGUFWeight) for the GGUF quantization method."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from pagoda.layers.gguf import GGUFWeight
+
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Derived from the config instead (llama3 rope factors).
+_GGUF_SKIPPED = {"rope_freqs"}
+_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+_GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def gguf_to_hf_name(gguf_name: str) -> str | None:
+    """HF parameter name of a GGUF tensor; None for tensors the models derive themselves."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GGUF_SKIPPED:
+        return None
+    if base in _GGUF_GLOBAL_NAMES:
+        return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"
+    parts = base.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not supported by pagoda's models")
+
+
+def unpermute_qk(tensor: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's conversion of q/k rows from HF's rotate_half layout to interleaved pairs.
+
+    llama.cpp stores, per head, rows (0, d/2, 1, d/2+1, ...); HF wants (0, 1, ..., d/2, ...).
+    """
+    rows = tensor.shape[0]
+    half = rows // n_head // 2
+    return (
+        tensor.reshape(n_head, half, 2, *tensor.shape[1:])
+        .transpose(1, 2)
+        .reshape(tensor.shape)
+        .contiguous()
+    )
+
+
+def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """(HF parameter name, tensor) for every tensor of the GGUF file the models take; with
+    `raw`, quantized tensors come as GGUFWeight (their blocks) instead of float32."""
+    from gguf import GGUFReader, dequantize
+
+    reader = GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    n_head = _field(reader, f"{arch}.attention.head_count")
+    n_kv_head = _field(reader, f"{arch}.attention.head_count_kv") or n_head
+    for tensor in tqdm(reader.tensors, desc="Loading GGUF", unit="tensor"):
+        name = gguf_to_hf_name(tensor.name)
+        if name is None:
+            continue
+        qtype = tensor.tensor_type.name
+        if qtype not in _GGUF_TYPES:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} has type {qtype}; supported: {', '.join(_GGUF_TYPES)}"
+            )
+        heads = None
+        # llama.cpp permutes q/k rows (weights and biases) only for its "llama" architecture.
+        if arch == "llama" and ".attn_q." in tensor.name:
+            heads = int(n_head)
+        elif arch == "llama" and ".attn_k." in tensor.name:
+            heads = int(n_kv_head)
+        if raw and qtype not in _GGUF_FLOAT_TYPES:
+            rows = int(np.prod(tensor.shape[1:]))
+            weight = GGUFWeight(qtype, tensor.data, (rows, int(tensor.shape[0])))
+            if heads is not None:
+                weight = weight.permute_rows(unpermute_qk(torch.arange(rows), heads))
+            yield name, weight
+            continue
+        array = dequantize(tensor.data, tensor.tensor_type)
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array, copy=True)  # a view of the read-only memory map
+        dense = torch.from_numpy(array.astype(np.float32, copy=False))
+        yield name, dense if heads is None else unpermute_qk(dense, heads)
+
+
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]]
+    if field.types and field.types[0].name == "STRING":
+        return bytes(value).decode("utf-8")
+    return value[0].item()
+
+
+def gguf_string_field(gguf_path: str, key: str) -> str | None:
+    """A string metadata field of a GGUF file (e.g. tokenizer.chat_template); None if absent."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf_path).fields.get(key)
+    if field is None:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
