@@ -36,7 +36,7 @@ from pagoda.engine.process import (
     params_to_wire,
     run_engine_process,
 )
-from pagoda.loading.loader import load_tokenizer_for
+from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduling.messages import SchedulerStats

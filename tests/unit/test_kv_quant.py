@@ -15,8 +15,8 @@ from pagoda import LLM, SamplingParams
 from pagoda.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, ModelConfig
 from pagoda.layers.attention import paged_attention_torch, write_kv_cache
 from pagoda.layers.kv_cache import KVCache, dequantize_kv, quantize_kv
-from pagoda.runner.step_inputs import build_attention_metadata
 from pagoda.runner.model_runner import ModelRunner
+from pagoda.runner.step_inputs import build_attention_metadata
 
 FP8 = torch.float8_e4m3fn
 QUANT = {"int8": torch.int8, "fp8": FP8}
