@@ -5,6 +5,7 @@ tables and the attention metadata over them (layout: pagoda/layers/forward_conte
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -115,72 +116,22 @@ class InputBuffers:
         pad_to: a pure-decode batch is padded to that many rows (ids 0, position 0, slot -1,
         seq_len 0). full_width: decode block tables span every column (a captured graph's view).
         """
-        query_lens = [len(t) for t in token_ids]
-        num_reqs = len(query_lens)
-        num_tokens = sum(query_lens)
-        rows = num_tokens if pad_to is None else pad_to
-        assert num_tokens <= rows <= self.max_tokens and num_reqs <= self.max_reqs
+        layout = _Layout.of(token_ids, seq_lens, block_tables, block_size)
+        rows = layout.num_tokens if pad_to is None else pad_to
+        assert layout.num_tokens <= rows <= self.max_tokens and layout.num_reqs <= self.max_reqs
         if self._copied is not None:
             self._copied.synchronize()
-        ids, pos, slots = (
-            self.host(b) for b in (self.input_ids, self.positions, self.slot_mapping)
-        )
-        d_idx, d_lens = (self.host(b) for b in (self.decode_token_idx, self.decode_seq_lens))
-        p_start, p_qlens, p_lens = (
-            self.host(b)
-            for b in (self.prefill_token_start, self.prefill_query_lens, self.prefill_seq_lens)
-        )
-        # Vectorized over requests (a decode step of hundreds of requests is host time).
-        q_lens = np.asarray(query_lens, dtype=np.int64)
-        s_lens = np.asarray(seq_lens, dtype=np.int64)
-        n_blocks = -(-s_lens // block_size)
-        assert (q_lens > 0).all() and (q_lens <= s_lens).all()
-        assert (np.asarray([len(t) for t in block_tables], dtype=np.int64) >= n_blocks).all()
-        starts = np.cumsum(q_lens) - q_lens  # first flat row of each request
-        req = np.repeat(np.arange(num_reqs), q_lens)  # request of each flat row
-        p = np.arange(num_tokens) - starts[req] + (s_lens - q_lens)[req]
-        flat_tables = np.fromiter(
-            itertools.chain.from_iterable(t[:n] for t, n in zip(block_tables, n_blocks.tolist())),
-            dtype=np.int64,
-            count=int(n_blocks.sum()),
-        )
-        table_start = np.cumsum(n_blocks) - n_blocks
-        ids[:num_tokens] = np.fromiter(
-            itertools.chain.from_iterable(token_ids), dtype=np.int64, count=num_tokens
-        )
-        pos[:num_tokens] = p
-        blocks = flat_tables[table_start[req] + p // block_size]
-        slots[:num_tokens] = blocks * block_size + p % block_size
-
-        decode = np.flatnonzero(q_lens == 1)
-        prefill = np.flatnonzero(q_lens > 1)
-        num_decodes = len(decode)
+        self._fill_tokens(token_ids, layout, block_size)
         # A padded batch's rows past num_tokens are decodes too (their tables are never read).
-        num_decode_rows = num_decodes + rows - num_tokens
-        cols_d = self.max_blocks_per_seq if full_width else int(n_blocks[decode].max(initial=0))
-        d_tables = self.host_table(self.decode_block_tables, num_decode_rows, cols_d)
-        d_idx[:num_decodes] = starts[decode]
-        d_lens[:num_decodes] = s_lens[decode]
-        _scatter_rows(d_tables, flat_tables, table_start[decode], n_blocks[decode])
-        num_prefills = len(prefill)
-        cols_p = int(n_blocks[prefill].max(initial=0))
-        p_tables = self.host_table(self.prefill_block_tables, num_prefills, cols_p)
-        p_start[:num_prefills] = starts[prefill]
-        p_qlens[:num_prefills] = q_lens[prefill]
-        p_lens[:num_prefills] = s_lens[prefill]
-        _scatter_rows(p_tables, flat_tables, table_start[prefill], n_blocks[prefill])
-        prefills = [
-            PrefillSeq(int(starts[i]), int(starts[i] + q_lens[i]), int(s_lens[i])) for i in prefill
-        ]
-        if rows > num_tokens:
+        num_decode_rows = len(layout.decode) + rows - layout.num_tokens
+        cols_d = self._fill_decodes(layout, num_decode_rows, full_width)
+        cols_p, prefills = self._fill_prefills(layout)
+        if rows > layout.num_tokens:
             assert not prefills, "only pure-decode batches are padded"
-            pad = slice(num_tokens, rows)
-            ids[pad], pos[pad], slots[pad] = 0, 0, -1
-            d_idx[pad] = np.arange(num_tokens, rows)
-            d_lens[pad] = 0
+            self._fill_padding(layout.num_tokens, rows)
         meta = AttentionMetadata(
             num_tokens=rows,
-            query_lens=query_lens,
+            query_lens=[len(t) for t in token_ids],
             seq_lens=list(seq_lens),
             slot_mapping=self.device_view(self.slot_mapping, rows),
             decode_token_idx=self.device_view(self.decode_token_idx, num_decode_rows),
@@ -188,10 +139,12 @@ class InputBuffers:
             decode_block_tables=self.device_table(
                 self.decode_block_tables, num_decode_rows, cols_d
             ),
-            prefill_token_start=self.device_view(self.prefill_token_start, num_prefills),
-            prefill_query_lens=self.device_view(self.prefill_query_lens, num_prefills),
-            prefill_seq_lens=self.device_view(self.prefill_seq_lens, num_prefills),
-            prefill_block_tables=self.device_table(self.prefill_block_tables, num_prefills, cols_p),
+            prefill_token_start=self.device_view(self.prefill_token_start, len(prefills)),
+            prefill_query_lens=self.device_view(self.prefill_query_lens, len(prefills)),
+            prefill_seq_lens=self.device_view(self.prefill_seq_lens, len(prefills)),
+            prefill_block_tables=self.device_table(
+                self.prefill_block_tables, len(prefills), cols_p
+            ),
             prefills=prefills,
             max_prefill_query_len=max((p.token_end - p.token_start for p in prefills), default=0),
             decode_num_splits=decode_num_splits,
@@ -201,6 +154,117 @@ class InputBuffers:
         if self._copied is not None:
             self._copied.record()
         return input_ids, positions, meta
+
+    def _fill_tokens(self, token_ids: list[list[int]], layout: _Layout, block_size: int) -> None:
+        """Input ids, positions and slot mapping of the flat batch's real rows."""
+        n = layout.num_tokens
+        ids, pos, slots = (
+            self.host(b) for b in (self.input_ids, self.positions, self.slot_mapping)
+        )
+        ids[:n] = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=n)
+        pos[:n] = layout.positions
+        blocks = layout.flat_tables[layout.table_start[layout.req] + layout.positions // block_size]
+        slots[:n] = blocks * block_size + layout.positions % block_size
+
+    def _fill_decodes(self, layout: _Layout, num_rows: int, full_width: bool) -> int:
+        """The decode rows' token index, length and block table; returns the tables' width."""
+        decode = layout.decode
+        cols = (
+            self.max_blocks_per_seq if full_width else int(layout.n_blocks[decode].max(initial=0))
+        )
+        tables = self.host_table(self.decode_block_tables, num_rows, cols)
+        self.host(self.decode_token_idx)[: len(decode)] = layout.starts[decode]
+        self.host(self.decode_seq_lens)[: len(decode)] = layout.s_lens[decode]
+        _scatter_rows(
+            tables, layout.flat_tables, layout.table_start[decode], layout.n_blocks[decode]
+        )
+        return cols
+
+    def _fill_prefills(self, layout: _Layout) -> tuple[int, list[PrefillSeq]]:
+        """The prefill rows' start, query length, length and block table; returns the tables'
+        width and each prefill's span."""
+        prefill = layout.prefill
+        num = len(prefill)
+        cols = int(layout.n_blocks[prefill].max(initial=0))
+        tables = self.host_table(self.prefill_block_tables, num, cols)
+        self.host(self.prefill_token_start)[:num] = layout.starts[prefill]
+        self.host(self.prefill_query_lens)[:num] = layout.q_lens[prefill]
+        self.host(self.prefill_seq_lens)[:num] = layout.s_lens[prefill]
+        _scatter_rows(
+            tables, layout.flat_tables, layout.table_start[prefill], layout.n_blocks[prefill]
+        )
+        starts, q_lens, s_lens = layout.starts, layout.q_lens, layout.s_lens
+        spans = [
+            PrefillSeq(int(starts[i]), int(starts[i] + q_lens[i]), int(s_lens[i])) for i in prefill
+        ]
+        return cols, spans
+
+    def _fill_padding(self, num_tokens: int, rows: int) -> None:
+        """Rows [num_tokens, rows) of a padded decode batch: id 0, position 0, no slot, length 0."""
+        pad = slice(num_tokens, rows)
+        for buf, value in ((self.input_ids, 0), (self.positions, 0), (self.slot_mapping, -1)):
+            self.host(buf)[pad] = value
+        self.host(self.decode_token_idx)[pad] = np.arange(num_tokens, rows)
+        self.host(self.decode_seq_lens)[pad] = 0
+
+
+@dataclass
+class _Layout:
+    """Where each request's rows, positions and blocks sit in a step's flat batch (vectorized
+    over requests: a decode step of hundreds of requests is host time)."""
+
+    q_lens: np.ndarray  # (num_reqs,) tokens of each request this step
+    s_lens: np.ndarray  # (num_reqs,) each request's length after this step
+    n_blocks: np.ndarray  # (num_reqs,) blocks covering s_lens
+    starts: np.ndarray  # (num_reqs,) first flat row of each request
+    req: np.ndarray  # (num_tokens,) request of each flat row
+    positions: np.ndarray  # (num_tokens,) position of each flat row in its sequence
+    flat_tables: np.ndarray  # the block tables' used prefixes, concatenated
+    table_start: np.ndarray  # (num_reqs,) where each request's table starts in flat_tables
+    decode: np.ndarray  # indices of the requests with one token this step
+    prefill: np.ndarray  # indices of the others
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.req)
+
+    @classmethod
+    def of(
+        cls,
+        token_ids: list[list[int]],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+    ) -> _Layout:
+        q_lens = np.asarray([len(t) for t in token_ids], dtype=np.int64)
+        s_lens = np.asarray(seq_lens, dtype=np.int64)
+        n_blocks = -(-s_lens // block_size)
+        assert (q_lens > 0).all() and (q_lens <= s_lens).all()
+        assert (np.asarray([len(t) for t in block_tables], dtype=np.int64) >= n_blocks).all()
+        starts = np.cumsum(q_lens) - q_lens
+        req = np.repeat(np.arange(len(q_lens)), q_lens)
+        num_tokens = int(q_lens.sum())
+        flat_tables = np.fromiter(
+            itertools.chain.from_iterable(t[:n] for t, n in zip(block_tables, n_blocks.tolist())),
+            dtype=np.int64,
+            count=int(n_blocks.sum()),
+        )
+        return cls(
+            q_lens=q_lens,
+            s_lens=s_lens,
+            n_blocks=n_blocks,
+            starts=starts,
+            req=req,
+            positions=np.arange(num_tokens) - starts[req] + (s_lens - q_lens)[req],
+            flat_tables=flat_tables,
+            table_start=np.cumsum(n_blocks) - n_blocks,
+            decode=np.flatnonzero(q_lens == 1),
+            prefill=np.flatnonzero(q_lens > 1),
+        )
 
 
 def _scatter_rows(dst: np.ndarray, flat: np.ndarray, first: np.ndarray, counts: np.ndarray) -> None:
