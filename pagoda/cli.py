@@ -103,7 +103,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pagoda.config import EngineConfig
-    from pagoda.server.api import ServerConfig, run_server
+    from pagoda.server.app import run_server
+    from pagoda.server.state import ServerConfig
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError("give the model once: as the positional MODEL or as --model")

@@ -1,6 +1,7 @@
 """AsyncEngine: the API process's client of the engine process, with one stream per request.
 
-The engine process owns EngineCore (pagoda/engine/process.py). This side tokenizes, sends RequestIn,
+The engine process owns EngineCore (pagoda/engine/process.py). This side tokenizes (and applies
+chat templates: the server hands it messages and prompts, never tokens it made), sends RequestIn,
 and folds every OutputsOut into per-request `RequestState`s (output_processor.py: detokenize,
 stop strings, n > 1 grouping). A request's consumer wakes on its stream's event and builds a
 (delta) RequestOutput from the state, so outputs that arrive faster than the consumer reads them
@@ -25,6 +26,14 @@ import zmq
 import zmq.asyncio
 
 from pagoda.client.output_processor import RequestState
+from pagoda.client.tokenizer import (
+    CompletionPrompt,
+    Conversation,
+    Prompt,
+    PromptError,
+    chat_prompt,
+    completion_prompts,
+)
 from pagoda.config import EngineConfig
 from pagoda.engine.process import (
     ABORT,
@@ -176,6 +185,42 @@ class AsyncEngine:
                 stream.accepted.exception()  # mark retrieved: the consumer may be gone
             stream.event.set()
         self.on_dead(reason)
+
+    # ---- text: prompts in, token text out (PromptError for bad input) ----------------------
+    def chat_prompt(
+        self,
+        conversation: Conversation,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> tuple[str, list[int]]:
+        """The prompt text and token ids of a conversation under the model's (or the given)
+        chat template."""
+        return chat_prompt(
+            self.tokenizer,
+            conversation,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+        )
+
+    def completion_prompts(self, prompt: CompletionPrompt) -> list[Prompt]:
+        """The (text, token ids) prompts of a completion request's `prompt`."""
+        return completion_prompts(self.tokenizer, prompt)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return ids
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids given by a client: PromptError unless each is in the vocab."""
+        vocab = self.info.vocab_size if self.info is not None else 0
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise PromptError(f"token ids must be in [0, {vocab})", "tokens")
+        return self.decode(token_ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids))
 
     # ---- requests --------------------------------------------------------------------------
     @property

@@ -1,11 +1,24 @@
-"""Client-side text handling: chat templates and conversations (tokenizers come from the
-checkpoint via pagoda/loading/)."""
+"""Client-side text handling: chat templates, conversations and prompt tokenization (tokenizers
+come from the checkpoint via pagoda/loading/)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 Conversation = list[dict[str, Any]]
+# A /v1/completions prompt: a string, strings, token ids, or lists of token ids.
+CompletionPrompt = str | list[str] | list[int] | list[list[int]]
+# (text if given as text, token ids) of one prompt.
+Prompt = tuple[str | None, list[int]]
+
+
+class PromptError(ValueError):
+    """Invalid prompt input. `field` names the input at fault ("prompt", "messages",
+    "chat_template", "tokens"), which the server reports as the error's `param`."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def apply_chat_template(
@@ -39,3 +52,47 @@ def as_conversations(messages: Conversation | list[Conversation]) -> list[Conver
     if all(isinstance(m, list) for m in messages):
         return [list(c) for c in messages]  # type: ignore[arg-type]
     return [messages]  # type: ignore[list-item]
+
+
+def chat_prompt(
+    tokenizer: Any,
+    conversation: Conversation,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> tuple[str, list[int]]:
+    """A conversation's prompt text and its token ids (the template already holds the special
+    tokens). PromptError on field "messages" for a conversation the template refuses, on
+    "chat_template" for a template that fails."""
+    try:
+        text = apply_chat_template(
+            tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message
+        )
+    except ValueError as e:
+        raise PromptError(str(e), "messages") from e
+    except Exception as e:  # a broken template given by the client
+        raise PromptError(f"the chat template failed: {e}", "chat_template") from e
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_prompts(tokenizer: Any, prompt: CompletionPrompt) -> list[Prompt]:
+    """The prompts of a completion request: one per string or token-id list, one for a flat
+    list of token ids. PromptError on field "prompt" if one is empty or of another type."""
+    items: list[Any] = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not items:
+        raise PromptError("prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in items):
+        return [(None, items)]
+    out: list[Prompt] = []
+    for p in items:
+        if isinstance(p, str):
+            if not p:
+                raise PromptError("prompt must not be empty", "prompt")
+            out.append((p, tokenizer.encode(p)))
+        elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+            out.append((None, list(p)))
+        else:
+            raise PromptError(
+                "prompt must be a string, a list of strings or of token ids", "prompt"
+            )
+    return out

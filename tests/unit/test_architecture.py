@@ -206,10 +206,10 @@ def test_the_rules_catch_what_they_forbid() -> None:
     assert allowed("pagoda.runner.model_runner", "pagoda.engine.core") is not None
     assert allowed("pagoda.layers.attention", "pagoda.runner.step_inputs") is not None
     assert allowed("pagoda.scheduling.scheduler", "pagoda.runner.sampler") is not None
-    assert allowed("pagoda.client.llm", "pagoda.server.api") is not None
-    assert allowed("pagoda.server.api", "pagoda.scheduling.scheduler") is not None
+    assert allowed("pagoda.client.llm", "pagoda.server.app") is not None
+    assert allowed("pagoda.server.app", "pagoda.scheduling.scheduler") is not None
     assert allowed("pagoda.config", "pagoda.layers.kv_cache") is not None
-    assert allowed("pagoda.server.api", "pagoda.client.async_client") is None
+    assert allowed("pagoda.server.app", "pagoda.client.async_client") is None
     assert allowed("pagoda.runner.model_runner", CONTRACT) is None
     assert allowed("pagoda.engine.core", "pagoda.scheduling.scheduler") is None
     assert [sorted(c) for c in strongly_connected({"a": {"b"}, "b": {"a"}, "c": set()})] == [

@@ -1,0 +1,212 @@
+"""The OpenAI-compatible HTTP server: the FastAPI app over AsyncEngine, its API-key check, and
+running it under uvicorn (the first SIGTERM drains).
+
+Routes: /health, /metrics, /version (open), /v1/models, /tokenize, /detokenize,
+/v1/completions (completions.py) and /v1/chat/completions (chat.py). Every error leaves in
+OpenAI's shape (errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request, params
+from fastapi.responses import Response
+
+from pagoda.config import EngineConfig
+from pagoda.server.chat import conversation, create_chat_completion
+from pagoda.server.completions import create_completion
+from pagoda.server.errors import APIError, error_response, install_error_handlers
+from pagoda.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagoda.server.state import ServerConfig, ServerState
+from pagoda.version import __version__
+
+logger = logging.getLogger("pagoda.server")
+
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def build_app(state: ServerState) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        start = asyncio.create_task(state.engine.start())
+        stats = asyncio.create_task(state.log_stats_forever())
+        try:
+            yield
+        finally:
+            stats.cancel()
+            start.cancel()
+            await state.engine.shutdown()
+
+    app = FastAPI(
+        title="pagoda", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
+    )
+    install_error_handlers(app)
+    deps = [Depends(_guard(state))]
+    _add_open_routes(app, state)
+    _add_model_routes(app, state, deps)
+
+    @app.post("/v1/completions", dependencies=deps)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(state, body, request)
+
+    @app.post("/v1/chat/completions", dependencies=deps)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state, body, request)
+
+    return app
+
+
+# ---- auth --------------------------------------------------------------------------------------
+def _guard(state: ServerState) -> Callable[[Request], Awaitable[None]]:
+    key = state.config.api_key
+    key_digest = None if key is None else _digest(key.encode())
+
+    async def guard(request: Request) -> None:
+        """401 without the API key, 503 while unavailable (open paths excepted)."""
+        if request.url.path in OPEN_PATHS:
+            return
+        if key_digest is not None and not bearer_matches(
+            request.headers.get("authorization"), key_digest
+        ):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+        reason = state.unavailable_reason
+        if reason is not None:
+            raise APIError(503, reason)
+
+    return guard
+
+
+def _digest(secret: bytes) -> bytes:
+    return hashlib.sha256(secret).digest()
+
+
+def bearer_matches(authorization: str | None, key_digest: bytes) -> bool:
+    """Whether an Authorization header carries the key whose SHA-256 is `key_digest`.
+
+    The comparison takes the same time whatever the token (vLLM's way): both sides are hashed
+    to 32 bytes, so neither the key's content nor its length leaks through response times, and
+    hmac.compare_digest does not stop at the first differing byte. Starlette decodes headers as
+    latin-1, so encoding back to latin-1 recovers the bytes the client sent.
+    """
+    if authorization is None:
+        return False
+    scheme, _, token = authorization.partition(" ")
+    presented = _digest(token.encode("latin-1"))
+    return hmac.compare_digest(presented, key_digest) and scheme.lower() == "bearer"
+
+
+# ---- the model and its tokenizer, health ------------------------------------------------------------------------------
+def _add_open_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        reason = state.unavailable_reason
+        if reason is not None:
+            return error_response(503, reason)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(
+            state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+
+def _add_model_routes(app: FastAPI, state: ServerState, deps: Sequence[params.Depends]) -> None:
+    @app.get("/v1/models", dependencies=deps)
+    async def models() -> ModelList:
+        info = state.engine.info
+        card = ModelCard(
+            id=state.model_name,
+            root=state.engine_config.model or state.model_name,
+            max_model_len=info.max_model_len if info else None,
+        )
+        return ModelList(data=[card])
+
+    @app.post("/tokenize", dependencies=deps)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        state.check_model(body.model)
+        ids = _token_ids(state, body)
+        info = state.engine.info
+        return {
+            "count": len(ids),
+            "max_model_len": info.max_model_len if info else None,
+            "tokens": ids,
+        }
+
+    @app.post("/detokenize", dependencies=deps)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        state.check_model(body.model)
+        return {"prompt": state.engine.detokenize(body.tokens)}
+
+
+def _token_ids(state: ServerState, body: TokenizeRequest) -> list[int]:
+    if body.prompt is not None and body.messages is None:
+        return state.engine.tokenize(body.prompt, body.add_special_tokens)
+    if body.messages is not None and body.prompt is None:
+        messages = conversation(body.messages)
+        return state.engine.chat_prompt(messages, None, body.add_generation_prompt, False)[1]
+    raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
+
+
+# ---- running -----------------------------------------------------------------------------------
+class _Server(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM drains (ServerState.drain) instead of stopping."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if sig == signal.SIGTERM and not self.state.draining and self.loop is not None:
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self.state.drain()))  # type: ignore[union-attr]
+            return
+        super().handle_exit(sig, frame)
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Serve until SIGTERM (drain, exit 0), SIGINT, or the engine's death (exit 1)."""
+    state = ServerState(engine_config, config)
+    app = build_app(state)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.uvicorn_log_level,
+        timeout_keep_alive=5,
+    )
+    server = _Server(uv_config, state)
+    state.server = server
+    logger.info(
+        "pagoda %s serving %s on http://%s:%d",
+        __version__,
+        state.model_name,
+        config.host,
+        config.port,
+    )
+    server.run()
+    return state.exit_code

@@ -1,0 +1,142 @@
+"""What /v1/completions and /v1/chat/completions share: sending prompts to the engine, reading
+their outputs (whole here, streamed in sse.py), usage and logprob ranking."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagoda.client.async_client import AsyncEngine, EngineDeadError, RequestStream
+from pagoda.client.tokenizer import Prompt
+from pagoda.outputs import Logprob, RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.server.errors import APIError, bad_field
+from pagoda.server.protocol import PromptTokensDetails, SamplingFields, Usage
+from pagoda.server.state import ServerState
+
+T = TypeVar("T")
+
+
+async def add_all(
+    state: ServerState,
+    prefix: str,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    body: SamplingFields,
+) -> list[RequestStream]:
+    """Send every prompt to the engine; a refusal aborts the ones already accepted."""
+    state.admit()
+    streams: list[RequestStream] = []
+    try:
+        for i, (text, ids) in enumerate(prompts):
+            rid = prefix if len(prompts) == 1 else f"{prefix}-{i}"
+            streams.append(
+                await state.engine.add(rid, text, ids, params, body.priority, body.cache_salt)
+            )
+    except BaseException as e:
+        for s in streams:
+            state.engine.release(s)
+        if isinstance(e, ValueError):
+            raise bad_field(e) from e
+        if isinstance(e, EngineDeadError):
+            raise APIError(503, f"the engine is not running: {e}") from e
+        raise
+    return streams
+
+
+async def collect(engine: AsyncEngine, streams: list[RequestStream]) -> list[RequestOutput]:
+    """The finished output of every stream."""
+    outs: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async for i, out in merge([engine.outputs(s, delta=False) for s in streams]):
+            outs[i] = out
+    except EngineDeadError as e:
+        raise APIError(503, f"the engine is not running: {e}") from e
+    return [o for o in outs if o is not None]
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's index."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item, None, False))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, None, e, True))
+            return
+        await queue.put((i, None, None, True))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item, error, done = await queue.get()
+            if error is not None:
+                raise error
+            if done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnect(
+    request: Request, work: Callable[[], Coroutine[Any, Any, Response]]
+) -> Response:
+    """Run `work()`; if the client goes away first, cancel it (which aborts its requests)."""
+    task = asyncio.create_task(work())
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)
+    return task.result()
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def ranked(entry: dict[int, Logprob], top: int) -> list[tuple[int, Logprob]]:
+    """The top-`top` alternatives of one position by rank (the sampled token included if it is
+    among them)."""
+    alternatives = sorted(
+        ((tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= top),
+        key=lambda kv: kv[1].rank or 0,
+    )
+    return alternatives[:top]
+
+
+def token_text(engine: AsyncEngine, tid: int, lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else engine.decode([tid])
