@@ -1,8 +1,8 @@
 """AsyncEngine: the API process's client of the engine process, with one stream per request.
 
 The engine process owns EngineCore (pagoda/engine/process.py). This side tokenizes (and applies
-chat templates: the server hands it messages and prompts, never tokens it made), sends RequestIn,
-and folds every OutputsOut into per-request `RequestState`s (output_processor.py: detokenize,
+chat templates: the server hands it messages and prompts, never tokens it made), sends EngineRequest / AbortRequest
+(scheduling/messages.py) and folds every EngineCoreOutputs into per-request `RequestState`s (output_processor.py: detokenize,
 stop strings, n > 1 grouping). A request's consumer wakes on its stream's event and builds a
 (delta) RequestOutput from the state, so outputs that arrive faster than the consumer reads them
 coalesce instead of queueing.
@@ -35,20 +35,18 @@ from pagoda.client.tokenizer import (
     completion_prompts,
 )
 from pagoda.config import EngineConfig
-from pagoda.engine.process import (
-    ABORT,
-    ABORT_SAMPLE,
-    ADD,
-    EngineInfo,
-    OutputsOut,
-    RequestIn,
-    params_to_wire,
-    run_engine_process,
-)
+from pagoda.engine.process import run_engine_process
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduling.messages import SchedulerStats
+from pagoda.scheduling.messages import (
+    AbortRequest,
+    EngineCoreOutputs,
+    EngineInfo,
+    EngineInput,
+    EngineRequest,
+    SchedulerStats,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +100,7 @@ class AsyncEngine:
         self._process: Any = None
         self._tasks: list[asyncio.Task[None]] = []
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(OutputsOut)
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         # Sends never wait (PUSH to a live peer), so the sending socket is a plain one: an
         # abort can go out from a `finally` of a cancelled task.
         self._sync_ctx = zmq.Context()
@@ -250,11 +248,10 @@ class AsyncEngine:
         stream = RequestStream(state)
         self.streams[request_id] = stream
         self._unacked.add(request_id)
-        msg = RequestIn(
-            ADD,
-            [request_id],
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=params_to_wire(params),
+        msg = EngineRequest(
+            request_id,
+            prompt_token_ids,
+            params,
             arrival_time=arrival,
             priority=priority,
             cache_salt=cache_salt,
@@ -267,7 +264,7 @@ class AsyncEngine:
             self._unacked.discard(request_id)
             if not isinstance(e, (ValueError, EngineDeadError)):
                 # Cancelled while waiting (the client left): the engine may still accept it.
-                self._send(RequestIn(ABORT, [request_id]))
+                self._send(AbortRequest([request_id]))
             raise
         return stream
 
@@ -313,7 +310,7 @@ class AsyncEngine:
         if not state.finished and stream.error is None and self.dead_reason is None:
             state.abort()
             self._record_finished(state)
-            self._send(RequestIn(ABORT, [state.request_id]))
+            self._send(AbortRequest([state.request_id]))
 
     def abort(self, request_id: str) -> None:
         """Finish a request as aborted; its consumer gets a last output with reason "abort"."""
@@ -322,9 +319,9 @@ class AsyncEngine:
             stream.state.abort()
             self._record_finished(stream.state)
             stream.event.set()
-            self._send(RequestIn(ABORT, [request_id]))
+            self._send(AbortRequest([request_id]))
 
-    def _send(self, msg: RequestIn) -> None:
+    def _send(self, msg: EngineInput) -> None:
         self._to_engine.send(self._encoder.encode(msg))
 
     # ---- outputs ---------------------------------------------------------------------------
@@ -337,7 +334,7 @@ class AsyncEngine:
                 return
             self._handle(msg)
 
-    def _handle(self, msg: OutputsOut) -> None:
+    def _handle(self, msg: EngineCoreOutputs) -> None:
         if msg.stats is not None:
             self.stats = msg.stats
             self.metrics.set_engine_stats(msg.stats)
@@ -370,7 +367,7 @@ class AsyncEngine:
         for stream in touched.values():
             stream.event.set()
         if aborts:
-            self._send(RequestIn(ABORT_SAMPLE, aborts))
+            self._send(AbortRequest(aborts, all_samples=False))
 
     def _record_finished(self, state: RequestState) -> None:
         self.metrics.observe_finished(state)

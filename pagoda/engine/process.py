@@ -1,10 +1,11 @@
-"""EngineCore in its own process, and the two messages that link it to the API process.
+"""EngineCore in its own process, linked to the API process by the contract's messages.
 
-    API process                                   engine process
-    RequestIn  (add | abort | abort_sample)  -->  EngineCore.add_request / abort
-               <--  OutputsOut (accepted ids, per-request errors, outputs of a step, stats)
+    API process                                         engine process
+    EngineInput (EngineRequest | AbortRequest)  -->  EngineCore.add_request / abort
+                <--  EngineCoreOutputs (accepted ids, per-request errors, outputs of a step, stats)
 
-Both travel as msgpack (msgspec) over a pair of zmq PUSH/PULL sockets. The engine drains every
+Both are msgspec Structs (scheduling/messages.py), sent as they are as msgpack over a pair of
+zmq PUSH/PULL sockets. The engine drains every
 pending input before each step and answers at once when an input changed anything, so a request
 is accepted or refused within one step. A request the engine refuses (ValueError) is reported in
 `errors` and never enters the scheduler; any other exception ends the process with `fatal` set.
@@ -22,61 +23,14 @@ import msgspec
 import zmq
 
 from pagoda.config import EngineConfig
-from pagoda.sampling_params import SamplingParams
-from pagoda.scheduling.messages import EngineCoreOutput, EngineRequest, SchedulerStats
+from pagoda.scheduling.messages import (
+    EngineCoreOutputs,
+    EngineInfo,
+    EngineInput,
+    EngineRequest,
+)
 
 logger = logging.getLogger(__name__)
-
-ADD, ABORT, ABORT_SAMPLE = "add", "abort", "abort_sample"
-
-
-class RequestIn(msgspec.Struct, array_like=True, omit_defaults=True):
-    """API -> engine. kind "add" carries a tokenized request; "abort" names user request ids
-    (every sample); "abort_sample" names one sample's engine id."""
-
-    kind: str
-    request_ids: list[str]
-    prompt_token_ids: list[int] = []
-    sampling_params: dict[str, Any] = {}
-    arrival_time: float = 0.0
-    priority: int = 0
-    cache_salt: str | None = None
-
-
-class OutputsOut(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Engine -> API: what happened since the last message."""
-
-    num_inputs: int  # RequestIn messages the engine has read in total
-    stats: SchedulerStats | None = None
-    outputs: list[EngineCoreOutput] = []
-    accepted: list[str] = []
-    errors: dict[str, str] = {}  # request id -> why add_request refused it
-    fatal: str | None = None  # the engine died of this
-
-
-class EngineInfo(msgspec.Struct):
-    """Sent once, when the engine is ready."""
-
-    pid: int
-    max_model_len: int
-    vocab_size: int
-    num_blocks: int
-    block_size: int
-
-
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return {f: getattr(params, f) for f in SamplingParams.__annotations__}
-
-
-def _to_engine_request(msg: RequestIn) -> EngineRequest:
-    return EngineRequest(
-        request_id=msg.request_ids[0],
-        prompt_token_ids=msg.prompt_token_ids,
-        sampling_params=SamplingParams(**msg.sampling_params),
-        arrival_time=msg.arrival_time,
-        priority=msg.priority,
-        cache_salt=msg.cache_salt,
-    )
 
 
 class EngineLoop:
@@ -86,7 +40,7 @@ class EngineLoop:
         self.engine = engine
         self.in_socket = in_socket
         self.out_socket = out_socket
-        self.decoder = msgspec.msgpack.Decoder(RequestIn)
+        self.decoder = msgspec.msgpack.Decoder(EngineInput)
         self.encoder = msgspec.msgpack.Encoder()
         self.num_inputs = 0
         self.parent_pid = os.getppid()
@@ -103,7 +57,7 @@ class EngineLoop:
                 return
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
-                self._send(OutputsOut(self.num_inputs, self.engine.stats(), outputs=outputs))
+                self._send(EngineCoreOutputs(self.num_inputs, self.engine.stats(), outputs=outputs))
 
     def _drain_inputs(self) -> None:
         accepted: list[str] = []
@@ -117,23 +71,22 @@ class EngineLoop:
             got = True
             self.num_inputs += 1
             msg = self.decoder.decode(raw)
-            if msg.kind == ADD:
-                rid = msg.request_ids[0]
+            if isinstance(msg, EngineRequest):
                 try:
-                    self.engine.add_request(_to_engine_request(msg))
-                    accepted.append(rid)
+                    self.engine.add_request(msg)
+                    accepted.append(msg.request_id)
                 except ValueError as e:
-                    errors[rid] = str(e)
-            elif msg.kind == ABORT:
+                    errors[msg.request_id] = str(e)
+            elif msg.all_samples:
                 self.engine.abort_request(msg.request_ids)
-            elif msg.kind == ABORT_SAMPLE:
+            else:
                 for rid in msg.request_ids:
                     self.engine.abort_sample(rid)
         if got:
             stats = self.engine.stats()
-            self._send(OutputsOut(self.num_inputs, stats, accepted=accepted, errors=errors))
+            self._send(EngineCoreOutputs(self.num_inputs, stats, accepted=accepted, errors=errors))
 
-    def _send(self, out: OutputsOut) -> None:
+    def _send(self, out: EngineCoreOutputs) -> None:
         self.out_socket.send(self.encoder.encode(out))
 
 
@@ -172,7 +125,7 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str, ready:
         loop.run()
     except Exception as e:  # noqa: BLE001
         logger.exception("engine loop died")
-        out = OutputsOut(loop.num_inputs, fatal=f"{type(e).__name__}: {e}")
+        out = EngineCoreOutputs(loop.num_inputs, fatal=f"{type(e).__name__}: {e}")
         out_socket.send(encoder.encode(out), flags=zmq.NOBLOCK)
         time.sleep(0.1)
         os._exit(1)

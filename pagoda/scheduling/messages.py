@@ -146,3 +146,24 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Engine process -> client: what happened since the last message."""
+
+    num_inputs: int  # EngineInput messages the engine has read in total
+    stats: SchedulerStats | None = None
+    outputs: list[EngineCoreOutput] = []
+    accepted: list[str] = []
+    errors: dict[str, str] = {}  # request id -> why add_request refused it
+    fatal: str | None = None  # the engine died of this
+
+
+class EngineInfo(msgspec.Struct):
+    """Engine process -> client, once, when the engine is ready."""
+
+    pid: int
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int

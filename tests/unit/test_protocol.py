@@ -6,9 +6,15 @@ import msgspec
 import pytest
 from pydantic import ValidationError
 
-from pagoda.engine.process import ADD, OutputsOut, RequestIn, _to_engine_request, params_to_wire
 from pagoda.sampling_params import SamplingParams
-from pagoda.scheduling.messages import EngineCoreOutput, SchedulerStats
+from pagoda.scheduling.messages import (
+    AbortRequest,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineInput,
+    EngineRequest,
+    SchedulerStats,
+)
 from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -88,15 +94,16 @@ def test_chat_message_parts_join_into_text() -> None:
     assert req.messages[0].text() == "ab"
 
 
-def test_request_in_round_trips_to_an_engine_request() -> None:
+def test_engine_request_round_trips_as_it_is() -> None:
     params = SamplingParams(n=3, temperature=0.7, stop=["x", "y"], seed=1, max_tokens=9)
-    msg = RequestIn(
-        ADD, ["r1"], prompt_token_ids=[1, 2], sampling_params=params_to_wire(params), priority=2
-    )
-    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=RequestIn)
-    req = _to_engine_request(decoded)
+    msg = EngineRequest("r1", [1, 2], params, priority=2)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=EngineInput)
+    assert isinstance(decoded, EngineRequest)
+    req = decoded
     assert req.request_id == "r1" and req.prompt_token_ids == [1, 2] and req.priority == 2
     assert req.sampling_params == params
+    abort = AbortRequest(["r1#2"], all_samples=False)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(abort), type=EngineInput) == abort
 
 
 def test_outputs_out_round_trips() -> None:
@@ -112,12 +119,12 @@ def test_outputs_out_round_trips() -> None:
         parent_id="r1",
         sample_index=1,
     )
-    msg = OutputsOut(
+    msg = EngineCoreOutputs(
         4,
         SchedulerStats(1, 2, 0.25, 10, 5, 0),
         outputs=[out],
         accepted=["r2"],
         errors={"r3": "too long"},
     )
-    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=OutputsOut)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=EngineCoreOutputs)
     assert decoded == msg
