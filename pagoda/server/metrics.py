@@ -1,12 +1,15 @@
 """Prometheus metrics, named as vLLM names them with the `pagoda:` prefix, so dashboards carry over.
 
 Latencies are observed in the API process as outputs arrive; gauges and engine counters come from
-the SchedulerStats the engine process sends with every message.
+the engine stats (scheduling/messages.py, SchedulerStats) the client hands on with every message;
+the server reads them through the EngineStats protocol, so it imports nothing of the engine.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,7 +21,36 @@ from prometheus_client import (
 )
 
 from pagoda.client.output_processor import RequestState
-from pagoda.scheduling.messages import SchedulerStats
+
+
+class EngineStats(Protocol):
+    """What the metrics read of the engine's stats (SchedulerStats has these fields)."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
+    @property
+    def prefix_cache_queries(self) -> int: ...
+    @property
+    def prefix_cache_hits(self) -> int: ...
+    @property
+    def num_preemptions(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class _NoStats:
+    """The engine's stats before its first message: all zero."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -87,13 +119,13 @@ class Metrics:
             "request_success", "Finished requests (samples) by finish reason.", ("finished_reason",)
         )
         self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self._last_stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        self._last_stats: EngineStats = _NoStats()
         self._prompt_total = 0  # mirrors of the token counters, for the log line
         self._generation_total = 0
         self._last_log = (time.monotonic(), 0, 0)
 
     # ---- updates ---------------------------------------------------------------------------
-    def set_engine_stats(self, stats: SchedulerStats) -> None:
+    def set_engine_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
