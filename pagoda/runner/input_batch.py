@@ -3,9 +3,12 @@ scheduler's deltas (scheduling/messages.py, SchedulerOutput).
 
 A request's prompt, sampling params and block table arrive once, in NewRequestData; later steps
 carry only block-table changes, and finished or preempted ids (a preempted request comes back
-whole). Sampled tokens are appended to their rows when they reach the host, which is all the
-output history penalties need. Each row owns a slot in column arrays of its sampling params, so
-a step's sampling tensors are one gather per column, not a walk over SamplingParams objects.
+whole). Each row owns a slot in column arrays of its sampling params, so a step's sampling
+tensors are one gather per column, not a walk over SamplingParams objects. Rows with penalties
+keep, on the device, the counts of their output tokens and the set of their prompt tokens: a
+sampled token is counted on the device in the step that samples it (so a step scheduled before
+the last one's results reach the host already sees it), and sampled tokens are appended to the
+rows' host token lists when they reach the host.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from pagoda.sampling_params import SAMPLING_EPS, SamplingParams
 from pagoda.scheduling.messages import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -48,9 +52,18 @@ class RequestRow:
 
 
 class InputBatch:
-    def __init__(self, vocab_size: int, capacity: int = 64) -> None:
+    def __init__(
+        self, vocab_size: int, capacity: int = 64, device: torch.device | str = "cpu"
+    ) -> None:
         self.vocab_size = vocab_size
+        self.device = torch.device(device)
         self.rows: dict[str, RequestRow] = {}
+        # (capacity, vocab) per slot, allocated when the first row with penalties arrives:
+        # output token counts (float32) and prompt tokens seen (bool). Valid for rows with
+        # penalties only (others' slots hold zeros or a former row's values, which zero
+        # penalties ignore).
+        self.output_counts: torch.Tensor | None = None
+        self.prompt_seen: torch.Tensor | None = None
         self.columns: dict[str, np.ndarray] = {
             name: np.zeros(capacity, dtype) for name, dtype in _COLUMNS.items()
         }
@@ -91,6 +104,8 @@ class InputBatch:
             slot=slot,
         )
         self._write_columns(slot, new.sampling_params)
+        if self.columns["penalized"][slot]:
+            self._init_penalty_state(slot, new.prompt_token_ids, new.output_token_ids)
 
     def _remove(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
@@ -103,7 +118,42 @@ class InputBatch:
             grown = np.zeros(2 * old, column.dtype)
             grown[:old] = column
             self.columns[name] = grown
+        if self.output_counts is not None and self.prompt_seen is not None:
+            self.output_counts = torch.cat(
+                [self.output_counts, torch.zeros_like(self.output_counts)]
+            )
+            self.prompt_seen = torch.cat([self.prompt_seen, torch.zeros_like(self.prompt_seen)])
         self._free_slots.extend(range(2 * old - 1, old - 1, -1))
+
+    def _init_penalty_state(self, slot: int, prompt: list[int], outputs: list[int]) -> None:
+        if self.output_counts is None or self.prompt_seen is None:
+            shape = (len(self.columns["temperature"]), self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.prompt_seen = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        counts, seen = self.output_counts[slot], self.prompt_seen[slot]
+        counts.zero_()
+        seen.zero_()
+        if outputs:
+            ids = _to_device(outputs, self.device)
+            counts.index_put_((ids,), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
+        seen[_to_device(prompt, self.device)] = True
+
+    def count_sampled(self, rows: SamplingRows, sampled: torch.Tensor) -> None:
+        """Count each row's sampled token (sampled: (R,) on the device) in its output counts,
+        for rows with penalties, in stream order: no host sync."""
+        if self.output_counts is None:
+            return
+        which = [
+            (i, row.slot)
+            for i, row in enumerate(rows.own_rows)
+            if row is not None and self.columns["penalized"][row.slot]
+        ]
+        if not which:
+            return
+        index = _to_device([i for i, _ in which], self.device)
+        slots = _to_device([slot for _, slot in which], self.device)
+        ones = torch.ones(len(which), dtype=torch.float32, device=self.device)
+        self.output_counts.index_put_((slots, sampled[index]), ones, accumulate=True)
 
     def _write_columns(self, slot: int, p: SamplingParams) -> None:
         c = self.columns
@@ -127,6 +177,12 @@ class InputBatch:
         """Column `name` at `slots`, in that order (a fresh array)."""
         return self.columns[name][slots]
 
+    def penalty_state(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output counts, prompt tokens seen) of a row with penalties, each (vocab,)."""
+        assert self.output_counts is not None and self.prompt_seen is not None
+        slot = self.rows[request_id].slot
+        return self.output_counts[slot], self.prompt_seen[slot]
+
     def state(self) -> dict[str, tuple[list[int], list[int], SamplingParams, list[int], int]]:
         """Every row's contents, without slots (for comparisons)."""
         return {
@@ -147,17 +203,10 @@ class SamplingRows:
         self.own_rows: list[RequestRow | None] = []  # None: a sibling not yet in the batch
         self.indices: list[int] = []  # index among the n samples (seed + index)
         self.num_outputs: list[int] = []  # sampled before this step, placeholders included
-        self.pending_rows: list[int] = []  # rows whose outputs lack an in-flight token
-        self.pending_inputs: list[int] = []  # the flat input row that holds that token
 
-    def add(
-        self, s: ScheduledRequest, row: RequestRow, flat_row: int, placeholders: dict[str, int]
-    ) -> None:
+    def add(self, s: ScheduledRequest, row: RequestRow, flat_row: int) -> None:
         for rid, index in zip(s.sample_ids, s.sample_indices):
             is_self = rid == s.request_id
-            if is_self and rid in placeholders:
-                self.pending_rows.append(len(self.row_ids))
-                self.pending_inputs.append(placeholders[rid])
             self.row_ids.append(rid)
             self.flat_rows.append(flat_row)
             self.leaders.append(row)
@@ -168,8 +217,14 @@ class SamplingRows:
     def slots_array(self) -> np.ndarray:
         return np.fromiter((r.slot for r in self.leaders), np.int64, len(self.leaders))
 
-    def output_token_ids(self) -> list[list[int]]:
-        return [r.output_token_ids if r is not None else [] for r in self.own_rows]
+    def own_mask(self) -> list[bool]:
+        """Whether each row is its request's own (False: a sibling sampling for the first time,
+        with no outputs yet)."""
+        return [r is not None for r in self.own_rows]
 
-    def prompt_token_ids(self) -> list[list[int]]:
-        return [r.prompt_token_ids for r in self.leaders]
+
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

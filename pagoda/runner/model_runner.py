@@ -82,7 +82,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.compiled = CompiledDecode(model) if compile_decode else None
         self.sampler = Sampler()
-        self.batch = InputBatch(model_config.vocab_size, max(64, max_num_seqs))
+        self.batch = InputBatch(model_config.vocab_size, max(64, max_num_seqs), device)
         self.generators: dict[str, torch.Generator] = {}
         # The last executed step's sampled ids (R,) on the device, and each sampling request's
         # row in them: the inputs of the next step's placeholders.
@@ -209,7 +209,7 @@ class ModelRunner:
             decode_num_splits=self._decode_num_splits(size or num_decodes),
             full_width=size is not None,
         )
-        placeholder_rows = self._fill_placeholders(out.scheduled, ids_t)
+        self._fill_placeholders(out.scheduled, ids_t)
         if size is not None and self.graphs is not None:
             hidden = self.graphs.replay(size)
         elif self.compiled is not None and num_decodes == num_tokens:
@@ -221,14 +221,13 @@ class ModelRunner:
         hidden = hidden[:num_tokens]
 
         prompt_logprobs = self._prompt_logprobs(out.scheduled, hidden)
-        return self._sample(out.scheduled, hidden, ids_t, placeholder_rows, prompt_logprobs)
+        return self._sample(out.scheduled, hidden, prompt_logprobs)
 
     def _fill_placeholders(
         self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor
-    ) -> dict[str, int]:
+    ) -> None:
         """Write each placeholder input (the last input of a request whose previous step is
-        still in flight) from the previous step's sampled ids, on the device. Returns the flat
-        row of each such request's placeholder."""
+        still in flight) from the previous step's sampled ids, on the device."""
         rows: dict[str, int] = {}
         end = 0
         for s in scheduled:
@@ -236,7 +235,7 @@ class ModelRunner:
             if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
                 rows[s.request_id] = end - 1
         if not rows:
-            return rows
+            return
         assert self.prev_sampled is not None, "a placeholder input without a previous step"
         dst = list(rows.values())
         src = [self.prev_rows[rid] for rid in rows]
@@ -245,7 +244,6 @@ class ModelRunner:
         else:
             src_t = to_device(src, torch.int64, self.device)
             input_ids[to_device(dst, torch.int64, self.device)] = self.prev_sampled[src_t]
-        return rows
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -259,18 +257,16 @@ class ModelRunner:
         self,
         scheduled: list[ScheduledRequest],
         hidden: torch.Tensor,
-        input_ids: torch.Tensor,
-        placeholder_rows: dict[str, int],
         prompt_logprobs: dict[str, LogprobsTensors],
     ) -> PendingOutput:
-        """Sample every request that catches up this step; placeholder_rows: flat rows of
-        inputs whose tokens are outputs the host does not know yet (penalties count them)."""
+        """Sample every request that catches up this step (and count the samples of rows with
+        penalties, on the device, for the steps after this one)."""
         rows = SamplingRows()
         token_end = 0
         for s in scheduled:
             token_end += len(s.token_ids)
             if s.sample_ids:
-                rows.add(s, self.batch.rows[s.request_id], token_end - 1, placeholder_rows)
+                rows.add(s, self.batch.rows[s.request_id], token_end - 1)
         if not rows.row_ids:
             self.prev_sampled, self.prev_rows = None, {}
             return PendingOutput([], [], None, None, prompt_logprobs)
@@ -281,12 +277,8 @@ class ModelRunner:
         meta = SamplingMetadata.from_batch(
             self.batch, rows, self._generators(rows), self.eos_token_ids, self.device
         )
-        if rows.pending_rows and not meta.no_penalties:
-            meta.pending_output_rows = to_device(rows.pending_rows, torch.int64, self.device)
-            meta.pending_output_tokens = input_ids[
-                to_device(rows.pending_inputs, torch.int64, self.device)
-            ]
         result = self.sampler(logits, meta)
+        self.batch.count_sampled(rows, result.sampled_token_ids)
         self.prev_sampled = result.sampled_token_ids
         self.prev_rows = {rid: i for i, rid in enumerate(rows.row_ids)}
         num_logprobs = self.batch.gather("num_logprobs", rows.slots_array()).tolist()

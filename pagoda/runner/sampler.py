@@ -81,6 +81,10 @@ class SamplingMetadata:
     # flight (async scheduling): rows (K,) and token ids (K,) on the device. Penalties only.
     pending_output_rows: torch.Tensor | None = None
     pending_output_tokens: torch.Tensor | None = None
+    # The persistent batch's penalty state instead of the lists: (R, vocab) output token
+    # counts (float32) and prompt tokens seen (bool), on the device.
+    output_counts: torch.Tensor | None = None
+    prompt_seen: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -193,14 +197,16 @@ class SamplingMetadata:
             if bool((batch.gather("min_p", slots)[random] > 0.0).any()):
                 min_p = column("min_p", torch.float32)
 
-        presence = frequency = repetition = None
-        output_token_ids: list[list[int]] = []
-        prompt_token_ids: list[list[int]] = []
+        presence = frequency = repetition = output_counts = prompt_seen = None
         if bool(batch.gather("penalized", slots).any()):
             presence = column("presence_penalty", torch.float32)
             frequency = column("frequency_penalty", torch.float32)
             repetition = column("repetition_penalty", torch.float32)
-            output_token_ids, prompt_token_ids = rows.output_token_ids(), rows.prompt_token_ids()
+            assert batch.output_counts is not None and batch.prompt_seen is not None
+            slots_t = _numpy_to_device(slots, torch.int64, device)
+            own = _numpy_to_device(np.asarray(rows.own_mask()), torch.float32, device)
+            output_counts = batch.output_counts.index_select(0, slots_t) * own.unsqueeze(1)
+            prompt_seen = batch.prompt_seen.index_select(0, slots_t)
 
         num_logprobs = batch.gather("num_logprobs", slots)
         banned: list[list[int]] = [[] for _ in slots]
@@ -221,12 +227,14 @@ class SamplingMetadata:
             frequency_penalties=frequency,
             repetition_penalties=repetition,
             generators={row: g for row, g in generators.items() if not greedy[row]},
-            output_token_ids=output_token_ids,
-            prompt_token_ids=prompt_token_ids,
+            output_token_ids=[],
+            prompt_token_ids=[],
             banned_token_ids=banned,
             max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
             logit_bias=logit_bias,
             max_top_k=max_top_k,
+            output_counts=output_counts,
+            prompt_seen=prompt_seen,
         )
 
 
@@ -301,8 +309,27 @@ def apply_penalties(
     if pending_output_rows is not None and pending_output_tokens is not None:
         index = (pending_output_rows, pending_output_tokens)
         out_counts.index_put_(index, out_counts.new_ones(()), accumulate=True)
-    seen = _token_counts(prompt_token_ids, vocab_size, logits.device) > 0
-    seen |= out_counts > 0
+    prompt_seen = _token_counts(prompt_token_ids, vocab_size, logits.device) > 0
+    return apply_penalty_counts(
+        logits,
+        prompt_seen,
+        out_counts,
+        presence_penalties,
+        frequency_penalties,
+        repetition_penalties,
+    )
+
+
+def apply_penalty_counts(
+    logits: torch.Tensor,
+    prompt_seen: torch.Tensor,
+    out_counts: torch.Tensor,
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """apply_penalties over (R, vocab) prompt_seen (bool) and out_counts (float32)."""
+    seen = prompt_seen | (out_counts > 0)
     rep = repetition_penalties.unsqueeze(1)
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
@@ -390,16 +417,26 @@ class Sampler:
             logits = apply_banned_tokens(logits, meta.banned_token_ids)
         if meta.repetition_penalties is not None:
             assert meta.presence_penalties is not None and meta.frequency_penalties is not None
-            logits = apply_penalties(
-                logits,
-                meta.prompt_token_ids,
-                meta.output_token_ids,
-                meta.presence_penalties,
-                meta.frequency_penalties,
-                meta.repetition_penalties,
-                meta.pending_output_rows,
-                meta.pending_output_tokens,
-            )
+            if meta.output_counts is not None and meta.prompt_seen is not None:
+                logits = apply_penalty_counts(
+                    logits,
+                    meta.prompt_seen,
+                    meta.output_counts,
+                    meta.presence_penalties,
+                    meta.frequency_penalties,
+                    meta.repetition_penalties,
+                )
+            else:
+                logits = apply_penalties(
+                    logits,
+                    meta.prompt_token_ids,
+                    meta.output_token_ids,
+                    meta.presence_penalties,
+                    meta.frequency_penalties,
+                    meta.repetition_penalties,
+                    meta.pending_output_rows,
+                    meta.pending_output_tokens,
+                )
         sampled = self.sample(logits, meta)
         logprobs = None
         if meta.max_num_logprobs is not None:

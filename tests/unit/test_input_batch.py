@@ -8,9 +8,16 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import torch
 
 from pagoda.config import SchedulerConfig
 from pagoda.runner.input_batch import InputBatch, SamplingRows
+from pagoda.runner.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_penalties,
+    apply_penalty_counts,
+)
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduling.block_pool import BlockPool
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
@@ -57,6 +64,22 @@ def from_scratch(sched: Scheduler) -> dict[str, tuple]:
     }
 
 
+def check_penalty_state(sched: Scheduler, batch: InputBatch) -> None:
+    """Rows with penalties count exactly their request's outputs and mark its prompt."""
+    for rid, row in batch.rows.items():
+        if not batch.columns["penalized"][row.slot]:
+            continue
+        request = sched.requests[rid]
+        counts, seen = batch.penalty_state(rid)
+        expected = torch.bincount(
+            torch.tensor(request.output_token_ids, dtype=torch.int64), minlength=VOCAB
+        )
+        assert torch.equal(counts, expected.float()), rid
+        assert torch.equal(
+            seen.nonzero().flatten(), torch.tensor(sorted(set(request.prompt_token_ids)))
+        ), rid
+
+
 def run_step(
     sched: Scheduler, batch: InputBatch, rng: random.Random, check: bool = False
 ) -> SchedulerOutput:
@@ -71,9 +94,14 @@ def run_step(
         assert batch.state() == from_scratch(sched), f"step {out.step_id}"
         for s in out.scheduled:  # each scheduled request's block table covers its inputs
             assert len(batch.rows[s.request_id].block_ids) * BS >= s.start + len(s.token_ids)
-    sampled = {rid: rng.randrange(3, VOCAB) for s in out.scheduled for rid in s.sample_ids}
-    own = [batch.rows.get(rid) for rid in sampled]
-    batch.record_sampled(own, list(sampled.values()))
+        check_penalty_state(sched, batch)
+    rows = SamplingRows()
+    for i, s in enumerate(out.scheduled):
+        if s.sample_ids:
+            rows.add(s, batch.rows[s.request_id], i)
+    sampled = {rid: rng.randrange(3, VOCAB) for rid in rows.row_ids}
+    batch.count_sampled(rows, torch.tensor(list(sampled.values()), dtype=torch.int64))
+    batch.record_sampled(rows.own_rows, list(sampled.values()))
     sched.update(out, RunnerOutput(sampled, logprobs={}, prompt_logprobs={}))
     return out
 
@@ -155,7 +183,7 @@ def test_sampling_columns_follow_the_rows_params() -> None:
     batch.apply(out)
     rows = SamplingRows()
     for i, s in enumerate(out.scheduled):
-        rows.add(s, batch.rows[s.request_id], i, {})
+        rows.add(s, batch.rows[s.request_id], i)
     slots = rows.slots_array()
     assert rows.row_ids == ["g", "t", "p"]
     np.testing.assert_array_equal(batch.gather("greedy", slots), [True, False, False])
@@ -165,3 +193,70 @@ def test_sampling_columns_follow_the_rows_params() -> None:
     np.testing.assert_array_equal(batch.gather("penalized", slots), [False, False, True])
     np.testing.assert_array_equal(batch.gather("num_logprobs", slots), [3, -1, -1])
     np.testing.assert_array_equal(batch.gather("min_tokens", slots), [0, 2, 0])
+
+
+def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:
+    """SamplingMetadata.from_batch (columns, device penalty counts) against from_rows (the
+    SamplingParams and token lists): the same penalized logits and the same sampled tokens."""
+    rng = random.Random(3)
+    batch = InputBatch(VOCAB, capacity=2)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256),
+        KVCacheManager(BlockPool(64, enable_caching=False), BS),
+        max_model_len=64,
+    )
+    choices = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.9, top_k=7, repetition_penalty=1.3, seed=1),
+        SamplingParams(temperature=0.6, top_p=0.8, presence_penalty=0.7, frequency_penalty=0.4),
+        SamplingParams(temperature=1.0, min_p=0.05, min_tokens=3, logit_bias={5: 3.0}),
+        SamplingParams(n=2, temperature=0.8, frequency_penalty=-0.5, seed=4),
+    ]
+    for i, params in enumerate(choices):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 9))]
+        sched.add_request(make_request(f"q{i}", prompt, params))
+    checked_penalties = False
+    for _ in range(6):
+        out = sched.schedule()
+        batch.apply(out)
+        rows = SamplingRows()
+        for i, s in enumerate(out.scheduled):
+            if s.sample_ids:
+                rows.add(s, batch.rows[s.request_id], i)
+        logits = torch.randn(len(rows.row_ids), VOCAB, generator=torch.Generator().manual_seed(9))
+        gens = [torch.Generator().manual_seed(i) for i in range(len(rows.row_ids))]
+        fast = SamplingMetadata.from_batch(
+            batch, rows, dict(enumerate(gens)), [EOS], torch.device("cpu")
+        )
+        params = [r.params for r in rows.leaders]
+        outputs = [r.output_token_ids if r is not None else [] for r in rows.own_rows]
+        banned = [
+            [EOS, *p.stop_token_ids] if n < p.min_tokens else []
+            for p, n in zip(params, rows.num_outputs)
+        ]
+        gens_ref = [torch.Generator().manual_seed(i) for i in range(len(rows.row_ids))]
+        ref = SamplingMetadata.from_rows(
+            params,
+            outputs,
+            [r.prompt_token_ids for r in rows.leaders],
+            dict(enumerate(gens_ref)),
+            banned,
+            VOCAB,
+            "cpu",
+        )
+        if ref.repetition_penalties is not None:
+            checked_penalties = True
+            assert fast.output_counts is not None and fast.prompt_seen is not None
+            args = (ref.presence_penalties, ref.frequency_penalties, ref.repetition_penalties)
+            assert torch.equal(
+                apply_penalty_counts(logits, fast.prompt_seen, fast.output_counts, *args),
+                apply_penalties(logits, ref.prompt_token_ids, ref.output_token_ids, *args),
+            )
+        fast_out, ref_out = Sampler()(logits, fast), Sampler()(logits, ref)
+        assert torch.equal(fast_out.sampled_token_ids, ref_out.sampled_token_ids)
+        sampled = fast_out.sampled_token_ids
+        batch.count_sampled(rows, sampled)
+        batch.record_sampled(rows.own_rows, sampled.tolist())
+        runner = {rid: tok for rid, tok in zip(rows.row_ids, sampled.tolist())}
+        sched.update(out, RunnerOutput(runner, logprobs={}, prompt_logprobs={}))
+    assert checked_penalties and any(r.output_token_ids for r in sched.requests.values())
