@@ -13,7 +13,7 @@ rows' host token lists when they reach the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,18 +46,30 @@ class RequestRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # known outputs; a sample is appended when it reaches the host
     params: SamplingParams
-    block_ids: list[int]
     sample_index: int
-    slot: int  # its index in InputBatch's column arrays
+    slot: int  # its index in InputBatch's column arrays and block table
+    batch: InputBatch = field(repr=False, compare=False)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.batch.block_table[self.slot, : self.batch.num_blocks[self.slot]].tolist()
 
 
 class InputBatch:
     def __init__(
-        self, vocab_size: int, capacity: int = 64, device: torch.device | str = "cpu"
+        self,
+        vocab_size: int,
+        capacity: int = 64,
+        device: torch.device | str = "cpu",
+        max_blocks_per_seq: int = 16,
     ) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.rows: dict[str, RequestRow] = {}
+        # Each slot's block ids in row slot, columns [0, num_blocks[slot]) (host memory; the
+        # step's rows are gathered from it). Widens if a table outgrows it.
+        self.block_table = np.zeros((capacity, max_blocks_per_seq), np.int64)
+        self.num_blocks = np.zeros(capacity, np.int64)
         # (capacity, vocab) per slot, allocated when the first row with penalties arrives:
         # output token counts (float32) and prompt tokens seen (bool). Valid for rows with
         # penalties only (others' slots hold zeros or a former row's values, which zero
@@ -79,8 +91,7 @@ class InputBatch:
         for new in out.new_requests:
             self._add(new)
         for change in out.cached_requests:
-            row = self.rows[change.request_id]
-            row.block_ids[change.start :] = change.block_ids
+            self._write_blocks(self.rows[change.request_id].slot, change.start, change.block_ids)
 
     def record_sampled(self, rows: list[RequestRow | None], tokens: list[int]) -> None:
         """Append each sampled token to the row that sampled it, if that row is still held (a
@@ -99,10 +110,11 @@ class InputBatch:
             prompt_token_ids=new.prompt_token_ids,
             output_token_ids=list(new.output_token_ids),
             params=new.sampling_params,
-            block_ids=list(new.block_ids),
             sample_index=new.sample_index,
             slot=slot,
+            batch=self,
         )
+        self._write_blocks(slot, 0, new.block_ids)
         self._write_columns(slot, new.sampling_params)
         if self.columns["penalized"][slot]:
             self._init_penalty_state(slot, new.prompt_token_ids, new.output_token_ids)
@@ -112,8 +124,21 @@ class InputBatch:
         if row is not None:
             self._free_slots.append(row.slot)
 
+    def _write_blocks(self, slot: int, start: int, block_ids: list[int]) -> None:
+        end = start + len(block_ids)
+        if end > self.block_table.shape[1]:
+            wider = np.zeros(
+                (len(self.block_table), max(end, 2 * self.block_table.shape[1])), np.int64
+            )
+            wider[:, : self.block_table.shape[1]] = self.block_table
+            self.block_table = wider
+        self.block_table[slot, start:end] = block_ids
+        self.num_blocks[slot] = end
+
     def _grow(self) -> None:
         old = len(self.columns["temperature"])
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
         for name, column in self.columns.items():
             grown = np.zeros(2 * old, column.dtype)
             grown[:old] = column
@@ -173,6 +198,16 @@ class InputBatch:
         c["has_logit_bias"][slot] = bool(p.logit_bias)
 
     # ---- reading ------------------------------------------------------------------------
+    def block_tables(
+        self, request_ids: list[str], seq_lens: list[int], block_size: int
+    ) -> np.ndarray:
+        """The block tables of these requests, a row each, which must cover seq_lens (columns
+        past a row's blocks hold stale ids: no reader looks past a sequence's length)."""
+        slots = np.fromiter((self.rows[r].slot for r in request_ids), np.int64, len(request_ids))
+        covered = self.num_blocks[slots] * block_size
+        assert (covered >= np.asarray(seq_lens, np.int64)).all(), "a block table is too short"
+        return self.block_table[slots]
+
     def gather(self, name: str, slots: np.ndarray) -> np.ndarray:
         """Column `name` at `slots`, in that order (a fresh array)."""
         return self.columns[name][slots]

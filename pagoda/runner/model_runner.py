@@ -82,7 +82,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.compiled = CompiledDecode(model) if compile_decode else None
         self.sampler = Sampler()
-        self.batch = InputBatch(model_config.vocab_size, max(64, max_num_seqs), device)
+        self.batch = InputBatch(
+            model_config.vocab_size, max(64, max_num_seqs), device, self.max_blocks_per_seq
+        )
         self.generators: dict[str, torch.Generator] = {}
         # The last executed step's sampled ids (R,) on the device, and each sampling request's
         # row in them: the inputs of the next step's placeholders.
@@ -200,10 +202,14 @@ class ModelRunner:
         size = None  # the padded size of a pure-decode batch that runs as a graph's batch
         if self.decode_sizes is not None and num_decodes == num_tokens:
             size = padded_size(self.decode_sizes, num_tokens)
+        seq_lens = [s.start + len(s.token_ids) for s in out.scheduled]
+        tables = self.batch.block_tables(
+            [s.request_id for s in out.scheduled], seq_lens, self.block_size
+        )
         ids_t, pos_t, meta = self.buffers.prepare(
             token_ids,
-            [s.start + len(s.token_ids) for s in out.scheduled],
-            [self.batch.rows[s.request_id].block_ids for s in out.scheduled],
+            seq_lens,
+            tables,
             self.block_size,
             pad_to=size,
             decode_num_splits=self._decode_num_splits(size or num_decodes),

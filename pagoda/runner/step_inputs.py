@@ -104,14 +104,15 @@ class InputBuffers:
         self,
         token_ids: list[list[int]],
         seq_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | np.ndarray,
         block_size: int,
         pad_to: int | None = None,
         decode_num_splits: int = 1,
         full_width: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, metadata) of a step: request i brings token_ids[i], the last
-        tokens of its first seq_lens[i] positions, and block_tables[i] covers those positions.
+        tokens of its first seq_lens[i] positions, and block_tables[i] covers those positions
+        (a list per request, or the rows of a 2-D array such as the persistent batch's).
 
         pad_to: a pure-decode batch is padded to that many rows (ids 0, position 0, slot -1,
         seq_len 0). full_width: decode block tables span every column (a captured graph's view).
@@ -163,7 +164,7 @@ class InputBuffers:
         )
         ids[:n] = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=n)
         pos[:n] = layout.positions
-        blocks = layout.flat_tables[layout.table_start[layout.req] + layout.positions // block_size]
+        blocks = layout.tables[layout.req, layout.positions // block_size]
         slots[:n] = blocks * block_size + layout.positions % block_size
 
     def _fill_decodes(self, layout: _Layout, num_rows: int, full_width: bool) -> int:
@@ -175,9 +176,8 @@ class InputBuffers:
         tables = self.host_table(self.decode_block_tables, num_rows, cols)
         self.host(self.decode_token_idx)[: len(decode)] = layout.starts[decode]
         self.host(self.decode_seq_lens)[: len(decode)] = layout.s_lens[decode]
-        _scatter_rows(
-            tables, layout.flat_tables, layout.table_start[decode], layout.n_blocks[decode]
-        )
+        width = min(cols, layout.tables.shape[1])
+        tables[: len(decode), :width] = layout.tables[decode, :width]
         return cols
 
     def _fill_prefills(self, layout: _Layout) -> tuple[int, list[PrefillSeq]]:
@@ -190,9 +190,7 @@ class InputBuffers:
         self.host(self.prefill_token_start)[:num] = layout.starts[prefill]
         self.host(self.prefill_query_lens)[:num] = layout.q_lens[prefill]
         self.host(self.prefill_seq_lens)[:num] = layout.s_lens[prefill]
-        _scatter_rows(
-            tables, layout.flat_tables, layout.table_start[prefill], layout.n_blocks[prefill]
-        )
+        tables[:num, :cols] = layout.tables[prefill, :cols]
         starts, q_lens, s_lens = layout.starts, layout.q_lens, layout.s_lens
         spans = [
             PrefillSeq(int(starts[i]), int(starts[i] + q_lens[i]), int(s_lens[i])) for i in prefill
@@ -219,8 +217,9 @@ class _Layout:
     starts: np.ndarray  # (num_reqs,) first flat row of each request
     req: np.ndarray  # (num_tokens,) request of each flat row
     positions: np.ndarray  # (num_tokens,) position of each flat row in its sequence
-    flat_tables: np.ndarray  # the block tables' used prefixes, concatenated
-    table_start: np.ndarray  # (num_reqs,) where each request's table starts in flat_tables
+    # (num_reqs, >= max n_blocks) each request's block table in a row; columns past its
+    # n_blocks are never read
+    tables: np.ndarray
     decode: np.ndarray  # indices of the requests with one token this step
     prefill: np.ndarray  # indices of the others
 
@@ -237,22 +236,17 @@ class _Layout:
         cls,
         token_ids: list[list[int]],
         seq_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | np.ndarray,
         block_size: int,
     ) -> _Layout:
         q_lens = np.asarray([len(t) for t in token_ids], dtype=np.int64)
         s_lens = np.asarray(seq_lens, dtype=np.int64)
         n_blocks = -(-s_lens // block_size)
         assert (q_lens > 0).all() and (q_lens <= s_lens).all()
-        assert (np.asarray([len(t) for t in block_tables], dtype=np.int64) >= n_blocks).all()
+        tables = _as_table(block_tables, n_blocks)
         starts = np.cumsum(q_lens) - q_lens
         req = np.repeat(np.arange(len(q_lens)), q_lens)
         num_tokens = int(q_lens.sum())
-        flat_tables = np.fromiter(
-            itertools.chain.from_iterable(t[:n] for t, n in zip(block_tables, n_blocks.tolist())),
-            dtype=np.int64,
-            count=int(n_blocks.sum()),
-        )
         return cls(
             q_lens=q_lens,
             s_lens=s_lens,
@@ -260,18 +254,20 @@ class _Layout:
             starts=starts,
             req=req,
             positions=np.arange(num_tokens) - starts[req] + (s_lens - q_lens)[req],
-            flat_tables=flat_tables,
-            table_start=np.cumsum(n_blocks) - n_blocks,
+            tables=tables,
             decode=np.flatnonzero(q_lens == 1),
             prefill=np.flatnonzero(q_lens > 1),
         )
 
 
-def _scatter_rows(dst: np.ndarray, flat: np.ndarray, first: np.ndarray, counts: np.ndarray) -> None:
-    """dst[r, :counts[r]] = flat[first[r] : first[r] + counts[r]] for every row r."""
-    if not len(counts):  # no request of this kind (most steps lack prefills or decodes)
-        return
-    total = int(counts.sum())
-    rows = np.repeat(np.arange(len(counts)), counts)
-    cols = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
-    dst[rows, cols] = flat[np.repeat(first, counts) + cols]
+def _as_table(block_tables: list[list[int]] | np.ndarray, n_blocks: np.ndarray) -> np.ndarray:
+    """Block tables as a 2-D array, checking that row i holds n_blocks[i] blocks (an array's
+    rows are taken as they are: their owner keeps the counts)."""
+    if isinstance(block_tables, np.ndarray):
+        assert block_tables.ndim == 2 and block_tables.shape[1] >= n_blocks.max(initial=0)
+        return block_tables
+    assert (np.asarray([len(t) for t in block_tables], dtype=np.int64) >= n_blocks).all()
+    table = np.zeros((len(block_tables), max(int(n_blocks.max(initial=0)), 1)), np.int64)
+    for i, (t, n) in enumerate(zip(block_tables, n_blocks.tolist())):
+        table[i, :n] = t[:n]
+    return table
