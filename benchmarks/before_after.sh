@@ -23,6 +23,7 @@ run() {  # run SIDE ROUND: every benchmark once in the tree of SIDE (python impo
     dir=$([ "$side" = before ] && echo "$before_dir" || echo "$after_dir")
     (
         cd "$dir"
+        export PYTHONPATH="$dir"  # host_overhead.py lives in this tree; it must import $dir's pagoda
         "$python" -m pagoda.cli bench throughput -O2 --num-prompts 64 --input-len-range 16,256 \
             --output-len-range 16,256 --output-json "$out/w_cpu_O2_${side}_${round}.json" >/dev/null
         "$python" -m pagoda.cli bench latency -O2 --input-len 128 --output-len 256 \

@@ -76,6 +76,7 @@ class InputBatch:
         # penalties ignore).
         self.output_counts: torch.Tensor | None = None
         self.prompt_seen: torch.Tensor | None = None
+        self.version = 0  # changes whenever a row is added or removed
         self.columns: dict[str, np.ndarray] = {
             name: np.zeros(capacity, dtype) for name, dtype in _COLUMNS.items()
         }
@@ -105,6 +106,7 @@ class InputBatch:
         if not self._free_slots:
             self._grow()
         slot = self._free_slots.pop()
+        self.version += 1
         self.rows[new.request_id] = RequestRow(
             request_id=new.request_id,
             prompt_token_ids=new.prompt_token_ids,
@@ -122,6 +124,7 @@ class InputBatch:
     def _remove(self, request_id: str) -> None:
         row = self.rows.pop(request_id, None)
         if row is not None:
+            self.version += 1
             self._free_slots.append(row.slot)
 
     def _write_blocks(self, slot: int, start: int, block_ids: list[int]) -> None:

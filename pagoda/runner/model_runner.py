@@ -24,7 +24,13 @@ from pagoda.runner.compilation import CompiledDecode
 from pagoda.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from pagoda.runner.device import torch_dtype
 from pagoda.runner.input_batch import InputBatch, SamplingRows
-from pagoda.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata, to_device
+from pagoda.runner.sampler import (
+    BatchColumns,
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    to_device,
+)
 from pagoda.runner.step_inputs import InputBuffers
 from pagoda.scheduling.messages import (
     PLACEHOLDER_TOKEN_ID,
@@ -86,6 +92,7 @@ class ModelRunner:
             model_config.vocab_size, max(64, max_num_seqs), device, self.max_blocks_per_seq
         )
         self.generators: dict[str, torch.Generator] = {}
+        self._sampling_columns: tuple[tuple[int, tuple[str, ...]], BatchColumns] | None = None
         # The last executed step's sampled ids (R,) on the device, and each sampling request's
         # row in them: the inputs of the next step's placeholders.
         self.prev_sampled: torch.Tensor | None = None
@@ -281,21 +288,27 @@ class ModelRunner:
         last = hidden if flat == list(range(hidden.shape[0])) else hidden[flat]
         logits = self.model.compute_logits(last)  # (num_rows, vocab) float32
         meta = SamplingMetadata.from_batch(
-            self.batch, rows, self._generators(rows), self.eos_token_ids, self.device
+            self._columns(rows), self.batch, rows, self._generators(rows), self.eos_token_ids
         )
         result = self.sampler(logits, meta)
         self.batch.count_sampled(rows, result.sampled_token_ids)
         self.prev_sampled = result.sampled_token_ids
         self.prev_rows = {rid: i for i, rid in enumerate(rows.row_ids)}
-        num_logprobs = self.batch.gather("num_logprobs", rows.slots_array()).tolist()
         return PendingOutput(
             rows.row_ids,
-            [None if k < 0 else k for k in num_logprobs],
+            self._columns(rows).num_logprobs,
             result.sampled_token_ids,
             result.logprobs,
             prompt_logprobs,
             on_host=lambda tokens: self.batch.record_sampled(rows.own_rows, tokens),
         )
+
+    def _columns(self, rows: SamplingRows) -> BatchColumns:
+        """The sampling rows' columns, gathered again only when the rows or the batch changed."""
+        key = (self.batch.version, tuple(rows.row_ids))
+        if self._sampling_columns is None or self._sampling_columns[0] != key:
+            self._sampling_columns = (key, BatchColumns.gather(self.batch, rows, self.device))
+        return self._sampling_columns[1]
 
     def _generators(self, rows: SamplingRows) -> dict[int, torch.Generator]:
         """Each seeded row's generator, made on its first sample (seed + its index among n)."""

@@ -167,14 +167,75 @@ class SamplingMetadata:
     @classmethod
     def from_batch(
         cls,
+        columns: BatchColumns,
         batch: InputBatch,
         rows: SamplingRows,
         generators: dict[int, torch.Generator],
         eos_token_ids: Sequence[int],
-        device: torch.device,
     ) -> SamplingMetadata:
-        """The step's metadata from the persistent batch's columns (one gather each); the
-        same values as from_rows would build from the rows' SamplingParams."""
+        """The step's metadata: the rows' columns (built once while the rows stay the same),
+        plus what changes every step: min_tokens bans, penalty counts, generators. The same
+        values as from_rows would build from the rows' SamplingParams and token lists."""
+        banned: list[list[int]] = [[] for _ in rows.row_ids]
+        if columns.min_tokens is not None:
+            outputs = np.asarray(rows.num_outputs, np.int64)
+            for i in np.flatnonzero(columns.min_tokens > outputs).tolist():
+                banned[i] = [*eos_token_ids, *rows.leaders[i].params.stop_token_ids]
+        output_counts = prompt_seen = None
+        if columns.slots_t is not None:
+            assert batch.output_counts is not None and batch.prompt_seen is not None
+            output_counts = batch.output_counts.index_select(0, columns.slots_t)
+            if columns.own is not None:  # siblings sampling their first token count nothing
+                output_counts *= columns.own.unsqueeze(1)
+            prompt_seen = batch.prompt_seen.index_select(0, columns.slots_t)
+        return cls(
+            temperature=columns.temperature,
+            all_greedy=columns.all_greedy,
+            all_random=columns.all_random,
+            top_k=columns.top_k,
+            top_p=columns.top_p,
+            min_p=columns.min_p,
+            presence_penalties=columns.presence,
+            frequency_penalties=columns.frequency,
+            repetition_penalties=columns.repetition,
+            generators={row: g for row, g in generators.items() if not columns.greedy[row]},
+            output_token_ids=[],
+            prompt_token_ids=[],
+            banned_token_ids=banned,
+            max_num_logprobs=columns.max_num_logprobs,
+            logit_bias=columns.logit_bias,
+            max_top_k=columns.max_top_k,
+            output_counts=output_counts,
+            prompt_seen=prompt_seen,
+        )
+
+
+@dataclass
+class BatchColumns:
+    """The sampling inputs that depend only on which rows sample (their params), gathered
+    from the persistent batch's columns: built when the sampling rows change, reused while
+    they stay the same (a steady decode batch)."""
+
+    greedy: np.ndarray  # (R,) bool
+    all_greedy: bool
+    all_random: bool
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    max_top_k: int
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+    repetition: torch.Tensor | None
+    slots_t: torch.Tensor | None  # (R,) the rows' slots on the device; None: no penalties
+    own: torch.Tensor | None  # (R,) 1.0 for a request's own row, 0.0 for a forking sibling
+    num_logprobs: list[int | None]
+    max_num_logprobs: int | None
+    min_tokens: np.ndarray | None  # (R,); None when no row has min_tokens
+    logit_bias: list[tuple[tuple[int, float], ...]]
+
+    @classmethod
+    def gather(cls, batch: InputBatch, rows: SamplingRows, device: torch.device) -> BatchColumns:
         slots = rows.slots_array()
         vocab_size = batch.vocab_size
 
@@ -196,45 +257,38 @@ class SamplingMetadata:
                 top_p = column("top_p", torch.float32)
             if bool((batch.gather("min_p", slots)[random] > 0.0).any()):
                 min_p = column("min_p", torch.float32)
-
-        presence = frequency = repetition = output_counts = prompt_seen = None
+        presence = frequency = repetition = slots_t = own = None
         if bool(batch.gather("penalized", slots).any()):
             presence = column("presence_penalty", torch.float32)
             frequency = column("frequency_penalty", torch.float32)
             repetition = column("repetition_penalty", torch.float32)
-            assert batch.output_counts is not None and batch.prompt_seen is not None
             slots_t = _numpy_to_device(slots, torch.int64, device)
-            own = _numpy_to_device(np.asarray(rows.own_mask()), torch.float32, device)
-            output_counts = batch.output_counts.index_select(0, slots_t) * own.unsqueeze(1)
-            prompt_seen = batch.prompt_seen.index_select(0, slots_t)
-
+            mask = rows.own_mask()
+            if not all(mask):
+                own = _numpy_to_device(np.asarray(mask), torch.float32, device)
         num_logprobs = batch.gather("num_logprobs", slots)
-        banned: list[list[int]] = [[] for _ in slots]
         min_tokens = batch.gather("min_tokens", slots)
-        for i in np.flatnonzero(min_tokens > np.asarray(rows.num_outputs, np.int64)).tolist():
-            banned[i] = [*eos_token_ids, *rows.leaders[i].params.stop_token_ids]
         logit_bias = []
         if bool(batch.gather("has_logit_bias", slots).any()):
             logit_bias = [r.params.logit_bias for r in rows.leaders]
         return cls(
-            temperature=temperature,
+            greedy=greedy,
             all_greedy=all_greedy,
             all_random=all_random,
+            temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
-            presence_penalties=presence,
-            frequency_penalties=frequency,
-            repetition_penalties=repetition,
-            generators={row: g for row, g in generators.items() if not greedy[row]},
-            output_token_ids=[],
-            prompt_token_ids=[],
-            banned_token_ids=banned,
-            max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
-            logit_bias=logit_bias,
             max_top_k=max_top_k,
-            output_counts=output_counts,
-            prompt_seen=prompt_seen,
+            presence=presence,
+            frequency=frequency,
+            repetition=repetition,
+            slots_t=slots_t,
+            own=own,
+            num_logprobs=[None if k < 0 else k for k in num_logprobs.tolist()],
+            max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
+            min_tokens=min_tokens if bool(min_tokens.any()) else None,
+            logit_bias=logit_bias,
         )
 
 

@@ -13,6 +13,7 @@ import torch
 from pagoda.config import SchedulerConfig
 from pagoda.runner.input_batch import InputBatch, SamplingRows
 from pagoda.runner.sampler import (
+    BatchColumns,
     Sampler,
     SamplingMetadata,
     apply_penalties,
@@ -225,9 +226,8 @@ def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:
                 rows.add(s, batch.rows[s.request_id], i)
         logits = torch.randn(len(rows.row_ids), VOCAB, generator=torch.Generator().manual_seed(9))
         gens = [torch.Generator().manual_seed(i) for i in range(len(rows.row_ids))]
-        fast = SamplingMetadata.from_batch(
-            batch, rows, dict(enumerate(gens)), [EOS], torch.device("cpu")
-        )
+        columns = BatchColumns.gather(batch, rows, torch.device("cpu"))
+        fast = SamplingMetadata.from_batch(columns, batch, rows, dict(enumerate(gens)), [EOS])
         params = [r.params for r in rows.leaders]
         outputs = [r.output_token_ids if r is not None else [] for r in rows.own_rows]
         banned = [
