@@ -3,8 +3,9 @@ scheduler's deltas (scheduling/messages.py, SchedulerOutput).
 
 A request's prompt, sampling params and block table arrive once, in NewRequestData; later steps
 carry only block-table changes, and finished or preempted ids (a preempted request comes back
-whole). Each row owns a slot in column arrays of its sampling params, so a step's sampling
-tensors are one gather per column, not a walk over SamplingParams objects. Rows with penalties
+whole). Each row owns a slot in column arrays of its sampling params and a row of the block
+table, so a step's sampling tensors and block tables are gathers, not walks over SamplingParams
+objects and lists (and the sampling tensors are gathered again only when the rows change). Rows with penalties
 keep, on the device, the counts of their output tokens and the set of their prompt tokens: a
 sampled token is counted on the device in the step that samples it (so a step scheduled before
 the last one's results reach the host already sees it), and sampled tokens are appended to the
