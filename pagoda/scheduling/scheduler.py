@@ -132,10 +132,19 @@ class Scheduler:
 
     # ---- schedule -----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_new: dict[str, int] = {}
-        preempted: list[Request] = []
+        """Running requests first, then waiting ones in policy order (none in a step that
+        preempted), within the token budget; then the step as plain data."""
+        num_new: dict[str, int] = {}  # tokens scheduled per request id, in batch order
+        preempted = self._schedule_running(num_new)
+        if not preempted:
+            self._schedule_waiting(num_new)
+        return self._emit(num_new, preempted)
 
+    def _schedule_running(self, num_new: dict[str, int]) -> list[Request]:
+        """Give each running request its missing tokens, preempting in policy order when
+        blocks run out; returns the preempted requests."""
+        budget = self.config.max_num_batched_tokens
+        preempted: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -160,8 +169,13 @@ class Scheduler:
                 budget -= n
                 i += 1
             # else: `request` left self.running, so index i now holds the next one.
+        return preempted
 
-        while self.waiting and budget > 0 and not preempted:
+    def _schedule_waiting(self, num_new: dict[str, int]) -> None:
+        """Admit waiting requests in policy order while seats, budget and blocks last (prefix
+        cache hits first advance a new request's num_computed_tokens)."""
+        budget = self.config.max_num_batched_tokens - sum(num_new.values())
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             # A placeholder is updated before the next schedule(); a request preempted with one
             # is not admitted in the schedule() that preempted it.
@@ -188,6 +202,8 @@ class Scheduler:
             num_new[request.request_id] = n
             budget -= n
 
+    def _emit(self, num_new: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
+        """The step as plain data; advances num_computed_tokens and counts placeholders."""
         requests = [self.requests[rid] for rid in num_new]
         batch = [self._scheduled(r, num_new[r.request_id]) for r in requests]
         for request, s in zip(requests, batch):
