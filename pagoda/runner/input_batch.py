@@ -267,3 +267,93 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class BatchColumns:
+    """The sampling inputs that depend only on which rows sample (their params), gathered
+    from the persistent batch's columns: built when the sampling rows change, reused while
+    they stay the same (a steady decode batch)."""
+
+    greedy: np.ndarray  # (R,) bool
+    all_greedy: bool
+    all_random: bool
+    temperature: torch.Tensor | None
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    max_top_k: int
+    presence: torch.Tensor | None
+    frequency: torch.Tensor | None
+    repetition: torch.Tensor | None
+    slots_t: torch.Tensor | None  # (R,) the rows' slots on the device; None: no penalties
+    own: torch.Tensor | None  # (R,) 1.0 for a request's own row, 0.0 for a forking sibling
+    num_logprobs: list[int | None]
+    max_num_logprobs: int | None
+    min_tokens: np.ndarray | None  # (R,); None when no row has min_tokens
+    logit_bias: list[tuple[tuple[int, float], ...]]
+
+    @classmethod
+    def gather(cls, batch: InputBatch, rows: SamplingRows, device: torch.device) -> BatchColumns:
+        slots = rows.slots_array()
+        vocab_size = batch.vocab_size
+
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return numpy_to_device(batch.gather(name, slots), dtype, device)
+
+        greedy = batch.gather("greedy", slots)
+        all_greedy, all_random = bool(greedy.all()), bool(len(slots)) and not greedy.any()
+        random = ~greedy
+        temperature = top_k = top_p = min_p = None
+        max_top_k = 0
+        if not all_greedy:
+            temperature = column("temperature", torch.float32)
+            ks = batch.gather("top_k", slots)
+            if bool((ks[random] < vocab_size).any()):
+                top_k = numpy_to_device(ks, torch.int64, device)
+                max_top_k = int(ks[ks < vocab_size].max())
+            if bool((batch.gather("top_p", slots)[random] < 1.0).any()):
+                top_p = column("top_p", torch.float32)
+            if bool((batch.gather("min_p", slots)[random] > 0.0).any()):
+                min_p = column("min_p", torch.float32)
+        presence = frequency = repetition = slots_t = own = None
+        if bool(batch.gather("penalized", slots).any()):
+            presence = column("presence_penalty", torch.float32)
+            frequency = column("frequency_penalty", torch.float32)
+            repetition = column("repetition_penalty", torch.float32)
+            slots_t = numpy_to_device(slots, torch.int64, device)
+            mask = rows.own_mask()
+            if not all(mask):
+                own = numpy_to_device(np.asarray(mask), torch.float32, device)
+        num_logprobs = batch.gather("num_logprobs", slots)
+        min_tokens = batch.gather("min_tokens", slots)
+        logit_bias = []
+        if bool(batch.gather("has_logit_bias", slots).any()):
+            logit_bias = [r.params.logit_bias for r in rows.leaders]
+        return cls(
+            greedy=greedy,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            max_top_k=max_top_k,
+            presence=presence,
+            frequency=frequency,
+            repetition=repetition,
+            slots_t=slots_t,
+            own=own,
+            num_logprobs=[None if k < 0 else k for k in num_logprobs.tolist()],
+            max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
+            min_tokens=min_tokens if bool(min_tokens.any()) else None,
+            logit_bias=logit_bias,
+        )
+
+
+def numpy_to_device(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device`, without waiting for the device (see to_device)."""
+    host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -23,9 +23,8 @@ from pagoda.models.interface import CausalLM
 from pagoda.runner.compilation import CompiledDecode
 from pagoda.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from pagoda.runner.device import torch_dtype
-from pagoda.runner.input_batch import InputBatch, SamplingRows
+from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.sampler import (
-    BatchColumns,
     LogprobsTensors,
     Sampler,
     SamplingMetadata,

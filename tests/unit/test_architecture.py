@@ -223,3 +223,13 @@ def test_the_rules_catch_what_they_forbid() -> None:
         ["a", "b"],
         ["c"],
     ]
+
+
+def test_small_files_stay_small() -> None:
+    """No module over 500 lines (docs/architecture.md): split by noun before it grows past."""
+    big = {
+        str(p.relative_to(ROOT.parent)): n
+        for p in ROOT.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not big, f"modules over 500 lines: {big}"

@@ -11,9 +11,8 @@ import numpy as np
 import torch
 
 from pagoda.config import SchedulerConfig
-from pagoda.runner.input_batch import InputBatch, SamplingRows
+from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.sampler import (
-    BatchColumns,
     Sampler,
     SamplingMetadata,
     apply_penalties,
