@@ -1,8 +1,13 @@
-"""Where the engine runs: EngineConfig's "auto" device made concrete, and config dtype names as
-torch dtypes (the configs are torch-free and name dtypes as strings)."""
+"""Where the engine runs: EngineConfig's "auto" device made concrete, config dtype names as
+torch dtypes (the configs are torch-free and name dtypes as strings), and small host-to-device
+copies that never wait for the device."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 import torch
 
 from pagoda.config import EngineConfig
@@ -21,3 +26,22 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"{name!r} is not a torch dtype")
     return dtype
+
+
+def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list (nested for more dimensions, as torch.tensor takes it) as a tensor on
+    `device` without waiting for the device: on CUDA the copy goes through pinned memory with
+    non_blocking (torch.tensor(..., device="cuda") copies synchronously, so it would wait for
+    every step queued before it)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def numpy_to_device(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device`, without waiting for the device (see to_device)."""
+    host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

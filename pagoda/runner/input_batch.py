@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda.runner.device import numpy_to_device, to_device
 from pagoda.sampling_params import SAMPLING_EPS, SamplingParams
 from pagoda.scheduling.messages import NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -163,9 +164,9 @@ class InputBatch:
         counts.zero_()
         seen.zero_()
         if outputs:
-            ids = _to_device(outputs, self.device)
+            ids = to_device(outputs, torch.int64, self.device)
             counts.index_put_((ids,), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
-        seen[_to_device(prompt, self.device)] = True
+        seen[to_device(prompt, torch.int64, self.device)] = True
 
     def count_sampled(self, rows: SamplingRows, sampled: torch.Tensor) -> None:
         """Count each row's sampled token (sampled: (R,) on the device) in its output counts,
@@ -179,8 +180,8 @@ class InputBatch:
         ]
         if not which:
             return
-        index = _to_device([i for i, _ in which], self.device)
-        slots = _to_device([slot for _, slot in which], self.device)
+        index = to_device([i for i, _ in which], torch.int64, self.device)
+        slots = to_device([slot for _, slot in which], torch.int64, self.device)
         ones = torch.ones(len(which), dtype=torch.float32, device=self.device)
         self.output_counts.index_put_((slots, sampled[index]), ones, accumulate=True)
 
@@ -260,13 +261,6 @@ class SamplingRows:
         """Whether each row is its request's own (False: a sibling sampling for the first time,
         with no outputs yet)."""
         return [r is not None for r in self.own_rows]
-
-
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -349,11 +343,3 @@ class BatchColumns:
             min_tokens=min_tokens if bool(min_tokens.any()) else None,
             logit_bias=logit_bias,
         )
-
-
-def numpy_to_device(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host array as a tensor on `device`, without waiting for the device (see to_device)."""
-    host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

@@ -22,13 +22,12 @@ from pagoda.layers.kv_cache import KVCache
 from pagoda.models.interface import CausalLM
 from pagoda.runner.compilation import CompiledDecode
 from pagoda.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
-from pagoda.runner.device import torch_dtype
+from pagoda.runner.device import to_device, torch_dtype
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.sampler import (
     LogprobsTensors,
     Sampler,
     SamplingMetadata,
-    to_device,
 )
 from pagoda.runner.step_inputs import InputBuffers
 from pagoda.scheduling.messages import (
@@ -286,8 +285,9 @@ class ModelRunner:
         flat = rows.flat_rows
         last = hidden if flat == list(range(hidden.shape[0])) else hidden[flat]
         logits = self.model.compute_logits(last)  # (num_rows, vocab) float32
+        columns = self._columns(rows)
         meta = SamplingMetadata.from_batch(
-            self._columns(rows), self.batch, rows, self._generators(rows), self.eos_token_ids
+            columns, self.batch, rows, self._generators(rows), self.eos_token_ids
         )
         result = self.sampler(logits, meta)
         self.batch.count_sampled(rows, result.sampled_token_ids)
@@ -295,7 +295,7 @@ class ModelRunner:
         self.prev_rows = {rid: i for i, rid in enumerate(rows.row_ids)}
         return PendingOutput(
             rows.row_ids,
-            self._columns(rows).num_logprobs,
+            columns.num_logprobs,
             result.sampled_token_ids,
             result.logprobs,
             prompt_logprobs,

@@ -16,24 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from pagoda.runner.device import to_device
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.sampling_params import SAMPLING_EPS, SamplingParams, SamplingType
-
-
-def to_device(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list (nested for more dimensions, as torch.tensor takes it) as a tensor on
-    `device` without waiting for the device: on CUDA the copy goes through pinned memory with
-    non_blocking (torch.tensor(..., device="cuda") copies synchronously, so it would wait for
-    every step queued before it)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class LogprobsTensors(NamedTuple):
