@@ -38,7 +38,8 @@ def _triton_llm(path: str, **kwargs: Any) -> LLM:
 
 
 # llama (llama3 rope scaling) runs in the padded test below; qwen3 adds the per-head q/k norm.
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+# qwen2 differs from llama only in its q/k/v biases, which no Triton kernel sees: slow only.
+@pytest.mark.parametrize("arch", [pytest.param("qwen2", marks=pytest.mark.slow), "qwen3"])
 def test_triton_backend_greedy_matches_hf(arch: str, tiny_model_dir: Any, tiny_hf_model: Any):
     llm = _triton_llm(tiny_model_dir(arch))
     assert llm.engine.runner.kernel_backend == "triton"

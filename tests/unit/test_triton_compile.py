@@ -19,11 +19,12 @@ shared memory from the kernel metadata (what the launch requests) and registers,
 spills from the ptxas log.
 
 Configs: SmolLM2-135M (9 / 3 heads, head_dim 64), Qwen3-0.6B (16 / 8, 128), Llama-3.2-1B
-(32 / 8, 64); bfloat16 and float16; KV cache in the model dtype, int8 and float8_e4m3fn;
-block_size 16; decode with one split (direct) and with `decode_num_splits` > 1 (stage 2 too, at
+(32 / 8, 64); bfloat16, float16 and float32; KV cache in the model dtype, int8 and
+float8_e4m3fn; block_size 16 and 32; decode with one split (direct) and with `decode_num_splits` > 1 (stage 2 too, at
 two split counts), prefill, KV write (alone, and fused with rotary and, for Qwen3, the per-head
-q/k norm), rotary, RMSNorm (Qwen3's per-head q/k norm too), SiLU-and-mul; weight-only w4a16 / w8a16 GEMMs (SmolLM2 and Qwen3 layers, `QUANT_LAYERS`). The slow
-tests add float32 models and block_size 32.
+q/k norm), rotary, RMSNorm (Qwen3's per-head q/k norm too), SiLU-and-mul; weight-only w4a16 /
+w8a16 GEMMs (SmolLM2 and Qwen3 layers, `QUANT_LAYERS`). The default suite compiles bfloat16
+models with block_size 16; the slow tests add float16 and float32 models and block_size 32.
 
 As a script, prints the table: python tests/unit/test_triton_compile.py [--slow] [model ...]
 (another triton for the compile: PYTHONPATH=<dir with that triton> python tests/unit/...).
@@ -48,9 +49,11 @@ MODELS: dict[str, tuple[int, int, int, int, int]] = {
     "llama3.2-1b": (32, 8, 64, 2048, 8192),
 }
 Config = dict[str, list[Any]]  # {"dtypes": [...], "block_sizes": [...]}
-FAST: Config = {"dtypes": ["bfloat16", "float16"], "block_sizes": [16]}
-SLOW: Config = {"dtypes": ["float32"], "block_sizes": [16, 32]}
-SLOW_BLOCK32: Config = {"dtypes": ["bfloat16", "float16"], "block_sizes": [32]}
+# The default suite compiles what a GPU run uses first (bf16, block 16); the slow tests compile
+# the other model dtypes and block 32, so the three configs together cover every combination.
+FAST: Config = {"dtypes": ["bfloat16"], "block_sizes": [16]}
+SLOW: Config = {"dtypes": ["float16", "float32"], "block_sizes": [16, 32]}
+SLOW_BLOCK32: Config = {"dtypes": ["bfloat16"], "block_sizes": [32]}
 KV_DTYPES = ["auto", "int8", "fp8"]
 H100_MAX_SHARED = (
     227 * 1024
