@@ -312,7 +312,10 @@ class ModelRunner:
             return PendingOutput([], [], None, None, prompt_logprobs)
         # One row per request in a pure-decode step: no gather (and no index upload) needed.
         flat = rows.flat_rows
-        last = hidden if flat == list(range(hidden.shape[0])) else hidden[flat]
+        if flat == list(range(hidden.shape[0])):
+            last = hidden
+        else:
+            last = hidden.index_select(0, self.buffers.row_index(flat))
         logits = self.model.compute_logits(last)  # (num_rows, vocab) float32
         columns = self._columns(rows)
         meta = SamplingMetadata.from_batch(

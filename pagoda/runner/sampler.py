@@ -346,9 +346,10 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 def compute_logprobs_for(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
 ) -> LogprobsTensors:
-    """Logprob and 1-based rank of `token_ids` (N,) under `logits` (N, vocab), plus the top-k."""
+    """Logprob and 1-based rank of `token_ids` (N,), on the logits' device, under `logits`
+    (N, vocab), plus the top-k."""
     logprobs = logits.float().log_softmax(dim=-1)
-    token_ids = token_ids.to(device=logits.device, dtype=torch.int64)
+    token_ids = token_ids.long()
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # (N, 1)
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     ids = token_ids.unsqueeze(1)
