@@ -316,7 +316,8 @@ class ModelRunner:
             last = hidden
         else:
             last = hidden.index_select(0, self.buffers.row_index(flat))
-        logits = self.model.compute_logits(last)  # (num_rows, vocab) float32
+        # (num_rows, vocab) in the model's dtype: the sampler widens them in its first pass
+        logits = self.model.compute_logits(last, float32=False)
         columns = self._columns(rows)
         meta = SamplingMetadata.from_batch(
             columns, self.batch, rows, self._generators(rows), self.eos_token_ids
