@@ -69,7 +69,7 @@ def make_llm(folder: str, args: argparse.Namespace, max_num_seqs: int) -> LLM:
     def forward(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return torch.zeros(ids.shape[0], 64, device=device)
 
-    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         return torch.zeros(hidden.shape[0], VOCAB, device=device)
 
     model.forward = forward  # type: ignore[method-assign]

@@ -82,6 +82,7 @@ class EngineCore:
             self.num_blocks / blocks_per_seq,
             model_config.max_model_len,
         )
+        self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.runner.compile_decode_step()
         logger.info(

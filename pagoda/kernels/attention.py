@@ -29,6 +29,12 @@ Decode, split s of S for a sequence with n pages, P = cdiv(n, S):
 P is computed in the kernel from seq_lens: the launch grids depend only on (B, num_kv_heads,
 num_splits) and (B, num_heads), never on sequence lengths, so a decode step can be captured in
 a CUDA graph and replayed with other lengths.
+
+Triton compiles a kernel once per set of constexprs and specialized integers (an int argument
+equal to 1 or divisible by 16 makes its own variant). The integers that change from step to step
+(the block tables' row stride, the split count) are not specialized, so the variants a served
+step can need are those of `decode_launch_variant` (the prefill kernel has one); the runner's
+warm-up (pagoda/runner/kernel_warmup.py) makes each of them before the first request.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ _PREFILL_BLOCK_M = 64
 _PREFILL_BLOCK_N = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_stage1_kernel(
     q_ptr,
     out_ptr,
@@ -158,7 +164,7 @@ def _decode_stage1_kernel(
         tl.store(mid_l_ptr + ml_rows, sum_exp, mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_stage2_kernel(
     out_ptr,
     token_idx_ptr,
@@ -200,7 +206,7 @@ def _decode_stage2_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     out_ptr,
@@ -304,6 +310,12 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_blocks_per_seq: in
     return max(1, min(want, max_blocks_per_seq, _MAX_SPLITS))
 
 
+def decode_launch_variant(num_splits: int) -> tuple[bool, int]:
+    """The constexprs of a decode launch that depend on the step, (DIRECT, BLOCK_S): launches
+    with equal variants (and equal model and cache) run the same compiled kernels."""
+    return num_splits == 1, triton.next_power_of_2(num_splits)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     out: torch.Tensor,
@@ -332,7 +344,7 @@ def paged_decode_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = cache.k.shape[2]
     group = num_heads // num_kv_heads
-    direct = num_splits == 1
+    direct, block_s = decode_launch_variant(num_splits)
     if direct:
         mid_o = mid_m = mid_l = out  # never written
     else:
@@ -373,7 +385,7 @@ def paged_decode_attention(
         out.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim),
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=block_s,
         num_warps=1,
     )
 

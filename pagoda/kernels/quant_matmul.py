@@ -99,7 +99,7 @@ def _weight_tile(
     return w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _quant_matmul_kernel(
     x_ptr,
     qw_ptr,
@@ -247,6 +247,13 @@ def _k_tiles(group_size: int, k: int) -> tuple[int, int]:
 
 def _block_m(m: int) -> int:
     return max(_MIN_DOT, triton.next_power_of_2(m))
+
+
+def launch_variant(m: int) -> int:
+    """The one constexpr of a matmul over m rows of x that depends on the step: the fused
+    kernel's BLOCK_M, or 0 for dequantize-then-GEMM (M is not specialized: the kernels compiled
+    for one m serve every m of its variant)."""
+    return 0 if m > GEMM_MAX_M else _block_m(m)
 
 
 def _check(

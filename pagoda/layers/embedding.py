@@ -68,12 +68,15 @@ class LMHead(nn.Module):
             return
         set_int8(self, take_float_weight(self))
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # hidden_states: (n, embedding_dim) -> logits (n, num_embeddings) float32
+    def forward(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        # hidden_states: (n, embedding_dim) -> logits (n, num_embeddings) float32, or in the
+        # matmul's dtype (the model's) unless float32
         owner: Any = self._tied[0] if self._tied else self
         if owner.kernel == "float":
-            return F.linear(hidden_states, owner.weight).float()
-        return apply_stored(owner, hidden_states).float()
+            logits = F.linear(hidden_states, owner.weight)
+        else:
+            logits = apply_stored(owner, hidden_states)
+        return logits.float() if float32 else logits
 
     def extra_repr(self) -> str:
         tied = ", tied" if self._tied else ""

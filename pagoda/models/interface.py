@@ -32,8 +32,9 @@ class CausalLM(Protocol):
         """(num_tokens,) ids and positions -> (num_tokens, hidden_size), inside forward_context."""
         ...
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """(n, hidden_size) -> (n, vocab_size) float32."""
+    def compute_logits(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """(n, hidden_size) -> (n, vocab_size) float32; float32=False: in the LM head's dtype
+        (the model's), for a consumer that widens them in its own first pass (the Sampler)."""
         ...
 
     def set_kernel_backend(self, backend: str) -> None: ...

@@ -188,9 +188,9 @@ class LlamaForCausalLM(nn.Module):
         # input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size)
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # hidden_states: (n, hidden_size) -> (n, vocab_size) float32
-        return self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        # hidden_states: (n, hidden_size) -> (n, vocab_size) float32 (else the model's dtype)
+        return self.lm_head(hidden_states, float32)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Route HF-named checkpoint tensors to their (packed, possibly quantized) layers.

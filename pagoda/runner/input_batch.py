@@ -277,7 +277,7 @@ class BatchColumns:
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
     max_top_k: int
-    presence: torch.Tensor | None
+    presence: torch.Tensor | None  # each penalty None unless some row's is not neutral
     frequency: torch.Tensor | None
     repetition: torch.Tensor | None
     slots_t: torch.Tensor | None  # (R,) the rows' slots on the device; None: no penalties
@@ -312,9 +312,13 @@ class BatchColumns:
                 min_p = column("min_p", torch.float32)
         presence = frequency = repetition = slots_t = own = None
         if bool(batch.gather("penalized", slots).any()):
-            presence = column("presence_penalty", torch.float32)
-            frequency = column("frequency_penalty", torch.float32)
-            repetition = column("repetition_penalty", torch.float32)
+            # Each penalty only where some row's is not neutral (the sampler skips the others).
+            if bool(batch.gather("presence_penalty", slots).any()):
+                presence = column("presence_penalty", torch.float32)
+            if bool(batch.gather("frequency_penalty", slots).any()):
+                frequency = column("frequency_penalty", torch.float32)
+            if bool((batch.gather("repetition_penalty", slots) != 1.0).any()):
+                repetition = column("repetition_penalty", torch.float32)
             slots_t = numpy_to_device(slots, torch.int64, device)
             mask = rows.own_mask()
             if not all(mask):

@@ -19,11 +19,13 @@ import torch
 from pagoda.config import ModelConfig
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
+from pagoda.layers.quant_forms import triton_weights
 from pagoda.models.interface import CausalLM
 from pagoda.runner.compilation import CompiledDecode
 from pagoda.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from pagoda.runner.device import to_device, torch_dtype
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
+from pagoda.runner.kernel_warmup import decode_split_counts, matmul_row_counts, prefill_lens
 from pagoda.runner.sampler import (
     LogprobsTensors,
     Sampler,
@@ -154,28 +156,55 @@ class ModelRunner:
                     ) from e
 
     @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """After allocate_kv_cache, with the triton backend: steps that launch each kernel
+        variant a served step can need (runner/kernel_warmup.py), so that Triton compiles none
+        while serving. This writes keys and values into blocks that no request holds yet and
+        every request overwrites before reading."""
+        if self.kernel_backend != "triton":
+            return
+        for splits in decode_split_counts(self.max_num_seqs, self._decode_num_splits):
+            self._dummy_step([1], self.kv_caches, splits)
+        max_len, max_rows = self.model_config.max_model_len, self.max_num_seqs
+        # Matmuls have variants only where integer weights run Triton's kernels.
+        quantized = triton_weights(self.device)
+        max_tokens = max(self.max_num_batched_tokens, max_rows) if quantized else 2
+        for num_tokens in matmul_row_counts(2, max_tokens):
+            hidden = self._dummy_step(prefill_lens(num_tokens, max_len, max_rows), self.kv_caches)
+        for rows in matmul_row_counts(1, max_rows if quantized else 1):
+            self.model.compute_logits(hidden.new_zeros(rows, hidden.shape[1]))
+
+    def _dummy_step(
+        self, query_lens: list[int], caches: list[KVCache], num_splits: int | None = None
+    ) -> torch.Tensor:
+        """The forward of a step of zeros over `caches`, a request per query length (decodes
+        two blocks long, prefills without context; the requests share blocks), with the runner's
+        split count unless num_splits is given. Returns the hidden states."""
+        max_len = self.model_config.max_model_len
+        seq_lens = [min(self.block_size + 1, max_len) if q == 1 else q for q in query_lens]
+        num_blocks = caches[0].k.shape[0]
+        tables = [[j % num_blocks for j in range(-(-n // self.block_size))] for n in seq_lens]
+        if num_splits is None:
+            num_splits = self._decode_num_splits(query_lens.count(1))
+        ids, pos, meta = self.buffers.prepare(
+            [[0] * q for q in query_lens],
+            seq_lens,
+            tables,
+            self.block_size,
+            decode_num_splits=num_splits,
+        )
+        with forward_context(meta, caches):
+            return self.model(ids, pos)
+
+    @torch.inference_mode()
     def profile_run(self) -> None:
         """The largest step the scheduler can emit: max_num_batched_tokens prompt tokens (in
         sequences of at most max_model_len), then the LM head and a softmax over max_num_seqs
         rows, on a throwaway KV cache. Sets the activation peak the KV cache must leave free."""
         max_len = self.model_config.max_model_len
-        num_tokens = self.max_num_batched_tokens
-        lens = [max_len] * (num_tokens // max_len) + [num_tokens % max_len]
-        lens = [n for n in lens if n][: self.max_num_seqs]
-        tables: list[list[int]] = []
-        for n in lens:
-            first = sum(len(t) for t in tables)
-            tables.append(list(range(first, first + -(-n // self.block_size))))
-        caches = self._allocate_caches(sum(len(t) for t in tables))
-        ids, pos, meta = self.buffers.prepare(
-            [[0] * n for n in lens],
-            lens,
-            tables,
-            self.block_size,
-            decode_num_splits=self._decode_num_splits(lens.count(1)),
-        )
-        with forward_context(meta, caches):
-            hidden = self.model(ids, pos)
+        lens = prefill_lens(self.max_num_batched_tokens, max_len, self.max_num_seqs)
+        caches = self._allocate_caches(sum(-(-n // self.block_size) for n in lens))
+        hidden = self._dummy_step(lens, caches)
         rows = min(self.max_num_seqs, hidden.shape[0])
         torch.softmax(self.model.compute_logits(hidden[:rows]), dim=-1)
         del caches
@@ -283,8 +312,12 @@ class ModelRunner:
             return PendingOutput([], [], None, None, prompt_logprobs)
         # One row per request in a pure-decode step: no gather (and no index upload) needed.
         flat = rows.flat_rows
-        last = hidden if flat == list(range(hidden.shape[0])) else hidden[flat]
-        logits = self.model.compute_logits(last)  # (num_rows, vocab) float32
+        if flat == list(range(hidden.shape[0])):
+            last = hidden
+        else:
+            last = hidden.index_select(0, self.buffers.row_index(flat))
+        # (num_rows, vocab) in the model's dtype: the sampler widens them in its first pass
+        logits = self.model.compute_logits(last, float32=False)
         columns = self._columns(rows)
         meta = SamplingMetadata.from_batch(
             columns, self.batch, rows, self._generators(rows), self.eos_token_ids

@@ -3,17 +3,25 @@
 The Sampler works on R rows (one per request that samples this step) in this order:
 
     raw logits -> logprobs (always from the raw logits, like vLLM's default)
-    raw logits -> banned tokens (min_tokens) -> penalties -> greedy rows: argmax
-                                             -> temperature -> top_k -> top_p -> min_p
-                                             -> random rows: exponential race
+    raw logits -> logit bias -> banned tokens (min_tokens) -> penalties, then
+        greedy rows: argmax
+        random rows: temperature -> top_k -> top_p -> min_p -> exponential race
 
 The exponential race picks argmax(p_i / E_i) with E_i ~ Exponential(1), which draws i with
 probability p_i. A seeded row draws its E from its own generator, so its tokens do not depend on
 the batch it shares a step with nor on its row position.
+
+For a large vocabulary a step's sampling costs its passes over (R, vocab) tensors
+(tests/unit/test_sampler_passes.py counts them), so a stage runs only when some row uses it
+(a penalty only when some row's is not neutral), the raw logits may come in the model's 16-bit
+dtype (each path widens them to float32 in its first pass: widening is exact, so the tokens are
+those of float32 logits), and once the sampler holds its own float32 copy the later stages
+write into it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -57,9 +65,10 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # (R,) int64, vocab_size where disabled
     top_p: torch.Tensor | None  # (R,) float32, 1.0 where disabled
     min_p: torch.Tensor | None  # (R,) float32, 0.0 where disabled
-    presence_penalties: torch.Tensor | None  # (R,) float32; None for no_penalties
-    frequency_penalties: torch.Tensor | None  # (R,) float32
-    repetition_penalties: torch.Tensor | None  # (R,) float32
+    # (R,) float32 each; None when no row has that penalty (0, 0 and 1 are neutral)
+    presence_penalties: torch.Tensor | None
+    frequency_penalties: torch.Tensor | None
+    repetition_penalties: torch.Tensor | None
     generators: dict[int, torch.Generator]  # row -> generator, random seeded rows only
     output_token_ids: list[list[int]]
     prompt_token_ids: list[list[int]]
@@ -72,13 +81,17 @@ class SamplingMetadata:
     pending_output_rows: torch.Tensor | None = None
     pending_output_tokens: torch.Tensor | None = None
     # The persistent batch's penalty state instead of the lists: (R, vocab) output token
-    # counts (float32) and prompt tokens seen (bool), on the device.
+    # counts (float32) and prompt tokens seen (bool; repetition penalties only), on the device.
     output_counts: torch.Tensor | None = None
     prompt_seen: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
-        return self.repetition_penalties is None
+        return (
+            self.repetition_penalties is None
+            and self.frequency_penalties is None
+            and self.presence_penalties is None
+        )
 
     @property
     def no_top_k(self) -> bool:
@@ -126,12 +139,11 @@ class SamplingMetadata:
                 min_p = column([p.min_p for p in params], torch.float32)
 
         presence = frequency = repetition = None
-        if any(
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-            for p in params
-        ):
+        if any(p.presence_penalty != 0.0 for p in params):
             presence = column([p.presence_penalty for p in params], torch.float32)
+        if any(p.frequency_penalty != 0.0 for p in params):
             frequency = column([p.frequency_penalty for p in params], torch.float32)
+        if any(p.repetition_penalty != 1.0 for p in params):
             repetition = column([p.repetition_penalty for p in params], torch.float32)
 
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
@@ -177,7 +189,8 @@ class SamplingMetadata:
             output_counts = batch.output_counts.index_select(0, columns.slots_t)
             if columns.own is not None:  # siblings sampling their first token count nothing
                 output_counts *= columns.own.unsqueeze(1)
-            prompt_seen = batch.prompt_seen.index_select(0, columns.slots_t)
+            if columns.repetition is not None:
+                prompt_seen = batch.prompt_seen.index_select(0, columns.slots_t)
         return cls(
             temperature=columns.temperature,
             all_greedy=columns.all_greedy,
@@ -217,6 +230,12 @@ def apply_logit_bias(
     logits: torch.Tensor, logit_bias: list[tuple[tuple[int, float], ...]]
 ) -> torch.Tensor:
     """Add each row's (token id, bias) pairs to its logits (out of place)."""
+    return _add_logit_bias_(logits.clone(), logit_bias)
+
+
+def _add_logit_bias_(
+    logits: torch.Tensor, logit_bias: list[tuple[tuple[int, float], ...]]
+) -> torch.Tensor:
     rows = [r for r, pairs in enumerate(logit_bias) for _ in pairs]
     cols = [t for pairs in logit_bias for t, _ in pairs]
     values = [b for pairs in logit_bias for _, b in pairs]
@@ -225,33 +244,39 @@ def apply_logit_bias(
         to_device(cols, torch.int64, logits.device),
     )
     bias = to_device(values, logits.dtype, logits.device)
-    return logits.index_put(index, bias, accumulate=True)
+    return logits.index_put_(index, bias, accumulate=True)
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
     """Set the banned tokens of each row to -inf (out of place)."""
-    rows = [r for r, ids in enumerate(banned_token_ids) for _ in ids]
-    if not rows:
+    if not any(banned_token_ids):
         return logits
+    return _ban_tokens_(logits.clone(), banned_token_ids)
+
+
+def _ban_tokens_(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
+    rows = [r for r, ids in enumerate(banned_token_ids) for _ in ids]
     cols = [t for ids in banned_token_ids for t in ids]
     index = (
         to_device(rows, torch.int64, logits.device),
         to_device(cols, torch.int64, logits.device),
     )
-    return logits.index_put(index, logits.new_full((), float("-inf")))
+    return logits.index_put_(index, logits.new_full((), float("-inf")))
 
 
 def apply_penalties(
     logits: torch.Tensor,
     prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],
-    presence_penalties: torch.Tensor,
-    frequency_penalties: torch.Tensor,
-    repetition_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor | None,
+    frequency_penalties: torch.Tensor | None,
+    repetition_penalties: torch.Tensor | None,
     pending_output_rows: torch.Tensor | None = None,
     pending_output_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Repetition (HF/vLLM), then frequency and presence (OpenAI/vLLM) penalties (out of place).
+    """Repetition (HF/vLLM), then frequency and presence (OpenAI/vLLM) penalties (out of place;
+    float32). A penalty given as None is neutral in every row (presence and frequency 0,
+    repetition 1), so its pass is skipped: it would leave every logit as it is.
 
     repetition: a token seen in the prompt or the output has a positive logit divided by the
         penalty and a negative one multiplied by it.
@@ -276,26 +301,34 @@ def apply_penalties(
 
 def apply_penalty_counts(
     logits: torch.Tensor,
-    prompt_seen: torch.Tensor,
+    prompt_seen: torch.Tensor | None,
     out_counts: torch.Tensor,
-    presence_penalties: torch.Tensor,
-    frequency_penalties: torch.Tensor,
-    repetition_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor | None,
+    frequency_penalties: torch.Tensor | None,
+    repetition_penalties: torch.Tensor | None,
 ) -> torch.Tensor:
-    """apply_penalties over (R, vocab) prompt_seen (bool) and out_counts (float32)."""
-    seen = prompt_seen | (out_counts > 0)
-    rep = repetition_penalties.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - frequency_penalties.unsqueeze(1) * out_counts
-    return logits - presence_penalties.unsqueeze(1) * (out_counts > 0).to(logits.dtype)
+    """apply_penalties over (R, vocab) prompt_seen (bool; read by repetition penalties only)
+    and out_counts (float32)."""
+    in_output = out_counts > 0
+    if repetition_penalties is not None:
+        assert prompt_seen is not None
+        rep = repetition_penalties.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(prompt_seen | in_output, penalized, logits)
+    if frequency_penalties is not None:
+        logits = logits - frequency_penalties.unsqueeze(1) * out_counts
+    if presence_penalties is not None:
+        # A bool factor is 0.0 or 1.0 inside the product: no float32 copy of in_output.
+        logits = logits - presence_penalties.unsqueeze(1) * in_output
+    return logits.float()
 
 
 def apply_top_k(
-    logits: torch.Tensor, top_k: torch.Tensor, max_k: int | None = None
+    logits: torch.Tensor, top_k: torch.Tensor, max_k: int | None = None, inplace: bool = False
 ) -> torch.Tensor:
     """Keep the k largest logits of each row (ties with the k-th kept); k >= vocab keeps all.
-    max_k: the largest enabled k, when the caller knows it (reading it off top_k syncs)."""
+    max_k: the largest enabled k, when the caller knows it (reading it off top_k syncs).
+    inplace: write into `logits` (here and in apply_top_p, apply_min_p)."""
     vocab_size = logits.shape[-1]
     enabled = top_k < vocab_size
     if max_k is None:
@@ -303,10 +336,10 @@ def apply_top_k(
     top_values = logits.topk(max_k, dim=-1).values  # (R, max_k), descending
     kth = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
     kth = torch.where(enabled.unsqueeze(1), kth, float("-inf"))
-    return logits.masked_fill(logits < kth, float("-inf"))
+    return _masked(logits, logits < kth, inplace)
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability reaches top_p.
 
     A token is kept when the probability of the tokens ranked before it is < top_p, so the
@@ -314,17 +347,25 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    # A row with top_p = 1 compares with +inf, which no mass reaches: it drops nothing.
+    limit = torch.where(top_p < 1.0, top_p, math.inf).unsqueeze(1)
+    drop_sorted = mass_before >= limit
     drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    return _masked(logits, drop, inplace)
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """Drop tokens whose probability is below min_p times the row's top probability."""
     probs = logits.softmax(dim=-1)
     threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    return _masked(logits, probs < threshold, inplace)
+
+
+def _masked(logits: torch.Tensor, drop: torch.Tensor, inplace: bool) -> torch.Tensor:
+    if inplace:
+        return logits.masked_fill_(drop, float("-inf"))
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -333,22 +374,26 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     E is drawn as -log(U), U ~ Uniform[0, 1) (on CPU several times faster than exponential_).
     A row in `generators` draws its noise from its own generator only; other rows share the
     default generator.
+
+    probs / log(U) = -(probs / E) exactly (division rounds symmetrically), so its argmin is the
+    race's winner, ties included (both take the first index), without a pass that negates.
+    U == 0 gives log(U) == -inf: that entry's ratio is -0.0, it cannot win.
     """
     uniform = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         uniform.uniform_()
     for row, generator in generators.items():
         uniform[row].uniform_(generator=generator)
-    noise = uniform.log_().neg_()  # U == 0 gives E == inf: that entry cannot win
-    return (probs / noise).argmax(dim=-1)
+    return torch.div(probs, uniform.log_(), out=uniform).argmin(dim=-1)
 
 
 def compute_logprobs_for(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
 ) -> LogprobsTensors:
-    """Logprob and 1-based rank of `token_ids` (N,) under `logits` (N, vocab), plus the top-k."""
+    """Logprob and 1-based rank of `token_ids` (N,), on the logits' device, under `logits`
+    (N, vocab), plus the top-k."""
     logprobs = logits.float().log_softmax(dim=-1)
-    token_ids = token_ids.to(device=logits.device, dtype=torch.int64)
+    token_ids = token_ids.long()
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # (N, 1)
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     ids = token_ids.unsqueeze(1)
@@ -360,46 +405,48 @@ def compute_logprobs_for(
 
 
 class Sampler:
-    """Picks one token per row from (R, vocab) float32 logits; see the module docstring."""
+    """Picks one token per row from (R, vocab) logits, float32 or the model's 16-bit dtype (as
+    if widened to float32 first); see the module docstring. `logits` is never written."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        raw_logits = logits
-        logits = logits.float()
-        if meta.logit_bias:
-            logits = apply_logit_bias(logits, meta.logit_bias)
-        if any(meta.banned_token_ids):
-            logits = apply_banned_tokens(logits, meta.banned_token_ids)
-        if meta.repetition_penalties is not None:
-            assert meta.presence_penalties is not None and meta.frequency_penalties is not None
-            if meta.output_counts is not None and meta.prompt_seen is not None:
-                logits = apply_penalty_counts(
-                    logits,
-                    meta.prompt_seen,
-                    meta.output_counts,
-                    meta.presence_penalties,
-                    meta.frequency_penalties,
-                    meta.repetition_penalties,
-                )
-            else:
-                logits = apply_penalties(
-                    logits,
-                    meta.prompt_token_ids,
-                    meta.output_token_ids,
-                    meta.presence_penalties,
-                    meta.frequency_penalties,
-                    meta.repetition_penalties,
-                    meta.pending_output_rows,
-                    meta.pending_output_tokens,
-                )
-        sampled = self.sample(logits, meta)
+        processed, own = self.process(logits, meta)
+        sampled = self.sample(processed, meta, own)
         logprobs = None
         if meta.max_num_logprobs is not None:
-            logprobs = compute_logprobs_for(raw_logits, sampled, meta.max_num_logprobs)
+            logprobs = compute_logprobs_for(logits, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, logprobs)
 
     @staticmethod
-    def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Greedy and random rows of already penalized logits -> (R,) int64 token ids."""
+    def process(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, bool]:
+        """Logit bias, banned tokens and penalties -> (logits, whether they are a float32 tensor
+        of the sampler's own, which later stages may write into; else `logits` itself)."""
+        own = False
+        if meta.logit_bias or any(meta.banned_token_ids):
+            logits, own = logits.to(torch.float32, copy=True), True
+            if meta.logit_bias:
+                _add_logit_bias_(logits, meta.logit_bias)
+            if any(meta.banned_token_ids):
+                _ban_tokens_(logits, meta.banned_token_ids)
+        if meta.no_penalties:
+            return logits, own
+        penalties = (meta.presence_penalties, meta.frequency_penalties, meta.repetition_penalties)
+        if meta.output_counts is not None:
+            logits = apply_penalty_counts(logits, meta.prompt_seen, meta.output_counts, *penalties)
+        else:
+            logits = apply_penalties(
+                logits,
+                meta.prompt_token_ids,
+                meta.output_token_ids,
+                *penalties,
+                meta.pending_output_rows,
+                meta.pending_output_tokens,
+            )
+        return logits, True
+
+    @staticmethod
+    def sample(logits: torch.Tensor, meta: SamplingMetadata, own: bool = False) -> torch.Tensor:
+        """Greedy and random rows of already penalized logits -> (R,) int64 token ids. own:
+        `logits` is the sampler's float32 copy, which the random rows' stages write into."""
         greedy = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:
             assert greedy is not None
@@ -407,13 +454,17 @@ class Sampler:
         temperature = meta.temperature
         assert temperature is not None
         is_greedy = temperature < SAMPLING_EPS
-        logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+        divisor = temperature if meta.all_random else torch.where(is_greedy, 1.0, temperature)
+        if own:
+            logits = logits.div_(divisor.unsqueeze(1))
+        else:
+            logits = logits / divisor.unsqueeze(1)  # float32: a tensor of the sampler's own
         if meta.top_k is not None:
-            logits = apply_top_k(logits, meta.top_k, meta.max_top_k or None)
+            apply_top_k(logits, meta.top_k, meta.max_top_k or None, inplace=True)
         if meta.top_p is not None:
-            logits = apply_top_p(logits, meta.top_p)
+            apply_top_p(logits, meta.top_p, inplace=True)
         if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
+            apply_min_p(logits, meta.min_p, inplace=True)
         sampled = random_sample(logits.softmax(dim=-1), meta.generators)
         if greedy is None:
             return sampled

@@ -65,8 +65,11 @@ class InputBuffers:
         self.prefill_query_lens = self._pair((max_reqs,), int32)
         self.prefill_seq_lens = self._pair((max_reqs,), int32)
         self.prefill_block_tables = self._pair((max_reqs, max_blocks_per_seq), int32)
+        # The hidden-state row each sampling row reads (filled by row_index, after prepare).
+        self.sample_rows = self._pair((max_reqs,), int64)
 
-    def _pair(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    def _pair(self, shape: tuple[int, ...], dtype: torch.dtype, index: int | None = None) -> int:
+        """A (host, device) pair of buffers, appended, or replacing pair `index`."""
         pin = self.device.type == "cuda"
         host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         dev = (
@@ -74,6 +77,9 @@ class InputBuffers:
             if self.device.type == "cpu"
             else torch.zeros(shape, dtype=dtype, device=self.device)
         )
+        if index is not None:
+            self._pairs[index] = (host, dev)
+            return index
         self._pairs.append((host, dev))
         return len(self._pairs) - 1
 
@@ -155,6 +161,19 @@ class InputBuffers:
         if self._copied is not None:
             self._copied.record()
         return input_ids, positions, meta
+
+    def row_index(self, rows: list[int]) -> torch.Tensor:
+        """`rows` (the hidden-state row of each sampling row) as an int64 device tensor, copied
+        through the persistent sample_rows buffer. Call after prepare() in the same step: it
+        waited for the previous step's copies, and the event is recorded again after this one."""
+        n = len(rows)
+        if n > len(self._pairs[self.sample_rows][0]):  # n > 1 forks: more rows than requests
+            self._pair((2 * n,), torch.int64, self.sample_rows)
+        self.host(self.sample_rows)[:n] = rows
+        index = self.device_view(self.sample_rows, n)
+        if self._copied is not None:
+            self._copied.record()
+        return index
 
     def _fill_tokens(self, token_ids: list[list[int]], layout: _Layout, block_size: int) -> None:
         """Input ids, positions and slot mapping of the flat batch's real rows."""

@@ -163,6 +163,19 @@ def test_throughput_defaults_are_w1():
     assert record["num_prompt_tokens"] == 3 and record["num_output_tokens"] == 4
 
 
+def test_throughput_warmup_is_shaped_like_the_workload():
+    requests = random_workload(20, (16, 64), (4, 8), seed=0, shared_prefix_len=16)
+    warmup = throughput.warmup_requests(requests)
+    assert [len(w.prompt_token_ids) for w in warmup] == [
+        len(r.prompt_token_ids) for r in requests[:8]
+    ]
+    assert [w.output_len for w in warmup] == [4, 6, 8, 10, 12, 14, 16, 18]
+    # No warm-up block (the first 16 tokens of a prompt) is one of the workload's.
+    assert not {tuple(w.prompt_token_ids[:16]) for w in warmup} & {
+        tuple(r.prompt_token_ids[:16]) for r in requests
+    }
+
+
 def test_throughput_flags():
     args = _parser(throughput).parse_args(
         [

@@ -243,9 +243,11 @@ def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:
             VOCAB,
             "cpu",
         )
-        if ref.repetition_penalties is not None:
+        if not ref.no_penalties:
             checked_penalties = True
-            assert fast.output_counts is not None and fast.prompt_seen is not None
+            assert fast.output_counts is not None
+            # prompt tokens seen are gathered only for repetition penalties
+            assert (fast.prompt_seen is None) == (ref.repetition_penalties is None)
             args = (ref.presence_penalties, ref.frequency_penalties, ref.repetition_penalties)
             assert torch.equal(
                 apply_penalty_counts(logits, fast.prompt_seen, fast.output_counts, *args),

@@ -74,3 +74,13 @@ def test_all_padding_batch_for_capture() -> None:
     ids, pos, meta = _buffers().prepare([], [], [], BS, pad_to=2, full_width=True)
     assert ids.tolist() == [0, 0] and meta.slot_mapping.tolist() == [-1, -1]
     assert meta.decode_seq_lens.tolist() == [0, 0] and meta.decode_token_idx.tolist() == [0, 1]
+
+
+def test_row_index_of_the_sampling_rows() -> None:
+    buf = _buffers()
+    buf.prepare([[1, 2, 3], [4]], [3, 5], [[0], [1, 2]], BS)
+    assert buf.row_index([2, 3]).tolist() == [2, 3]
+    # forks sample several rows from one hidden state: more rows than requests (8) widen it
+    rows = [2] * 5 + [3] * 6
+    assert buf.row_index(rows).tolist() == rows
+    assert buf.row_index([0]).tolist() == [0]

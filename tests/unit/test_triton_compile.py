@@ -12,7 +12,7 @@ flag is read when pagoda.kernels is imported) runs with it unset and with a stan
 reports an sm_90 target. It calls the real wrappers (`paged_decode_attention`, `write_kv_cache`,
 ...) on CPU tensors laid out as the model's (q, k, v column views of one qkv tensor, block tables
 views of a wider buffer), so each `kernel[grid](...)` goes through the JIT's own binder (argument
-types, ints specialized when 1 or divisible by 16, constexprs, launch options such as
+types, ints specialized when 1 or divisible by 16 unless the kernel says not to, constexprs, launch options such as
 `enable_fp_fusion`) into `triton.compile(ASTSource(...), target)`, and returns the compiled kernel
 instead of launching it. The subprocess prints one JSON line per (case, kernel): its constexprs,
 shared memory from the kernel metadata (what the launch requests) and registers, stack and
@@ -61,7 +61,8 @@ H100_MAX_SHARED = (
 LAYER_KERNELS = ["_rms_norm_kernel", "_rotary_qk_kernel", "_silu_and_mul_kernel"]
 # Weight-only quantized GEMMs (pagoda/kernels/quant_matmul.py) per model and model dtype:
 # (format, group size or "row", N, K) of a real layer; the fused kernel at M = 1 and M = 16
-# (M == 1 and M % 16 == 0 specialize differently) and the dequantize kernel of large M.
+# (M is not specialized, so both compile the one BLOCK_M = 16 variant: M = 1 was its own variant
+# before) and the dequantize kernel of large M.
 QUANT_LAYERS: dict[str, list[tuple[str, int | str, int, int]]] = {
     "smollm2-135m": [
         ("w4a16", 32, 3072, 576),
