@@ -15,7 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+
+# Under pytest-xdist (`make test` runs one worker per core) each worker gets its share of the
+# cores: with more OpenMP threads than cores, the many tiny matmuls wait for each other's
+# threads. Set before torch is imported (it reads this once); subprocesses inherit it.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import torch  # noqa: E402
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Triton kernels run in Triton's interpreter on CPU-only machines; the flag is read when the
 # kernels are defined, so it is set before any test imports pagoda.kernels.
