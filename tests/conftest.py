@@ -15,18 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-# Under pytest-xdist (`make test` runs one worker per core) each worker gets its share of the
-# cores: with more OpenMP threads than cores, the many tiny matmuls wait for each other's
-# threads. Set before torch is imported (it reads this once); subprocesses inherit it.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if _WORKERS > 1:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
-
-import torch  # noqa: E402
-
-if _WORKERS > 1:
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+import torch
 
 # Triton kernels run in Triton's interpreter on CPU-only machines; the flag is read when the
 # kernels are defined, so it is set before any test imports pagoda.kernels.
@@ -36,6 +25,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from pagoda.loading.model_files import resolve_model
 from pagoda.loading.tokenizer import load_tokenizer
+
+# Under pytest-xdist (`make test` runs a worker per core) each worker gets its share of the
+# cores: with more OpenMP threads than cores, the many tiny matmuls wait for each other's
+# threads. Servers and engines the tests start inherit the variable.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 

@@ -13,6 +13,7 @@ token the previous step sampled straight from the device (_fill_placeholders).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +22,6 @@ from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.quant_forms import triton_weights
 from pagoda.models.interface import CausalLM
-from pagoda.runner.compilation import CompiledDecode
 from pagoda.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from pagoda.runner.device import to_device, torch_dtype
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
@@ -39,6 +39,9 @@ from pagoda.scheduling.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from pagoda.runner.compilation import CompiledDecode
 
 # (batch, block-table width) of the warm-up decode steps: one per compiled graph.
 WARMUP_SHAPES = ((1, 2), (2, 2))
@@ -86,7 +89,7 @@ class ModelRunner:
         # without graphs runs the padded batches eagerly, the reference of a replay.
         self.decode_sizes = capture_sizes(max_num_seqs) if use_cuda_graphs else None
         self.graphs: DecodeGraphs | None = None
-        self.compiled = CompiledDecode(model) if compile_decode else None
+        self.compiled = _compiled_decode(model) if compile_decode else None
         self.sampler = Sampler()
         self.batch = InputBatch(
             model_config.vocab_size, max(64, max_num_seqs), device, self.max_blocks_per_seq
@@ -451,3 +454,11 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A pinned host tensor that a non_blocking copy from `t` fills in stream order."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
+
+
+def _compiled_decode(model: CausalLM) -> CompiledDecode:
+    # Imported here: torch._dynamo takes over a second to import, and only -O1 and above on
+    # CPU use it (every engine and server process would pay it otherwise).
+    from pagoda.runner.compilation import CompiledDecode
+
+    return CompiledDecode(model)

@@ -6,8 +6,9 @@ On CPU the model runs on the host, so nothing overlaps here; what is tested is t
 reordered bookkeeping changes no token, finish reason or block, and no logprob beyond the
 rounding the determinism rule allows (tests/equivalence.py: batches differ between the two
 engines, so the last bits of a row's sums may too). The triton backend with
-padded decode batches runs async in tests/engine/test_triton_backend.py; tests/gpu/ repeats the
-comparison with CUDA graphs and real overlap.
+padded decode batches runs async in tests/engine/test_triton_backend.py, compiled decode steps
+(-O2) in tests/engine/test_compiled_decode.py; tests/gpu/ repeats the comparison with CUDA
+graphs and real overlap.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def test_default_is_on_for_cuda_only() -> None:
     "engine_args",
     [
         {},
-        {"max_num_batched_tokens": 8},  # prompts in many chunks beside decodes
+        {"max_num_batched_tokens": 16},  # prompts in many chunks beside decodes
         {"num_gpu_blocks_override": 24},  # preemption while steps are in flight
         {"enable_prefix_caching": False, "max_num_seqs": 3},
     ],
@@ -178,12 +179,3 @@ def test_abort_and_id_reuse_while_a_step_is_in_flight(tiny_llama: str) -> None:
     assert tokens == {"a": alone[2], "b": alone[1]}
     pool = engine.kv_cache_manager.pool
     assert pool.num_free_blocks == pool.num_blocks
-
-
-def test_async_compiled_decode_equals_sync(tiny_llama: str) -> None:
-    """-O2 on CPU: decode steps through torch.compile read the placeholder-filled inputs."""
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    expected = _outputs(_llm(tiny_llama, False), PROMPTS[:4], params)
-    llm = _llm(tiny_llama, True, optimization_level=2, max_num_seqs=4)
-    assert llm.engine.runner.compiled is not None
-    assert_same_outputs(_outputs(llm, PROMPTS[:4], params), expected)

@@ -1,8 +1,10 @@
 """Compiled decode steps on CPU (-O1 and above, pagoda/runner/compilation.py): greedy tokens equal HF's
 (near-tie rules of tests/oracle.py) while prompts arrive in chunks beside other requests'
 decodes, decode batches shrink from five requests to one, and block tables grow from one block
-to several; no step after startup compiles again. SmolLM2's GGUF (slow), compiled against
-eager teacher-forced (rule 6). Also the level arithmetic of EngineConfig and the CLI flag."""
+to several; no step after startup compiles again. Under async scheduling (Qwen3 with an int8
+KV cache) the compiled steps read the placeholder-filled inputs and give exactly the tokens of
+the synchronous eager engine. SmolLM2's GGUF (slow), compiled against eager teacher-forced
+(rule 6). Also the level arithmetic of EngineConfig and the CLI flag."""
 
 from __future__ import annotations
 
@@ -42,12 +44,17 @@ def _compiled_llm(path: str, **kwargs: Any) -> LLM:
     )
 
 
-# llama: llama3 rope, sharded checkpoint; qwen3: per-head q/k norm, here with an int8 KV cache.
+# llama: llama3 rope, sharded checkpoint; qwen3: per-head q/k norm, here with an int8 KV cache
+# and async scheduling (as on a GPU by default).
 @pytest.mark.parametrize(("arch", "kv_cache_dtype"), [("llama", "auto"), ("qwen3", "int8")])
 def test_compiled_decode_greedy_matches_hf(
     arch: str, kv_cache_dtype: str, tiny_model_dir: Any, tiny_hf_model: Any
 ) -> None:
-    llm = _compiled_llm(tiny_model_dir(arch), kv_cache_dtype=kv_cache_dtype)
+    async_scheduling = kv_cache_dtype != "auto"
+    llm = _compiled_llm(
+        tiny_model_dir(arch), kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling
+    )
+    assert llm.engine.async_scheduling == async_scheduling
     runner = llm.engine.runner
     assert runner.compiled is not None
     compiled_batches: list[int] = []
@@ -68,7 +75,7 @@ def test_compiled_decode_greedy_matches_hf(
     if kv_cache_dtype == "auto":
         hf = hf_greedy(tiny_hf_model(arch), PROMPTS, max(MAX_TOKENS))
         assert_outputs_match(outs, [(t[:n], lp[:n]) for n, (t, lp) in zip(MAX_TOKENS, hf)])
-    else:  # a quantized cache is not HF's: compare with the same engine run eagerly
+    else:  # a quantized cache is not HF's: compare with the same engine run eagerly, in sync
         eager = LLM(
             tiny_model_dir(arch),
             quantization="none",

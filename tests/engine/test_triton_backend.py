@@ -24,6 +24,17 @@ def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True)
+def _few_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage-1 programs for ~16 (kv head, split) pairs a step instead of an H100's 264: the
+    interpreter runs each program alone, so at 264 a tiny model's step launches up to 8 splits
+    per head. Decode batches still span both paths: one request gets 8 splits (two stages), 4 get
+    2, 8 get one (the direct path); the split arithmetic itself is tested on the kernels."""
+    import pagoda.kernels.attention as attention
+
+    monkeypatch.setattr(attention, "_TARGET_PROGRAMS", 16)
+
+
 def _triton_llm(path: str, **kwargs: Any) -> LLM:
     return LLM(
         path,
@@ -48,12 +59,17 @@ def test_triton_backend_greedy_matches_hf(arch: str, tiny_model_dir: Any, tiny_h
     assert_outputs_match(outs, expected)
 
 
-def test_padded_decode_batches_match_hf(tiny_model_dir: Any, tiny_hf_model: Any) -> None:
+# Three requests decode as 4 rows; five (slow: the interpreter's time) as 8, then fewer.
+@pytest.mark.parametrize("num_prompts", [3, pytest.param(5, marks=pytest.mark.slow)])
+def test_padded_decode_batches_match_hf(
+    num_prompts: int, tiny_model_dir: Any, tiny_hf_model: Any
+) -> None:
     # As on a GPU by default: async scheduling writes placeholder inputs into padded buffers.
+    prompts = PROMPTS[:num_prompts]
     llm = _triton_llm(tiny_model_dir("llama"), max_num_seqs=8, async_scheduling=True)
     assert llm.engine.async_scheduling
     runner = llm.engine.runner
-    runner.decode_sizes = capture_sizes(8)  # 1, 2, 4, 8: 5 requests decode as 8 rows, 3 as 4
+    runner.decode_sizes = capture_sizes(8)  # 1, 2, 4, 8
     seen: list[int] = []
     execute = runner.execute
 
@@ -63,9 +79,9 @@ def test_padded_decode_batches_match_hf(tiny_model_dir: Any, tiny_hf_model: Any)
         return execute(out)
 
     runner.execute = spy  # type: ignore[method-assign]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], _greedy())
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], _greedy())
     assert any(n not in runner.decode_sizes for n in seen), seen  # some steps were padded
-    expected = hf_greedy(tiny_hf_model("llama"), PROMPTS, MAX_TOKENS)
+    expected = hf_greedy(tiny_hf_model("llama"), prompts, MAX_TOKENS)
     assert_outputs_match(outs, expected)
 
 
@@ -95,8 +111,8 @@ def _decode_launches() -> Any:
 def test_decode_step_launches(arch: str, tiny_model_dir: Any) -> None:
     """A decode layer is ten launches: one of them normalizes q and k per head (Qwen3), rotates
     them and writes the KV cache. The forward adds three: the embedding, the gather of the angles
-    (kept in the model dtype: no cast), the final norm; the LM head, its cast to float32 and
-    greedy sampling follow it."""
+    (kept in the model dtype: no cast), the final norm; the LM head and greedy sampling (argmax
+    straight from the model-dtype logits: no cast to float32) follow it."""
     record = _decode_launches().count_model(Path(tiny_model_dir(arch)))
     assert record["layer"] == {
         "aten.linear": 4,
@@ -107,4 +123,4 @@ def test_decode_step_launches(arch: str, tiny_model_dir: Any) -> None:
         "triton._silu_and_mul_kernel": 1,
     }
     assert record["forward_launches"] == 10 * record["num_layers"] + 3
-    assert record["outside_forward"] == {"aten.linear": 1, "aten.to": 1, "aten.argmax": 1}
+    assert record["outside_forward"] == {"aten.linear": 1, "aten.argmax": 1}

@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -108,8 +108,19 @@ def _wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
     return False
 
 
-def test_api_key(start_server: StartServer, tiny_llama_dir: str) -> None:
-    server = start_server(tiny_llama_dir, *SMALL_POOL, api_key="sekret")
+API_KEY = "sk-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_llama_dir: str) -> Iterator[ServerProcess]:
+    """One server with an API key for both key tests (they only read)."""
+    server = ServerProcess(tiny_llama_dir, SMALL_POOL, api_key=API_KEY).wait_ready()
+    yield server
+    server.stop()
+
+
+def test_api_key(keyed_server: ServerProcess) -> None:
+    server = keyed_server
     url = server.url
     _assert_error_shape(httpx.get(url + "/v1/models"), 401)
     bad = {"Authorization": "Bearer wrong"}
@@ -123,12 +134,9 @@ def test_api_key(start_server: StartServer, tiny_llama_dir: str) -> None:
     assert out.usage is not None and out.usage.completion_tokens == 3
 
 
-def test_api_key_compared_whole_whatever_its_length(
-    start_server: StartServer, tiny_llama_dir: str
-) -> None:
-    key = "sk-0123456789abcdef"
-    server = start_server(tiny_llama_dir, *SMALL_POOL, api_key=key)
-    url = server.url + "/v1/models"
+def test_api_key_compared_whole_whatever_its_length(keyed_server: ServerProcess) -> None:
+    key = API_KEY
+    url = keyed_server.url + "/v1/models"
     wrong = [
         key[:-1],  # a prefix: shorter
         key + "0",  # longer
@@ -254,29 +262,12 @@ def _engine_pid(server_pid: int) -> int:
     raise LookupError("no engine process found")
 
 
-def test_engine_death_fails_requests_and_exits(
+def test_engine_death_fails_streams_logs_them_and_exits(
     start_server: StartServer, tiny_llama_dir: str
 ) -> None:
-    server = start_server(tiny_llama_dir, *SMALL_POOL)
-    stream = Stream(server, {"prompt": "interrupted", **LONG})
-    assert stream.first.wait(60)
-    os.kill(_engine_pid(server.proc.pid), signal.SIGKILL)
-    events = stream.wait(30)
-    assert events[-1] == "[DONE]"
-    error = json.loads(events[-2])["error"]
-    assert error["code"] == 503 and "engine" in error["message"]
-    try:
-        assert server.get("/health").status_code == 503
-    except httpx.TransportError:
-        pass  # already gone: exiting is what matters
-    assert server.proc.wait(30) != 0
-
-
-def test_stream_errors_are_logged_with_the_request_id(
-    start_server: StartServer, tiny_llama_dir: str
-) -> None:
-    """An error raised once a stream has started reaches the client as an SSE event and is
-    logged by the server with the request's id (here: the engine process dies mid-stream)."""
+    """The engine process dies mid-stream: each open stream ends with an SSE error event (503,
+    naming the engine) and [DONE], the server logs each error with the request's id, answers
+    /health with 503 (unless already gone) and exits non-zero."""
     server = start_server(tiny_llama_dir, *SMALL_POOL)
     model = _model(server)
     completion = Stream(server, {"prompt": "interrupted", "request_id": "cmpl-logged-1", **LONG})
@@ -296,8 +287,13 @@ def test_stream_errors_are_logged_with_the_request_id(
     for stream in (completion, chat):
         events = stream.wait(30)
         assert events[-1] == "[DONE]"
-        assert json.loads(events[-2])["error"]["code"] == 503
-    server.proc.wait(30)
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "engine" in error["message"]
+    try:
+        assert server.get("/health").status_code == 503
+    except httpx.TransportError:
+        pass  # already gone: exiting is what matters
+    assert server.proc.wait(30) != 0
     log = server.log()
     for rid in ("cmpl-logged-1", "chat-logged-2"):
         lines = [line for line in log.splitlines() if rid in line]
