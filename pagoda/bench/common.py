@@ -171,13 +171,13 @@ def gguf_weight_type(model: str | None) -> str | None:
     import collections
     import os
 
-    from gguf import GGUFReader
-
     from pagoda.loading.model_files import resolve_model
 
     folder, gguf_file = resolve_model(model)
     if gguf_file is None:
         return None
+    from gguf import GGUFReader  # only here: an HF folder runs without the gguf package
+
     types = collections.Counter(
         t.tensor_type.name for t in GGUFReader(os.path.join(folder, gguf_file)).tensors
     )

@@ -1,5 +1,10 @@
 """Batch-1 latency (B1): one random-token prompt, greedy decode with ignore_eos; TTFT and
-decode tok/s, median over iterations, optionally against HF transformers in the same run."""
+tok/s two ways, median over iterations, optionally against HF transformers in the same run.
+
+decode_tok_s is the decode rate after the first token, (n - 1) / (last - first token);
+e2e_tok_s is n / end-to-end time, submission to last token, prefill included: how `vllm bench
+latency` figures are turned into tok/s (output_len / avg latency), so it is the one to set
+beside vLLM's B1 anchor."""
 
 from __future__ import annotations
 
@@ -44,6 +49,10 @@ class IterTiming:
     @property
     def decode_tok_s(self) -> float | None:
         return decode_tok_s(self.num_tokens, self.ttft_s, self.last_token_s)
+
+    @property
+    def e2e_tok_s(self) -> float | None:
+        return self.num_tokens / self.last_token_s if self.last_token_s > 0 else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
         same = weights["quantization"] == "gguf"
     peer = record["peer"] or {}
     # Every ratio is pagoda / peer: above 1 is better for tok/s, below 1 is better for ms.
-    for key in ("ttft_ms", "decode_tok_s", "e2e_ms"):
+    for key in ("ttft_ms", "decode_tok_s", "e2e_tok_s", "e2e_ms"):
         record[f"ratio_{key}"] = ratio(record["pagoda"][key], peer.get(key))
     if peer:
         record.update(
@@ -137,6 +146,7 @@ def main(args: argparse.Namespace) -> int:
             )
         )
         log(record["ratio_line"])
+    log(rates_line(record["pagoda"], args.output_len))
     emit(record, args.output_json)
     return 0
 
@@ -145,18 +155,40 @@ def summarize(timings: list[IterTiming]) -> dict[str, Any]:
     """Medians over iterations, plus the per-iteration values. decode_ms_per_token is the
     batch-1 decode step time as the client sees it (1000 / decode_tok_s)."""
     rates = [t.decode_tok_s for t in timings]
-    known = [r for r in rates if r is not None]
-    rate = median(known) if known else None
+    e2e_rates = [t.e2e_tok_s for t in timings]
+    rate, e2e_rate = _median_known(rates), _median_known(e2e_rates)
     return {
         "ttft_ms": round(median([t.ttft_s * 1e3 for t in timings]), 2),
         "decode_tok_s": None if rate is None else round(rate, 2),
         "decode_ms_per_token": None if rate is None else round(1e3 / rate, 2),
+        "e2e_tok_s": None if e2e_rate is None else round(e2e_rate, 2),
         "e2e_ms": round(median([t.last_token_s * 1e3 for t in timings]), 2),
         "num_output_tokens": [t.num_tokens for t in timings],
         "num_cached_tokens": [t.num_cached_tokens for t in timings],
         "iters_ttft_ms": [round(t.ttft_s * 1e3, 2) for t in timings],
         "iters_decode_tok_s": [None if r is None else round(r, 2) for r in rates],
+        "iters_e2e_tok_s": [None if r is None else round(r, 2) for r in e2e_rates],
     }
+
+
+def _median_known(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return median(known) if known else None
+
+
+def rates_line(summary: dict[str, Any], output_len: int) -> str:
+    """B1 both ways in words: the decode rate after the first token, and output_len /
+    end-to-end time (vLLM's way)."""
+
+    def shown(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.1f}"
+
+    return (
+        f"B1: decode {shown(summary['decode_tok_s'])} tok/s after the first token; "
+        f"{output_len} / end-to-end {shown(summary['e2e_tok_s'])} tok/s (vLLM's way: output "
+        f"tokens over submission to last token, prefill included); TTFT "
+        f"{summary['ttft_ms']:,.1f} ms, end-to-end {summary['e2e_ms']:,.1f} ms"
+    )
 
 
 def run_pagoda(

@@ -176,6 +176,7 @@ def test_bench_throughput_and_latency_on_config_only_folder(
     record = json.loads(capsys.readouterr().out)
     assert record["engine_args"]["skip_tokenizer_init"] is True
     assert record["pagoda"]["num_output_tokens"] == [4]
+    assert record["pagoda"]["e2e_tok_s"] > 0 and record["pagoda"]["decode_tok_s"] > 0
 
 
 def test_serve_refuses_skip_tokenizer_init(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,8 +1,8 @@
 """Weight-only quantized GEMMs on the GPU (skipped without CUDA): the Triton w4a16 / w8a16 kernels
 of pagoda/kernels/quant_matmul.py at the real layer shapes of the benchmark models in bf16 against
 dequantize-then-matmul references, replayed from a CUDA graph, and tiny models end to end with
---quantization int4 / int8 against "none". tests/unit/test_triton_quant_matmul.py runs the same
-kernels in the interpreter.
+--quantization int4 / int8 against "none" (token ids only: no tokenizer, so no embedded model is
+needed). tests/unit/test_triton_quant_matmul.py runs the same kernels in the interpreter.
 
 Tolerances: max |y - ref| <= 1.5% of max |ref| in bf16 (the interpreter measures at most 0.42%).
 End to end, top-1 agreement with "none" over 599 prompt positions and the perplexity change: the
@@ -125,6 +125,7 @@ def _llm(folder: str, quantization: str, **kwargs: object) -> LLM:
         max_model_len=1024,
         max_num_seqs=16,
         kv_cache_memory_bytes=1 << 28,
+        skip_tokenizer_init=True,
         **kwargs,
     )
 
@@ -149,8 +150,10 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # tied head / untied head, sharded file
-def test_tiny_model_int4_int8_against_none(arch: str, tiny_model_dir: Callable[[str], str]) -> None:
-    folder = tiny_model_dir(arch)
+def test_tiny_model_int4_int8_against_none(
+    arch: str, tiny_weights_dir: Callable[[str], str]
+) -> None:
+    folder = tiny_weights_dir(arch)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 10000, (600,), generator=gen).tolist()
     prompts = [ids[i : i + 7 + 3 * i] for i in range(8)]

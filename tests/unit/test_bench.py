@@ -209,6 +209,12 @@ def test_latency_defaults_and_summary():
     assert s["decode_tok_s"] == 10.0  # per-iteration 10, 5, 20
     assert s["e2e_ms"] == 1100.0
     assert s["iters_decode_tok_s"] == [10.0, 5.0, 20.0]
+    # vLLM's way: output tokens over submission to last token, prefill included.
+    assert s["iters_e2e_tok_s"] == [10.0, 4.78, 15.71]
+    assert s["e2e_tok_s"] == 10.0
+    line = latency.rates_line(s, 11)
+    assert "decode 10.0 tok/s after the first token" in line
+    assert "11 / end-to-end 10.0 tok/s" in line
 
 
 def test_precision_labels():
@@ -306,7 +312,10 @@ def test_latency_peer_llama_cpp_record_names_the_same_file(monkeypatch, capsys):
     assert record["precisions"]["peer"] == llama_cpp_precision("Q4_1")
     assert "the same file" in record["ratio_line"] and record["same_weights"] is True
     assert record["pagoda"]["decode_ms_per_token"] == 100.0
+    assert record["pagoda"]["e2e_tok_s"] == record["peer"]["e2e_tok_s"] == 10.0
+    assert record["ratio_e2e_tok_s"] == record["ratio_decode_tok_s"] == 1.0
     assert record["ratio_line"] in captured.err
+    assert latency.rates_line(record["pagoda"], args.output_len) in captured.err
 
 
 @pytest.mark.slow
