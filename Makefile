@@ -33,8 +33,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy pagoda
 
+# One pytest-xdist worker per core (at most 4); each test file runs whole on one worker, so its
+# module-scoped engines and servers start once.
 test: lint typecheck
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x --durations=15 -n auto --maxprocesses 4 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/pagoda bench throughput --num-prompts 64 --input-len-range 16,256 --output-len-range 16,256 --peer hf
