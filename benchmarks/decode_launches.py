@@ -1,9 +1,11 @@
 """Device launches of one batch-1 decode step on the triton backend, counted without a GPU.
 
-B1 on a GPU replays the decode forward as one CUDA graph, whose replay cost grows with its node
-count (each node a kernel), then launches the LM head and sampling eagerly. This script runs the
-same Python path on CPU (Triton in its interpreter, random weights from a config-only folder,
-bfloat16 as on a GPU) and counts what would be launched:
+B1 on a GPU replays the decode step as one CUDA graph, whose replay cost grows with its node
+count (each node a kernel): the forward, the LM head and the argmax (the runner's decode_body);
+sampling launches whatever else it needs eagerly (nothing for a greedy batch). This script runs
+the same Python path on CPU (Triton in its interpreter, random weights from a config-only folder,
+bfloat16 as on a GPU, the batch padded to the graph sizes as a replay is) and counts what would
+be launched:
 - every Triton kernel launch;
 - every torch operator that runs a kernel: views, bare allocations (`empty*`) and aliasing
   operators that return their input (`to` a dtype it has) are not counted.
@@ -15,8 +17,8 @@ usually one kernel there).
 
     python benchmarks/decode_launches.py [benchmarks/models/SmolLM2-135M-Instruct ...]
 
-Prints one JSON line per model: launches in the decode forward (the graph's nodes), in one layer,
-outside the forward (LM head and sampling), and one layer's launches by name.
+Prints one JSON line per model: launches in the decode forward, in the graph (the forward, LM
+head and argmax), in one layer, outside the graph (sampling), and one layer's launches by name.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from pagoda import LLM, SamplingParams  # noqa: E402
+from pagoda.runner.cuda_graphs import capture_sizes  # noqa: E402
 
 MODELS = Path(__file__).parent / "models"
 DEFAULT_MODELS = ["SmolLM2-135M-Instruct", "Qwen3-0.6B", "Llama-3.2-1B"]
@@ -120,10 +123,12 @@ def count_model(folder: Path) -> dict[str, Any]:
         async_scheduling=False,
     )
     runner = llm.engine.runner
+    runner.decode_sizes = capture_sizes(1)  # decode steps run the graph's body, eagerly
     model = runner.model
     counter = LaunchCounter()
     last: dict[str, Counter[str]] = {}  # the latest decode step's windows: step, forward, layer
-    execute, forward, layer0 = runner.execute, model.forward, model.model.layers[0].forward
+    execute, forward = runner.execute, model.forward
+    layer0 = model.model.layers[0]
 
     def wrap(f: Callable[..., Any], key: str) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -145,7 +150,10 @@ def count_model(folder: Path) -> dict[str, Any]:
 
     runner.execute = step  # type: ignore[method-assign]
     model.forward = wrap(forward, "forward")  # type: ignore[method-assign]
-    model.model.layers[0].forward = wrap(layer0, "layer")  # type: ignore[method-assign]
+    runner.decode_body = wrap(runner.decode_body, "graph")  # type: ignore[method-assign]
+    # The layer runs one of its two forms: fused (a few rows, float linears) or not.
+    layer0.forward = wrap(layer0.forward, "layer")  # type: ignore[method-assign]
+    layer0.forward_fused = wrap(layer0.forward_fused, "layer")  # type: ignore[method-assign]
     run = InterpretedFunction.run
     InterpretedFunction.run = counter.triton_run(run)  # type: ignore[method-assign]
     try:
@@ -154,16 +162,18 @@ def count_model(folder: Path) -> dict[str, Any]:
             llm.generate({"prompt_token_ids": list(range(10, 30))}, params, use_tqdm=False)
     finally:
         InterpretedFunction.run = run  # type: ignore[method-assign]
-    forward_n = sum(last["forward"].values())
+    graph_n = sum(last["graph"].values())
     return {
         "bench": "decode_launches",
         "model": folder.name,
         "num_layers": len(model.model.layers),
-        "forward_launches": forward_n,
+        "forward_launches": sum(last["forward"].values()),
+        "graph_launches": graph_n,
         "layer_launches": sum(last["layer"].values()),
-        "outside_forward_launches": sum(last["step"].values()) - forward_n,
+        "outside_graph_launches": sum(last["step"].values()) - graph_n,
         "layer": dict(sorted(last["layer"].items())),
-        "outside_forward": dict(sorted((last["step"] - last["forward"]).items())),
+        "graph_after_forward": dict(sorted((last["graph"] - last["forward"]).items())),
+        "outside_graph": dict(sorted((last["step"] - last["graph"]).items())),
     }
 
 

@@ -9,7 +9,7 @@ concatenated) and must run inside `forward_context(...)`, which supplies the pag
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -85,6 +85,18 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(
             hidden_states
         )  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+        return self.o_proj(self.attend(qkv, cos, sin, ctx))  # (num_tokens, hidden_size)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext | None = None,
+    ) -> torch.Tensor:
+        """Attention from the packed projection, before o_proj: rotary, the KV-cache write and
+        paged attention. qkv: (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim) ->
+        (num_tokens, num_heads * head_dim)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.backend == "triton":
             # One launch: q/k per-head norm (if any), q rotated in place, k rotated into the
@@ -92,8 +104,7 @@ class LlamaAttention(nn.Module):
             norm = self.qk_norm_weights()
             if norm is None:
                 q, k = self.qk_transform(q, k)
-            out = self.attn(q, k, v, ctx, rotary=(cos, sin), qk_norm=norm)
-            return self.o_proj(out)  # (num_tokens, hidden_size)
+            return self.attn(q, k, v, ctx, rotary=(cos, sin), qk_norm=norm)
         q, k = self.qk_transform(q, k)
         if self.joint_rotary:
             # q and k are adjacent in qkv: one rotation over both heads' rows
@@ -102,8 +113,7 @@ class LlamaAttention(nn.Module):
         else:
             q = apply_rotary(q, cos, sin, self.head_dim)  # (num_tokens, num_heads * head_dim)
             k = apply_rotary(k, cos, sin, self.head_dim)  # (num_tokens, num_kv_heads * head_dim)
-        out = self.attn(q, k, v, ctx)  # (num_tokens, num_heads * head_dim)
-        return self.o_proj(out)  # (num_tokens, hidden_size)
+        return self.attn(q, k, v, ctx)  # (num_tokens, num_heads * head_dim)
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook applied to q and k before rotary (Qwen3 normalizes per head here)."""
@@ -143,8 +153,36 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
+    def forward_fused(
+        self,
+        stream: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext | None = None,
+    ) -> torch.Tensor:
+        """The same layer in 7 launches for at most fused_linear.MAX_ROWS tokens (triton backend,
+        unquantized linears): the norms, the residual adds and SiLU-and-mul run inside the
+        projections (kernels/fused_linear.py). stream: (num_tokens, hidden_size), the residual
+        stream (`hidden_states + residual` of `forward`) -> the next layer's stream."""
+        from pagoda.kernels.fused_linear import fused_linear
+
+        attn, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv_proj, o_proj = attn.qkv_proj, attn.o_proj
+        qkv = fused_linear(stream, qkv_proj.weight, qkv_proj.bias, norm=(norm1.weight, norm1.eps))
+        out = attn.attend(qkv, cos, sin, ctx)  # (num_tokens, num_heads * head_dim)
+        stream = fused_linear(out, o_proj.weight, o_proj.bias, residual=stream)
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        norm = (norm2.weight, norm2.eps)
+        act = fused_linear(stream, gate_up.weight, gate_up.bias, norm=norm, silu_mul=True)
+        return fused_linear(act, down.weight, down.bias, residual=stream)
+
 
 class LlamaModel(nn.Module):
+    # Steps of at most this many tokens run the layers' fused forms (forward_fused); 0: never.
+    # Set by LlamaForCausalLM.set_kernel_backend.
+    fused_max_rows = 0
+
     def __init__(
         self, config: Any, dtype: torch.dtype, attention_cls: type[LlamaAttention]
     ) -> None:
@@ -164,6 +202,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        if hidden_states.shape[0] <= self.fused_max_rows:  # a shape: no host sync
+            for layer in self.layers:
+                fused = cast(LlamaDecoderLayer, layer).forward_fused
+                hidden_states = fused(hidden_states, cos, sin, ctx)
+            return self.norm(hidden_states)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden_states, residual = layer(hidden_states, residual, cos, sin, ctx)
@@ -258,6 +301,17 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, RMSNorm, SiluAndMul, LlamaAttention)):
                 module.backend = backend
+        self.model.fused_max_rows = 0
+        if backend == "triton" and self._float_linears():
+            from pagoda.kernels.fused_linear import MAX_ROWS
+
+            self.model.fused_max_rows = MAX_ROWS
+
+    def _float_linears(self) -> bool:
+        """Every decoder projection keeps a plain float weight (no quantization method)."""
+        return all(
+            m.quant_method is None for m in self.model.layers.modules() if isinstance(m, Linear)
+        )
 
     def finalize_weights(self) -> None:
         """After loading: every quantized layer builds its stored form."""

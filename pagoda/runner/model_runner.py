@@ -22,7 +22,13 @@ from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.quant_forms import triton_weights
 from pagoda.models.interface import CausalLM
-from pagoda.runner.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from pagoda.runner.cuda_graphs import (
+    LOGITS_IN_GRAPH_MAX,
+    DecodeGraphs,
+    DecodeOutput,
+    capture_sizes,
+    padded_size,
+)
 from pagoda.runner.device import to_device, torch_dtype
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.kernel_warmup import decode_split_counts, matmul_row_counts, prefill_lens
@@ -123,7 +129,7 @@ class ModelRunner:
         """After allocate_kv_cache: capture the decode graphs when they are enabled."""
         if self.decode_sizes is not None and self.use_cuda_graphs:
             self.graphs = DecodeGraphs(
-                self.model,
+                self.decode_body,
                 self.kv_caches,
                 self.buffers,
                 self.block_size,
@@ -253,18 +259,33 @@ class ModelRunner:
             full_width=size is not None,
         )
         self._fill_placeholders(out.scheduled, ids_t)
+        decoded: DecodeOutput | None = None
         if size is not None and self.graphs is not None:
-            hidden = self.graphs.replay(size)
+            decoded = self.graphs.replay(size)
+        elif size is not None:  # the eager reference of a replay
+            with forward_context(meta, self.kv_caches):
+                decoded = self.decode_body(ids_t, pos_t)
         elif self.compiled is not None and num_decodes == num_tokens:
             with forward_context(meta, self.kv_caches) as ctx:
                 hidden = self.compiled(ids_t, pos_t, ctx)
         else:
             with forward_context(meta, self.kv_caches):
                 hidden = self.model(ids_t, pos_t)  # (num_tokens, hidden_size)
+        if decoded is not None:
+            hidden = decoded.hidden
         hidden = hidden[:num_tokens]
 
         prompt_logprobs = self._prompt_logprobs(out.scheduled, hidden)
-        return self._sample(out.scheduled, hidden, prompt_logprobs)
+        return self._sample(out.scheduled, hidden, prompt_logprobs, decoded)
+
+    def decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> DecodeOutput:
+        """A padded pure-decode step's device work, what its CUDA graph holds: the forward, and
+        for small batches the LM head and its argmax too (cuda_graphs.LOGITS_IN_GRAPH_MAX)."""
+        hidden = self.model(input_ids, positions)  # (size, hidden_size)
+        if hidden.shape[0] > LOGITS_IN_GRAPH_MAX:
+            return DecodeOutput(hidden, None, None)
+        logits = self.model.compute_logits(hidden, float32=False)  # (size, vocab)
+        return DecodeOutput(hidden, logits, logits.argmax(dim=-1))
 
     def _fill_placeholders(
         self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor
@@ -301,9 +322,11 @@ class ModelRunner:
         scheduled: list[ScheduledRequest],
         hidden: torch.Tensor,
         prompt_logprobs: dict[str, LogprobsTensors],
+        decoded: DecodeOutput | None = None,
     ) -> PendingOutput:
         """Sample every request that catches up this step (and count the samples of rows with
-        penalties, on the device, for the steps after this one)."""
+        penalties, on the device, for the steps after this one). decoded: the logits and argmax
+        a padded decode step already computed, one row per request in order."""
         rows = SamplingRows()
         token_end = 0
         for s in scheduled:
@@ -315,17 +338,20 @@ class ModelRunner:
             return PendingOutput([], [], None, None, prompt_logprobs)
         # One row per request in a pure-decode step: no gather (and no index upload) needed.
         flat = rows.flat_rows
-        if flat == list(range(hidden.shape[0])):
-            last = hidden
+        num_rows = len(flat)
+        in_order = flat == list(range(hidden.shape[0]))
+        last = hidden if in_order else hidden.index_select(0, self.buffers.row_index(flat))
+        greedy = None
+        if in_order and decoded is not None and decoded.logits is not None:
+            logits, greedy = decoded.logits[:num_rows], decoded.greedy
         else:
-            last = hidden.index_select(0, self.buffers.row_index(flat))
-        # (num_rows, vocab) in the model's dtype: the sampler widens them in its first pass
-        logits = self.model.compute_logits(last, float32=False)
+            # (num_rows, vocab) in the model's dtype: the sampler widens them in its first pass
+            logits = self.model.compute_logits(last, float32=False)
         columns = self._columns(rows)
         meta = SamplingMetadata.from_batch(
             columns, self.batch, rows, self._generators(rows), self.eos_token_ids
         )
-        result = self.sampler(logits, meta)
+        result = self.sampler(logits, meta, None if greedy is None else greedy[:num_rows])
         self.batch.count_sampled(rows, result.sampled_token_ids)
         self.prev_sampled = result.sampled_token_ids
         self.prev_rows = {rid: i for i, rid in enumerate(rows.row_ids)}

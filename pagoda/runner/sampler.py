@@ -408,9 +408,13 @@ class Sampler:
     """Picks one token per row from (R, vocab) logits, float32 or the model's 16-bit dtype (as
     if widened to float32 first); see the module docstring. `logits` is never written."""
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, greedy: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """greedy: (R,) int64 argmax of `logits` when the caller has it (a decode graph computes
+        it), used unless logit bias, banned tokens or penalties change the logits."""
         processed, own = self.process(logits, meta)
-        sampled = self.sample(processed, meta, own)
+        sampled = self.sample(processed, meta, own, greedy if processed is logits else None)
         logprobs = None
         if meta.max_num_logprobs is not None:
             logprobs = compute_logprobs_for(logits, sampled, meta.max_num_logprobs)
@@ -444,10 +448,19 @@ class Sampler:
         return logits, True
 
     @staticmethod
-    def sample(logits: torch.Tensor, meta: SamplingMetadata, own: bool = False) -> torch.Tensor:
+    def sample(
+        logits: torch.Tensor,
+        meta: SamplingMetadata,
+        own: bool = False,
+        greedy: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Greedy and random rows of already penalized logits -> (R,) int64 token ids. own:
-        `logits` is the sampler's float32 copy, which the random rows' stages write into."""
-        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        `logits` is the sampler's float32 copy, which the random rows' stages write into.
+        greedy: logits.argmax(dim=-1), if already computed."""
+        if meta.all_random:
+            greedy = None
+        elif greedy is None:
+            greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
             assert greedy is not None
             return greedy

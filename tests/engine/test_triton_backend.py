@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from pagoda import LLM, SamplingParams
+from pagoda.kernels.fused_linear import MAX_ROWS
 from pagoda.runner.cuda_graphs import capture_sizes
 from tests.oracle import assert_outputs_match, hf_greedy
 
@@ -35,26 +36,45 @@ def _few_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "_TARGET_PROGRAMS", 16)
 
 
-def _triton_llm(path: str, **kwargs: Any) -> LLM:
+def _triton_llm(path: str, budget: int = 16, **kwargs: Any) -> LLM:
     return LLM(
         path,
         quantization="none",
         attention_backend="triton",
         num_gpu_blocks_override=64,
         block_size=4,
-        max_num_batched_tokens=16,  # prompts arrive in chunks beside other requests' decodes
+        max_num_batched_tokens=budget,  # prompts arrive in chunks beside other requests' decodes
         max_model_len=32,  # 8 blocks a sequence: at most 8 decode splits (interpreter time)
         **kwargs,
     )
 
 
+def _step_sizes(llm: LLM) -> list[int]:
+    """The number of tokens of every step the runner executes from now on."""
+    runner = llm.engine.runner
+    sizes: list[int] = []
+    execute = runner.execute
+
+    def spy(out: Any) -> Any:
+        sizes.append(sum(len(s.token_ids) for s in out.scheduled))
+        return execute(out)
+
+    runner.execute = spy  # type: ignore[method-assign]
+    return sizes
+
+
 # llama (llama3 rope scaling) runs in the padded test below; qwen3 adds the per-head q/k norm.
-# qwen2 differs from llama only in its q/k/v biases, which no Triton kernel sees: slow only.
+# qwen2 adds q/k/v biases (in the fused projections' epilogue): slow only.
 @pytest.mark.parametrize("arch", [pytest.param("qwen2", marks=pytest.mark.slow), "qwen3"])
 def test_triton_backend_greedy_matches_hf(arch: str, tiny_model_dir: Any, tiny_hf_model: Any):
-    llm = _triton_llm(tiny_model_dir(arch))
+    # A 32-token budget: the first steps run the unfused layers (cuBLAS-sized), the later ones
+    # (<= fused_linear.MAX_ROWS tokens) the fused layers.
+    llm = _triton_llm(tiny_model_dir(arch), budget=32)
     assert llm.engine.runner.kernel_backend == "triton"
+    assert llm.engine.runner.model.model.fused_max_rows == MAX_ROWS
+    sizes = _step_sizes(llm)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], _greedy())
+    assert max(sizes) > MAX_ROWS and min(sizes) <= MAX_ROWS, sizes
     expected = hf_greedy(tiny_hf_model(arch), PROMPTS, MAX_TOKENS)
     assert_outputs_match(outs, expected)
 
@@ -109,18 +129,20 @@ def _decode_launches() -> Any:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decode_step_launches(arch: str, tiny_model_dir: Any) -> None:
-    """A decode layer is ten launches: one of them normalizes q and k per head (Qwen3), rotates
-    them and writes the KV cache. The forward adds three: the embedding, the gather of the angles
-    (kept in the model dtype: no cast), the final norm; the LM head and greedy sampling (argmax
-    straight from the model-dtype logits: no cast to float32) follow it."""
+    """A decode layer is seven launches: the input norm runs inside the q/k/v projection, the
+    post-attention norm and SiLU-and-mul inside gate/up, the residual adds inside o and down;
+    one launch normalizes q and k per head (Qwen3), rotates them and writes the KV cache. The
+    forward adds three: the embedding, the gather of the angles (kept in the model dtype: no
+    cast), the final norm. The graph adds the LM head and the argmax (straight from the
+    model-dtype logits: no cast to float32), which a greedy batch samples: nothing is left to
+    launch outside it."""
     record = _decode_launches().count_model(Path(tiny_model_dir(arch)))
     assert record["layer"] == {
-        "aten.linear": 4,
         "triton._decode_stage1_kernel": 1,
         "triton._decode_stage2_kernel": 1,
-        "triton._rms_norm_kernel": 2,
+        "triton._fused_linear_kernel": 4,
         "triton._rotary_write_kv_kernel": 1,
-        "triton._silu_and_mul_kernel": 1,
     }
-    assert record["forward_launches"] == 10 * record["num_layers"] + 3
-    assert record["outside_forward"] == {"aten.linear": 1, "aten.argmax": 1}
+    assert record["forward_launches"] == 7 * record["num_layers"] + 3
+    assert record["graph_after_forward"] == {"aten.linear": 1, "aten.argmax": 1}
+    assert record["outside_graph"] == {}

@@ -22,7 +22,8 @@ Configs: SmolLM2-135M (9 / 3 heads, head_dim 64), Qwen3-0.6B (16 / 8, 128), Llam
 (32 / 8, 64); bfloat16, float16 and float32; KV cache in the model dtype, int8 and
 float8_e4m3fn; block_size 16 and 32; decode with one split (direct) and with `decode_num_splits` > 1 (stage 2 too, at
 two split counts), prefill, KV write (alone, and fused with rotary and, for Qwen3, the per-head
-q/k norm), rotary, RMSNorm (Qwen3's per-head q/k norm too), SiLU-and-mul; weight-only w4a16 /
+q/k norm), rotary, RMSNorm (Qwen3's per-head q/k norm too), SiLU-and-mul, the fused small-batch linears
+of a decode layer (RMSNorm prologue, residual-add and SiLU-and-mul epilogues); weight-only w4a16 /
 w8a16 GEMMs (SmolLM2 and Qwen3 layers, `QUANT_LAYERS`). The default suite compiles bfloat16
 models with block_size 16; the slow tests add float16 and float32 models and block_size 32.
 
@@ -76,6 +77,9 @@ QUANT_MODES = {
     "m16": "_quant_matmul_kernel",
     "dequant": "_dequantize_kernel",
 }
+# The fused small-batch linears of a decode layer (pagoda/kernels/fused_linear.py), at M = 1:
+# form -> (K, N) of the model's layer, from (hidden, q/k/v width, intermediate).
+FUSED_FORMS = ["norm_qkv", "o_add", "norm_gate_up_silu", "down_add"]
 CACHE_CASES = [  # (mode, kernel) for every (block_size, kv dtype)
     ("write", "_write_kv_cache_kernel"),
     ("rotary_write", "_rotary_write_kv_kernel"),
@@ -174,6 +178,7 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
         paged_decode_attention,
         paged_prefill_attention,
     )
+    from pagoda.kernels.fused_linear import fused_linear
     from pagoda.kernels.kv_cache import write_kv_cache
     from pagoda.kernels.norm import fused_add_rms_norm, rms_norm
     from pagoda.kernels.quant_matmul import (
@@ -206,6 +211,20 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
         cos, sin = torch.empty(n, head_dim, dtype=dtype).chunk(2, dim=-1)  # as RotaryEmbedding
         rotary_qk(q, k, cos.unsqueeze(1), sin.unsqueeze(1), head_dim)
         silu_and_mul(torch.empty(n, 2 * inter, dtype=dtype))
+        qkv_width = (heads + 2 * kv_heads) * head_dim
+        h1 = torch.empty(1, hidden, dtype=dtype)
+        norm = (torch.empty(hidden, dtype=dtype), 1e-6)
+        case.update(mode="fused/norm_qkv")
+        fused_linear(h1, torch.empty(qkv_width, hidden, dtype=dtype), norm=norm)
+        case.update(mode="fused/o_add")
+        attn1 = torch.empty(1, heads * head_dim, dtype=dtype)
+        fused_linear(attn1, torch.empty(hidden, heads * head_dim, dtype=dtype), residual=h1)
+        case.update(mode="fused/norm_gate_up_silu")
+        fused_linear(h1, torch.empty(2 * inter, hidden, dtype=dtype), norm=norm, silu_mul=True)
+        case.update(mode="fused/down_add")
+        act1 = torch.empty(1, inter, dtype=dtype)
+        fused_linear(act1, torch.empty(hidden, inter, dtype=dtype), residual=h1)
+        case.update(mode="layers")
         for fmt, group, rows, cols in QUANT_LAYERS.get(model, []):
             g = cols if group == "row" else int(group)
             w_scale = torch.empty(rows, cols // g, dtype=dtype)
@@ -303,6 +322,7 @@ def expected_cases(model: str, config: Config) -> set[tuple]:
     cases: set[tuple] = set()
     for dtype in config["dtypes"]:
         cases |= {(dtype, None, None, "layers", kernel) for kernel in LAYER_KERNELS}
+        cases |= {(dtype, None, None, f"fused/{f}", "_fused_linear_kernel") for f in FUSED_FORMS}
         for fmt, group, _, _ in QUANT_LAYERS.get(model, []):
             for mode, kernel in QUANT_MODES.items():
                 cases.add((dtype, None, None, f"{fmt}/g{group}/{mode}", kernel))
