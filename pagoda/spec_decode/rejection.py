@@ -31,16 +31,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 PLACEHOLDER_TOKEN_ID = -1  # pads token_ids after a row's emitted tokens; never a token id
 
 
-def _on_device(host: torch.Tensor | list[int], device: torch.device) -> torch.Tensor:
-    """A small host tensor (or int64 list) on `device`; on CUDA through pinned memory, without
-    waiting for the device."""
-    if isinstance(host, list):
-        host = torch.tensor(host, dtype=torch.int64)
+def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`; on CUDA through pinned memory, without waiting for the
+    device."""
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -67,36 +66,30 @@ class DraftLayout:
     @classmethod
     def build(cls, num_draft_tokens: Sequence[int], device: torch.device | str) -> DraftLayout:
         device = torch.device(device)
-        ks = [int(k) for k in num_draft_tokens]
-        assert all(k >= 0 for k in ks)
-        target_starts, draft_starts = [], []
-        t = d = 0
-        for k in ks:
-            target_starts.append(t)
-            draft_starts.append(d)
-            t, d = t + k + 1, d + k
-        max_k = max(ks, default=0)
-        k_host = torch.tensor(ks, dtype=torch.int64)
-        cols = torch.arange(max_k + 1)
-        starts = torch.tensor(target_starts, dtype=torch.int64).unsqueeze(1)
-        target_index = starts + torch.minimum(cols, k_host.unsqueeze(1))
-        draft_valid = cols[:max_k] < k_host.unsqueeze(1)
-        draft_index = torch.tensor(draft_starts, dtype=torch.int64).unsqueeze(1) + cols[:max_k]
-        draft_index = draft_index.clamp(max=max(d - 1, 0))
-        owners = [r for r, k in enumerate(ks) for _ in range(k + 1)]
+        k = np.asarray(num_draft_tokens, dtype=np.int64).reshape(-1)
+        assert (k >= 0).all()
+        max_k, num_drafts = int(k.max(initial=0)), int(k.sum())
+        target_starts = np.cumsum(k + 1) - (k + 1)
+        draft_starts = np.cumsum(k) - k
+        cols = np.arange(max_k + 1)
+        target_index = target_starts[:, None] + np.minimum(cols, k[:, None])
+        draft_valid = cols[:max_k] < k[:, None]
+        draft_index = np.minimum(draft_starts[:, None] + cols[:max_k], max(num_drafts - 1, 0))
+
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return _on_device(torch.from_numpy(np.ascontiguousarray(values)), device)
+
         return cls(
-            num_draft_tokens=tuple(ks),
-            target_starts=tuple(target_starts),
-            draft_starts=tuple(draft_starts),
-            num_drafts=_on_device(k_host, device),
-            target_index=_on_device(target_index, device),
-            draft_index=_on_device(draft_index, device),
-            draft_valid=_on_device(draft_valid, device),
-            draft_target_rows=_on_device(
-                [s + i for s, k in zip(target_starts, ks) for i in range(k)], device
-            ),
-            bonus_rows=_on_device([s + k for s, k in zip(target_starts, ks)], device),
-            target_row_owner=_on_device(owners, device),
+            num_draft_tokens=tuple(k.tolist()),
+            target_starts=tuple(target_starts.tolist()),
+            draft_starts=tuple(draft_starts.tolist()),
+            num_drafts=tensor(k),
+            target_index=tensor(target_index),
+            draft_index=tensor(draft_index),
+            draft_valid=tensor(draft_valid),
+            draft_target_rows=tensor(target_index[:, :max_k][draft_valid]),
+            bonus_rows=tensor(target_starts + k),
+            target_row_owner=tensor(np.repeat(np.arange(k.shape[0]), k + 1)),
         )
 
     @property
