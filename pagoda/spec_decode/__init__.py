@@ -1,6 +1,6 @@
-"""Speculative decoding: proposers (n-gram, draft model) and exact verification.
+"""Speculative decoding: the proposers (n-gram; a draft model to come).
 
-config.py is plain data (no torch) that the scheduler may read; ngram.py proposes draft tokens
-from a request's own tokens (numpy, on the host); rejection.py verifies drafts against the
-target's distributions (torch).
+ngram.py proposes draft tokens from a request's own tokens (numpy, on the host), backing off per
+request (backoff.py) where drafts keep failing. The config is pagoda.config.SpeculativeConfig
+(plain data the scheduler may read); the verification is the runner's (runner/rejection_sampler.py).
 """

@@ -2,7 +2,8 @@
 
 Parts, highest first; a part imports only parts below it, its own modules and the ground:
 
-    cli.py, __init__.py (face) -> server/, bench/ -> client/ -> engine/ -> runner/ -> loading/
+    cli.py, __init__.py (face) -> server/, bench/ -> client/ -> engine/ -> runner/ -> spec_decode/
+    -> loading/
     -> models/, layers/, kernels/ (the network)
 
 The ground is plain data that every part may read: config.py, sampling_params.py, outputs.py,
@@ -29,7 +30,7 @@ RANKS = {
     "client": 5,
     "engine": 4,
     "runner": 3,
-    "spec_decode": 3,
+    "spec_decode": 2.5,  # the proposers, which the runner calls; a draft model is a network
     "loading": 2,
     "network": 1,
     "scheduling": 0,

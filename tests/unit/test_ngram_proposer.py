@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
+from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode.backoff import ProposalBackoff
-from pagoda.spec_decode.config import SpeculativeConfig
 from pagoda.spec_decode.ngram import NgramProposer, TokenIds, find_ngram_draft
 
 

@@ -1,4 +1,4 @@
-"""Verification of draft tokens (spec_decode/rejection.py) on fixed distributions (CPU).
+"""Verification of draft tokens (runner/rejection_sampler.py) on fixed distributions (CPU).
 
 Greedy acceptance is checked token for token. Sampling is checked for exactness with a
 chi-square goodness-of-fit test: >= 100k rows, each verified once, and the emitted tokens at
@@ -17,8 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pagoda.runner.sampler import random_sample
-from pagoda.spec_decode.rejection import (
+from pagoda.runner.rejection_sampler import (
     PLACEHOLDER_TOKEN_ID,
     DraftLayout,
     VerifyOutput,
@@ -27,6 +26,7 @@ from pagoda.spec_decode.rejection import (
     rewind_generators,
     snapshot_generators,
 )
+from pagoda.runner.sampler import random_sample
 
 P = PLACEHOLDER_TOKEN_ID
 
