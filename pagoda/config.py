@@ -153,6 +153,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # No tokenizer: prompts are token ids, outputs carry token ids and empty text (vLLM's flag).
     skip_tokenizer_init: bool = False
+    # vLLM's --speculative-config: a SpeculativeConfig, its dict, or its JSON text (parsed here).
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -184,6 +186,13 @@ class EngineConfig:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                 f"got {self.quantization!r}"
+            )
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is not None and self.async_scheduling:
+            raise ValueError(
+                "async scheduling does not work with speculative decoding yet: drafts are "
+                "proposed from the tokens the last step sampled; drop --async-scheduling"
             )
 
     @property
@@ -230,7 +239,7 @@ class EngineConfig:
         """Whether async scheduling is in effect (see async_scheduling)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.device_type == "cuda"
+        return self.device_type == "cuda" and self.speculative_config is None
 
     @property
     def dtype_name(self) -> str:

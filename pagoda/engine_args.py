@@ -77,6 +77,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="schedule and launch each step before the previous one's outputs are processed, "
         "so host work overlaps the GPU's (default: on with CUDA, off on CPU)",
     )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help="speculative decoding as a JSON object with vLLM's fields, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+        "(turns async scheduling off)",
+    )
 
 
 ENGINE_ARG_NAMES = (
@@ -101,6 +108,7 @@ ENGINE_ARG_NAMES = (
     "optimization_level",
     "enforce_eager",
     "async_scheduling",
+    "speculative_config",
 )
 
 

@@ -52,7 +52,7 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.outputs import RequestOutput, SampleLogprobs
-from pagoda.runner.model_runner import PendingOutput
+from pagoda.runner.pending_output import PendingOutput
 from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, compute_logprobs_for, to_device
 from pagoda.scheduling.messages import EngineRequest, ScheduledRequest, SchedulerOutput
 
@@ -284,7 +284,9 @@ class _ForcedSampler:
         self.forced = forced
         self.scheduled: list[ScheduledRequest] = []
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, meta: SamplingMetadata, greedy: torch.Tensor | None = None
+    ) -> SamplerOutput:
         tokens = []
         for s in self.scheduled:
             if not s.sample_ids:

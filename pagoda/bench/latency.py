@@ -4,7 +4,13 @@ tok/s two ways, median over iterations, optionally against HF transformers in th
 decode_tok_s is the decode rate after the first token, (n - 1) / (last - first token);
 e2e_tok_s is n / end-to-end time, submission to last token, prefill included: how `vllm bench
 latency` figures are turned into tok/s (output_len / avg latency), so it is the one to set
-beside vLLM's B1 anchor."""
+beside vLLM's B1 anchor.
+
+--workload copy asks the model to repeat a passage (bench/copy_workload.py), the case prompt
+lookup is made for. With --speculative-config, pagoda also runs without it in the same run (its
+own baseline: the ratio and whether the greedy outputs are identical), and --peer hf decodes
+with HF's prompt lookup (prompt_lookup_num_tokens = num_speculative_tokens,
+max_matching_ngram_size = prompt_lookup_max)."""
 
 from __future__ import annotations
 
@@ -63,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=256)
     g.add_argument("--num-iters", type=int, default=3)
     g.add_argument("--num-iters-warmup", type=int, default=1)
+    g.add_argument(
+        "--workload",
+        choices=["random", "copy"],
+        default="random",
+        help="random: --input-len random token ids; copy: chat prompts asking to repeat a "
+        "passage (needs the model's tokenizer; --input-len is ignored)",
+    )
     p = parser.add_argument_group("peer")
     p.add_argument(
         "--peer",
@@ -88,12 +101,15 @@ def main(args: argparse.Namespace) -> int:
     if args.num_iters < 1 or args.num_iters_warmup < 0:
         raise ValueError("--num-iters must be >= 1 and --num-iters-warmup >= 0")
     total = args.num_iters_warmup + args.num_iters
-    prompts = [random_prompt(args.input_len, args.seed + i) for i in range(total)]
     kwargs = like_with_like_kwargs(args.peer, token_id_engine_kwargs(args))
+    prompts = workload_prompts(args.workload, args.model, args.input_len, args.seed, total)
+    spec = kwargs.get("speculative_config")
     record: dict[str, Any] = {
         "bench": NAME,
         "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
         "workload": {
+            "kind": args.workload,
+            "input_lens": sorted({len(p) for p in prompts}),
             "input_len": args.input_len,
             "output_len": args.output_len,
             "num_iters": args.num_iters,
@@ -105,8 +121,30 @@ def main(args: argparse.Namespace) -> int:
         "engine_args": kwargs,
     }
     gguf_type = gguf_weight_type(args.model)
-    timings, weights, llm = run_pagoda(args.model, kwargs, prompts, args.output_len, gguf_type)
+    outputs: list[list[int]] = []
+    timings, weights, llm = run_pagoda(
+        args.model, kwargs, prompts, args.output_len, gguf_type, outputs
+    )
     record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
+    if spec is not None:
+        record["spec_decode"] = spec_stats(llm)
+        del llm
+        baseline: list[list[int]] = []
+        plain = {k: v for k, v in kwargs.items() if k != "speculative_config"}
+        timings, _, llm = run_pagoda(
+            args.model, plain, prompts, args.output_len, gguf_type, baseline
+        )
+        record["pagoda_no_spec"] = summarize(timings[args.num_iters_warmup :])
+        record["spec_output_identical"] = outputs == baseline
+        for key in ("decode_tok_s", "e2e_tok_s"):
+            record[f"spec_ratio_{key}"] = ratio(
+                record["pagoda"][key], record["pagoda_no_spec"][key]
+            )
+        log(
+            f"speculative decoding: decode {record['spec_ratio_decode_tok_s']}x, e2e "
+            f"{record['spec_ratio_e2e_tok_s']}x pagoda without it; greedy outputs identical: "
+            f"{record['spec_output_identical']}; {record['spec_decode']}"
+        )
     if args.profile_steps > 0:
         record["decode_step_profile"] = profile_decode_steps(
             llm, random_prompt(args.input_len, args.seed + total), args.profile_steps
@@ -115,9 +153,10 @@ def main(args: argparse.Namespace) -> int:
     record["peer"] = None
     same = False
     if args.peer == "hf":
-        timings = run_hf(args.model, prompts, args.output_len)
+        lookup = hf_prompt_lookup(spec)
+        timings = run_hf(args.model, prompts, args.output_len, lookup)
         record["peer"] = {
-            "name": "hf-transformers",
+            "name": "hf-transformers" + (f", prompt lookup {lookup}" if lookup else ""),
             "precision": hf_precision(gguf_type),
             **summarize(timings[args.num_iters_warmup :]),
         }
@@ -191,14 +230,60 @@ def rates_line(summary: dict[str, Any], output_len: int) -> str:
     )
 
 
+def workload_prompts(
+    kind: str, model: str | None, input_len: int, seed: int, count: int
+) -> list[list[int]]:
+    """random: `count` random prompts of input_len tokens (seed + i); copy: copy_workload's."""
+    if kind == "random":
+        return [random_prompt(input_len, seed + i) for i in range(count)]
+    from pagoda.bench.copy_workload import copy_prompts
+    from pagoda.loading.model_files import resolve_model
+    from pagoda.loading.tokenizer import load_tokenizer
+
+    return copy_prompts(load_tokenizer(*resolve_model(model)), count)
+
+
+def spec_stats(llm: Any) -> dict[str, Any]:
+    """The engine's speculative decoding totals (warm-up included) and their rates."""
+    stats = llm.engine.stats()
+    drafts, tokens = stats.spec_num_drafts, stats.spec_num_draft_tokens
+    accepted = stats.spec_num_accepted_tokens
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": tokens,
+        "num_accepted_tokens": accepted,
+        "accepted_per_position": stats.spec_accepted_per_position,
+        "acceptance_rate": round(accepted / tokens, 4) if tokens else None,
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+    }
+
+
+def hf_prompt_lookup(spec: Any) -> dict[str, int] | None:
+    """HF generate()'s prompt-lookup arguments matching an ngram --speculative-config."""
+    if spec is None:
+        return None
+    from pagoda.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse(spec)
+    if config is None or not config.use_ngram:
+        return None
+    assert config.prompt_lookup_max is not None
+    return {
+        "prompt_lookup_num_tokens": config.num_speculative_tokens,
+        "max_matching_ngram_size": config.prompt_lookup_max,
+    }
+
+
 def run_pagoda(
     model: str | None,
     kwargs: dict[str, Any],
     prompts: list[list[int]],
     output_len: int,
     gguf_type: str | None = None,
+    outputs: list[list[int]] | None = None,
 ) -> tuple[list[IterTiming], dict[str, Any], Any]:
-    """Timings, the weight scheme (its dtype, bytes in memory, precision in words), the LLM."""
+    """Timings, the weight scheme (its dtype, bytes in memory, precision in words), the LLM.
+    outputs: if given, each prompt's output token ids are appended to it."""
     from pagoda.client.llm import LLM
     from pagoda.sampling_params import SamplingParams
 
@@ -212,6 +297,7 @@ def run_pagoda(
         first = last = None
         n = cached = 0
         t0 = time.perf_counter()
+        tokens: list[int] = []
         for out in llm.generate_stream({"prompt_token_ids": ids}, params):
             k = len(out.outputs[0].token_ids)
             if k:
@@ -219,6 +305,9 @@ def run_pagoda(
                 first = last if first is None else first
                 n += k
                 cached = out.num_cached_tokens
+                tokens += out.outputs[0].token_ids
+        if outputs is not None:
+            outputs.append(tokens)
         if first is None or last is None:
             raise RuntimeError("pagoda produced no tokens")
         if n != output_len:
@@ -340,8 +429,14 @@ def run_llama_cpp(model: str | None, prompts: list[list[int]], output_len: int) 
     return timings
 
 
-def run_hf(model: str | None, prompts: list[list[int]], output_len: int) -> list[IterTiming]:
-    """HF generate with its KV cache, greedy, batch 1; a streamer stamps each new token."""
+def run_hf(
+    model: str | None,
+    prompts: list[list[int]],
+    output_len: int,
+    prompt_lookup: dict[str, int] | None = None,
+) -> list[IterTiming]:
+    """HF generate with its KV cache, greedy, batch 1; a streamer stamps each new token (with
+    prompt lookup, several at a time). prompt_lookup: generate()'s prompt-lookup arguments."""
     import torch
     from transformers.generation.streamers import BaseStreamer
 
@@ -378,6 +473,7 @@ def run_hf(model: str | None, prompts: list[list[int]], output_len: int) -> list
                 pad_token_id=pad,
                 use_cache=True,
                 streamer=streamer,
+                **(prompt_lookup or {}),
             )
             if not streamer.times:
                 raise RuntimeError("HF produced no tokens")

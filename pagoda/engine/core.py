@@ -14,7 +14,8 @@ import torch
 from pagoda.config import EngineConfig, ModelConfig
 from pagoda.loading.loader import load_model
 from pagoda.runner.device import resolve_device, torch_dtype
-from pagoda.runner.model_runner import ModelRunner, PendingOutput
+from pagoda.runner.model_runner import ModelRunner
+from pagoda.runner.pending_output import PendingOutput
 from pagoda.scheduling.block_pool import BlockPool
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
 from pagoda.scheduling.messages import (
@@ -56,6 +57,7 @@ class EngineCore:
             kernel_backend=config.kernel_backend,
             use_cuda_graphs=config.use_cuda_graphs,
             compile_decode=config.compile_decode,
+            speculative_config=config.speculative_config,
         )
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
@@ -94,6 +96,8 @@ class EngineCore:
             "on" if config.compile_decode else "off",
             "on" if self.async_scheduling else "off",
         )
+        if config.speculative_config is not None:
+            logger.info("speculative decoding: %s", config.speculative_config.to_dict())
 
     @property
     def max_model_len(self) -> int:

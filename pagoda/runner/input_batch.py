@@ -254,6 +254,21 @@ class SamplingRows:
             self.indices.append(index)
             self.num_outputs.append(s.num_output_tokens if is_self else 0)
 
+    def expanded(self, counts: list[int]) -> SamplingRows:
+        """Each row i as counts[i] consecutive rows at its next positions: hidden-state rows
+        flat_rows[i] + j with num_outputs[i] + j outputs before them, j < counts[i] (a row's
+        draft positions, or the tokens it emits after verifying them)."""
+        out = SamplingRows()
+        for i, count in enumerate(counts):
+            for j in range(count):
+                out.row_ids.append(self.row_ids[i])
+                out.flat_rows.append(self.flat_rows[i] + j)
+                out.leaders.append(self.leaders[i])
+                out.own_rows.append(self.own_rows[i])
+                out.indices.append(self.indices[i])
+                out.num_outputs.append(self.num_outputs[i] + j)
+        return out
+
     def slots_array(self) -> np.ndarray:
         return np.fromiter((r.slot for r in self.leaders), np.int64, len(self.leaders))
 

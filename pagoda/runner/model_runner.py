@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.config import ModelConfig
+from pagoda.config import ModelConfig, SpeculativeConfig
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.quant_forms import triton_weights
@@ -32,16 +32,16 @@ from pagoda.runner.cuda_graphs import (
 from pagoda.runner.device import to_device, torch_dtype
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.kernel_warmup import decode_split_counts, matmul_row_counts, prefill_lens
+from pagoda.runner.pending_output import PendingOutput
 from pagoda.runner.sampler import (
     LogprobsTensors,
     Sampler,
     SamplingMetadata,
 )
+from pagoda.runner.speculative import DraftProposer, draft_positions, verify_drafts
 from pagoda.runner.step_inputs import InputBuffers
 from pagoda.scheduling.messages import (
     PLACEHOLDER_TOKEN_ID,
-    LogprobEntry,
-    RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -67,10 +67,13 @@ class ModelRunner:
         kernel_backend: str = "torch",
         use_cuda_graphs: bool = False,
         compile_decode: bool = False,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay captured
         graphs for pure-decode batches (CUDA, triton). compile_decode: run pure-decode batches
-        through torch.compile (pagoda/runner/compilation.py)."""
+        through torch.compile (pagoda/runner/compilation.py). speculative_config: propose draft
+        tokens for each decoding request and verify them (runner/speculative.py); needs sync
+        scheduling."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -106,6 +109,9 @@ class ModelRunner:
         # row in them: the inputs of the next step's placeholders.
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[str, int] = {}
+        self.proposer: DraftProposer | None = None
+        if speculative_config is not None:
+            self.proposer = DraftProposer(speculative_config, model_config.max_model_len)
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
         mc = self.model_config
@@ -233,6 +239,8 @@ class ModelRunner:
         (see PendingOutput)."""
         for rid in out.finished_request_ids:
             self.generators.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.remove(rid)
         self.batch.apply(out)
         self._copy_blocks(out.block_copies)
         if out.is_empty:
@@ -328,14 +336,19 @@ class ModelRunner:
         penalties, on the device, for the steps after this one). decoded: the logits and argmax
         a padded decode step already computed, one row per request in order."""
         rows = SamplingRows()
+        drafts: list[list[int]] = []  # each sampling row's draft tokens (speculative decoding)
         token_end = 0
         for s in scheduled:
             token_end += len(s.token_ids)
             if s.sample_ids:
-                rows.add(s, self.batch.rows[s.request_id], token_end - 1)
+                d = s.num_draft_tokens
+                rows.add(s, self.batch.rows[s.request_id], token_end - 1 - d)
+                drafts += [s.token_ids[len(s.token_ids) - d :]] * len(s.sample_ids)
         if not rows.row_ids:
             self.prev_sampled, self.prev_rows = None, {}
             return PendingOutput([], [], None, None, prompt_logprobs)
+        if any(drafts):
+            return self._sample_drafts(rows, drafts, hidden, prompt_logprobs)
         # One row per request in a pure-decode step: no gather (and no index upload) needed.
         flat = rows.flat_rows
         num_rows = len(flat)
@@ -362,7 +375,49 @@ class ModelRunner:
             result.logprobs,
             prompt_logprobs,
             on_host=lambda tokens: self.batch.record_sampled(rows.own_rows, tokens),
+            propose=self._propose_fn(),
         )
+
+    def _sample_drafts(
+        self,
+        rows: SamplingRows,
+        drafts: list[list[int]],
+        hidden: torch.Tensor,
+        prompt_logprobs: dict[str, LogprobsTensors],
+    ) -> PendingOutput:
+        """_sample for a step in which some rows verify draft tokens (runner/speculative.py)."""
+        assert self.proposer is not None
+        positions = draft_positions(rows, drafts)
+        last = hidden.index_select(0, self.buffers.row_index(positions.flat_rows))
+        logits = self.model.compute_logits(last, float32=False)  # (T, vocab)
+        columns = BatchColumns.gather(self.batch, positions, self.device)
+        generators = self._generators(positions)
+        meta = SamplingMetadata.from_batch(
+            columns, self.batch, positions, generators, self.eos_token_ids
+        )
+        verified = verify_drafts(self.sampler, logits, meta, rows, drafts)
+        self.proposer.record(drafts, rows, verified.counts)
+        emitted = verified.emitted_rows
+        self.batch.count_sampled(emitted, verified.sampled)
+        self.prev_sampled, self.prev_rows = None, {}  # no placeholders: sync scheduling
+        num_logprobs = [r.params.logprobs for r in emitted.leaders]
+        return PendingOutput(
+            emitted.row_ids,
+            num_logprobs,
+            verified.sampled,
+            verified.logprobs,
+            prompt_logprobs,
+            on_host=lambda tokens: self.batch.record_sampled(emitted.own_rows, tokens),
+            propose=self._propose_fn(),
+        )
+
+    def _propose_fn(self) -> Callable[[dict[str, list[int]]], dict[str, list[int]]] | None:
+        """What PendingOutput.get calls with the step's new tokens (recorded in the rows) to
+        propose the next step's drafts; None without speculative decoding."""
+        proposer = self.proposer
+        if proposer is None:
+            return None
+        return lambda sampled: proposer.propose(self.batch, sampled)
 
     def _columns(self, rows: SamplingRows) -> BatchColumns:
         """The sampling rows' columns, gathered again only when the rows or the batch changed."""
@@ -416,70 +471,6 @@ class ModelRunner:
                 )
             token_start += len(s.token_ids)
         return result
-
-
-def _logprob_entries(t: LogprobsTensors) -> list[LogprobEntry]:
-    return list(zip(*t.tolists()))
-
-
-class PendingOutput:
-    """A step's results on their way to the host. Built at the end of execute(), which queues
-    the device-to-host copies (pinned memory, non_blocking) behind the step's work and records
-    an event; get() waits for that event (the step's one host sync) and builds the
-    RunnerOutput. On CPU the results are already on the host."""
-
-    def __init__(
-        self,
-        row_ids: list[str],
-        num_logprobs: list[int | None],
-        sampled: torch.Tensor | None,
-        logprobs: LogprobsTensors | None,
-        prompt_logprobs: dict[str, LogprobsTensors],
-        on_host: Callable[[list[int]], None] | None = None,
-    ) -> None:
-        """row_ids[i] sampled sampled[i] and asked for num_logprobs[i] top logprobs; get()
-        hands the sampled ids to on_host (the runner's rows record them)."""
-        self.on_host = on_host
-        self.row_ids = row_ids
-        self.num_logprobs = num_logprobs
-        self.ready: torch.cuda.Event | None = None
-        tensors = [t for t in (sampled, *(logprobs or ())) if t is not None]
-        tensors += [t for lp in prompt_logprobs.values() for t in lp]
-        if any(t.is_cuda for t in tensors):
-            sampled = None if sampled is None else _to_host(sampled)
-            logprobs = None if logprobs is None else LogprobsTensors(*map(_to_host, logprobs))
-            prompt_logprobs = {
-                rid: LogprobsTensors(*map(_to_host, lp)) for rid, lp in prompt_logprobs.items()
-            }
-            self.ready = torch.cuda.Event()
-            self.ready.record()
-        self.sampled = sampled
-        self.logprobs = logprobs
-        self.prompt_logprobs = prompt_logprobs
-
-    def get(self) -> RunnerOutput:
-        if self.ready is not None:
-            self.ready.synchronize()
-        sampled: dict[str, int] = {}
-        if self.sampled is not None:
-            tokens = self.sampled.tolist()
-            if self.on_host is not None:
-                self.on_host(tokens)
-            sampled = dict(zip(self.row_ids, tokens))
-        logprobs: dict[str, LogprobEntry] = {}
-        if self.logprobs is not None:
-            entries = _logprob_entries(self.logprobs)
-            for rid, k, (ids, lps, rank) in zip(self.row_ids, self.num_logprobs, entries):
-                if k is not None:
-                    logprobs[rid] = (ids[: k + 1], lps[: k + 1], rank)
-        prompt = {rid: _logprob_entries(t) for rid, t in self.prompt_logprobs.items()}
-        return RunnerOutput(sampled, logprobs, prompt)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host tensor that a non_blocking copy from `t` fills in stream order."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 def _compiled_decode(model: CausalLM) -> CompiledDecode:

@@ -89,6 +89,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Rows [offset, offset + num) of this chunk score prompt tokens (prompt_logprobs).
     prompt_logprob_offset: int = 0
     num_prompt_logprob_tokens: int = 0
+    # Speculative decoding: the last num_draft_tokens of token_ids are proposed tokens, which
+    # the runner verifies: it samples at each of the last num_draft_tokens + 1 positions.
+    num_draft_tokens: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -120,10 +123,14 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 LogprobEntry = tuple[list[int], list[float], int]
 
 
-class RunnerOutput(msgspec.Struct, array_like=True):
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, LogprobEntry]  # ids, logprobs (col 0 = sampled), rank
+class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    # Each sampling request's new tokens: one, or with draft tokens the accepted drafts and
+    # the target's token after them (1 to num_draft_tokens + 1).
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[LogprobEntry]]  # one per new token: ids, logprobs, rank
     prompt_logprobs: dict[str, list[LogprobEntry]]
+    # Speculative decoding: proposals for each request's next step (none: plain decoding).
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -146,6 +153,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Speculative decoding, totals since start: steps that verified drafts (one per request
+    # and step), draft tokens verified, drafts accepted; accepted drafts at each position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

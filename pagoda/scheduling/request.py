@@ -72,6 +72,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
+        # Speculative decoding: tokens proposed for the next step (the runner's, after a step
+        # that sampled); scheduled after the request's last token, verified, then cleared.
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 until then
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

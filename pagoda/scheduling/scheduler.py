@@ -8,9 +8,16 @@ policy. When blocks run out, the running request that sorts last in policy order
 latest arrival): its blocks are freed and it is recomputed later.
 
 schedule() counts the token a sampling step will produce as an output placeholder; update()
-turns it into the sampled token. With async scheduling (EngineCore) the next schedule() runs
+turns it into the sampled token (or tokens: see below). With async scheduling (EngineCore) the next schedule() runs
 before the previous step's update(): a request then decodes from a placeholder input, and
 update() matches outputs to Request objects, since an id may finish and be reused meanwhile.
+
+Speculative decoding is no mode of its own: a decoding request that holds proposed tokens
+(`spec_token_ids`, from the runner's last output) asks for 1 + k tokens under the same budget
+(drafts are cut first when the budget is short). The runner verifies them; update() keeps the
+accepted drafts and the target's token after them, and rolls num_computed_tokens back over the
+rejected ones, whose KV slots the next steps overwrite (their blocks stay the request's; the
+prefix cache only ever publishes blocks of known tokens below num_computed_tokens).
 """
 
 from __future__ import annotations
@@ -56,6 +63,12 @@ class Scheduler:
         # The block ids each request's row in the runner holds (the list last sent: block id
         # lists are replaced, never mutated). A request missing here is sent whole.
         self.runner_blocks: dict[str, list[int]] = {}
+        # Speculative decoding totals (SchedulerStats): requests' verifications with drafts,
+        # draft tokens, accepted drafts, and accepted drafts by position.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted = 0
+        self.spec_accepted_per_position: list[int] = []
 
     # ---- queues -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -128,6 +141,10 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted,
+            spec_accepted_per_position=list(self.spec_accepted_per_position),
         )
 
     # ---- schedule -----------------------------------------------------------------------
@@ -151,7 +168,8 @@ class Scheduler:
             if self._finishes_in_flight(request):
                 i += 1
                 continue
-            n = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            missing = request.num_tokens_with_placeholders - request.num_computed_tokens
+            n = min(missing + len(self._drafts(request, missing)), budget)
             scheduled = True
             while not self.kv.allocate_slots(request, n):
                 victim = self._preemption_victim()
@@ -202,12 +220,25 @@ class Scheduler:
             num_new[request.request_id] = n
             budget -= n
 
+    def _drafts(self, request: Request, missing: int) -> list[int]:
+        """The proposed tokens a request may verify now: only when its one missing token is its
+        last sampled one (decoding), and never past max_tokens or max_model_len (the target's
+        token after the drafts counts too)."""
+        if missing != 1 or not request.spec_token_ids:
+            return []
+        room = min(
+            request.max_tokens - request.num_output_tokens - request.num_output_placeholders,
+            self.max_model_len - request.num_tokens_with_placeholders,
+        )
+        return request.spec_token_ids[: max(room - 1, 0)]
+
     def _emit(self, num_new: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
         """The step as plain data; advances num_computed_tokens and counts placeholders."""
         requests = [self.requests[rid] for rid in num_new]
         batch = [self._scheduled(r, num_new[r.request_id]) for r in requests]
         for request, s in zip(requests, batch):
             request.num_computed_tokens += len(s.token_ids)
+            request.spec_token_ids = []
             if s.sample_ids:
                 request.num_output_placeholders += 1
         finished, self.finished_ids = self.finished_ids, []
@@ -273,12 +304,16 @@ class Scheduler:
         self.runner_blocks.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        missing = request.num_tokens_with_placeholders - start
+        drafts = self._drafts(request, missing)[: max(n - missing, 0)]
+        n -= len(drafts)
         num_outputs = request.num_output_tokens + request.num_output_placeholders
         sample_ids: list[str] = []
         sample_indices: list[int] = []
@@ -302,6 +337,7 @@ class Scheduler:
                 request.num_prompt_logprobs_done = hi
         token_ids = request.all_token_ids[start : start + n]
         token_ids += [PLACEHOLDER_TOKEN_ID] * (n - len(token_ids))
+        token_ids += drafts
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=token_ids,
@@ -311,6 +347,7 @@ class Scheduler:
             sample_indices=sample_indices,
             prompt_logprob_offset=plp_offset,
             num_prompt_logprob_tokens=num_plp,
+            num_draft_tokens=len(drafts),
         )
 
     # ---- update -------------------------------------------------------------------------
@@ -320,6 +357,8 @@ class Scheduler:
             if request.is_finished:  # finished (e.g. aborted) while the step ran
                 continue
             prompt_lps = runner.prompt_logprobs.get(s.request_id, [])
+            if s.num_draft_tokens:
+                self._verified(request, s.num_draft_tokens, runner.sampled_token_ids[s.request_id])
             samples = [request]
             if len(s.sample_ids) > 1:
                 siblings = {x.request_id: x for x in request.siblings}
@@ -334,16 +373,40 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             for r in samples:
-                token = runner.sampled_token_ids[r.request_id]
-                r.append_output_token(token)
-                lp = runner.logprobs.get(r.request_id)
-                status = self._stop_status(r, token)
-                if status is not None:
-                    self._finish(r, status)
-                outputs.append(
-                    self._output(r, [token], [lp] if lp else [], prompt_lps if r is request else [])
-                )
+                tokens = self._append_outputs(r, runner.sampled_token_ids[r.request_id])
+                lps = runner.logprobs.get(r.request_id, [])[: len(tokens)]
+                outputs.append(self._output(r, tokens, lps, prompt_lps if r is request else []))
+            if s.num_draft_tokens and not request.is_finished:
+                self.kv.cache_blocks(request)  # blocks completed by accepted drafts
+        if runner.draft_token_ids:
+            for request in self.running:
+                request.spec_token_ids = runner.draft_token_ids.get(request.request_id, [])
         return outputs
+
+    def _append_outputs(self, request: Request, tokens: list[int]) -> list[int]:
+        """Append new tokens up to the first that finishes the request; returns those kept."""
+        for i, token in enumerate(tokens):
+            request.append_output_token(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self._finish(request, status)
+                return tokens[: i + 1]
+        return tokens
+
+    def _verified(self, request: Request, num_drafts: int, tokens: list[int]) -> None:
+        """After a step that verified num_drafts proposed tokens and returned `tokens` (the
+        accepted drafts, then the target's own): roll num_computed_tokens back over the
+        rejected drafts, whose KV is not valid, and count the outcome."""
+        num_accepted = len(tokens) - 1
+        assert 0 <= num_accepted <= num_drafts, (num_accepted, num_drafts)
+        request.num_computed_tokens -= num_drafts - num_accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted += num_accepted
+        per_position = self.spec_accepted_per_position
+        per_position.extend([0] * (num_drafts - len(per_position)))
+        for i in range(num_accepted):
+            per_position[i] += 1
 
     def _fork(self, leader: Request, sibling: Request, num_prompt_computed: int) -> None:
         """Start an n > 1 sample on the leader's blocks of its computed prompt. A leader

@@ -8,7 +8,7 @@ the server reads them through the EngineStats protocol, so it imports nothing of
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import (
@@ -38,6 +38,14 @@ class EngineStats(Protocol):
     def prefix_cache_hits(self) -> int: ...
     @property
     def num_preemptions(self) -> int: ...
+    @property
+    def spec_num_drafts(self) -> int: ...
+    @property
+    def spec_num_draft_tokens(self) -> int: ...
+    @property
+    def spec_num_accepted_tokens(self) -> int: ...
+    @property
+    def spec_accepted_per_position(self) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,10 @@ class _NoStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 _LATENCY_BUCKETS = (
@@ -115,6 +127,22 @@ class Metrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(
             model_name
         )
+        # Speculative decoding (vLLM's names): verifications with drafts, draft tokens,
+        # accepted drafts, and accepted drafts by position in the draft.
+        self.spec_drafts = counter(
+            "spec_decode_num_drafts", "Requests' steps that verified draft tokens."
+        ).labels(model_name)
+        self.spec_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified."
+        ).labels(model_name)
+        self.spec_accepted = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        ).labels(model_name)
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft.",
+            ("position",),
+        )
         success = counter(
             "request_success", "Finished requests (samples) by finish reason.", ("finished_reason",)
         )
@@ -133,6 +161,16 @@ class Metrics:
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.spec_drafts.inc(max(0, stats.spec_num_drafts - last.spec_num_drafts))
+        self.spec_draft_tokens.inc(max(0, stats.spec_num_draft_tokens - last.spec_num_draft_tokens))
+        self.spec_accepted.inc(
+            max(0, stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens)
+        )
+        before = last.spec_accepted_per_position
+        for pos, total in enumerate(stats.spec_accepted_per_position):
+            new = total - (before[pos] if pos < len(before) else 0)
+            if new > 0:
+                self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(new)
         self._last_stats = stats
 
     def observe_tokens(
@@ -182,5 +220,20 @@ class Metrics:
             f"Avg generation throughput: {(gen - last_gen) / dt:.1f} tokens/s, "
             f"Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
             f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
-            f"Prefix cache hit rate: {hit_rate * 100:.1f}%"
+            f"Prefix cache hit rate: {hit_rate * 100:.1f}%" + _spec_line(stats)
         )
+
+
+def _spec_line(stats: EngineStats) -> str:
+    """The log line's speculative decoding part, as vLLM's SpecDecoding metrics line: totals
+    since start; empty when nothing was drafted."""
+    drafts, tokens = stats.spec_num_drafts, stats.spec_num_draft_tokens
+    if not tokens:
+        return ""
+    accepted = stats.spec_num_accepted_tokens
+    per_position = ", ".join(f"{n / drafts:.3f}" for n in stats.spec_accepted_per_position)
+    return (
+        f", SpecDecoding: draft acceptance rate {accepted / tokens * 100:.1f}%, "
+        f"mean acceptance length {1 + accepted / drafts:.2f}, accepted {accepted} of {tokens} "
+        f"draft tokens, per-position acceptance rate {per_position}"
+    )

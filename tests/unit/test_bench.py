@@ -296,7 +296,7 @@ def test_throughput_peer_hf_record_names_both_precisions(
 def test_latency_peer_llama_cpp_record_names_the_same_file(monkeypatch, capsys):
     timings = [latency.IterTiming(0.1, 1.1, 11)] * 2
 
-    def fake_pagoda(model, kwargs, prompts, output_len, gguf_type):
+    def fake_pagoda(model, kwargs, prompts, output_len, gguf_type, outputs=None):
         return timings, _fake_weights(kwargs.get("quantization", "gguf")), None
 
     monkeypatch.setattr(latency, "token_id_engine_kwargs", lambda args: {"seed": 0})
@@ -316,6 +316,59 @@ def test_latency_peer_llama_cpp_record_names_the_same_file(monkeypatch, capsys):
     assert record["ratio_e2e_tok_s"] == record["ratio_decode_tok_s"] == 1.0
     assert record["ratio_line"] in captured.err
     assert latency.rates_line(record["pagoda"], args.output_len) in captured.err
+
+
+def test_latency_with_speculation_runs_its_own_baseline(monkeypatch, capsys):
+    """With --speculative-config the record holds pagoda with and without it (same prompts),
+    the ratio, whether the greedy outputs match, the acceptance totals, and HF's prompt-lookup
+    arguments for --peer hf."""
+    from types import SimpleNamespace
+
+    from pagoda.scheduling.messages import SchedulerStats
+
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    runs: list[dict] = []
+    stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, 10, 40, 30, [10, 9, 7, 4])
+    llm = SimpleNamespace(engine=SimpleNamespace(stats=lambda: stats))
+
+    def fake_pagoda(model, kwargs, prompts, output_len, gguf_type, outputs=None):
+        runs.append(kwargs)
+        spec_on = "speculative_config" in kwargs
+        outputs.extend([[1, 2, 3]] * len(prompts))
+        timing = latency.IterTiming(0.1, 0.6 if spec_on else 1.1, 11)
+        return [timing] * len(prompts), _fake_weights("none"), llm
+
+    hf_args: list = []
+
+    def fake_hf(model, prompts, n, lookup=None):
+        hf_args.append(lookup)
+        return [latency.IterTiming(0.1, 2.1, 11)] * len(prompts)
+
+    monkeypatch.setattr(
+        latency, "token_id_engine_kwargs", lambda args: {"seed": 0, "speculative_config": spec}
+    )
+    monkeypatch.setattr(latency, "gguf_weight_type", lambda model: "Q4_1")
+    monkeypatch.setattr(latency, "run_pagoda", fake_pagoda)
+    monkeypatch.setattr(latency, "run_hf", fake_hf)
+    args = _parser(latency).parse_args(["--peer", "hf"])
+    args.model = None
+    assert latency.main(args) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert ["speculative_config" in k for k in runs] == [True, False]
+    assert record["spec_ratio_decode_tok_s"] == 2.0 and record["spec_output_identical"] is True
+    assert record["spec_decode"]["acceptance_rate"] == 0.75
+    assert record["spec_decode"]["mean_acceptance_length"] == 4.0
+    assert hf_args == [{"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 3}]
+    assert record["peer"]["name"].startswith("hf-transformers, prompt lookup")
+
+
+def test_copy_workload_prompts(smollm2_tokenizer) -> None:
+    from pagoda.bench.copy_workload import PASSAGES, copy_prompts
+
+    prompts = copy_prompts(smollm2_tokenizer, len(PASSAGES) + 1)
+    assert prompts[0] == prompts[-1] and len({tuple(p) for p in prompts}) == len(PASSAGES)
+    text = smollm2_tokenizer.decode(prompts[1])
+    assert PASSAGES[1] in text and "Repeat the following text exactly" in text
 
 
 @pytest.mark.slow

@@ -102,7 +102,7 @@ def run_step(
     sampled = {rid: rng.randrange(3, VOCAB) for rid in rows.row_ids}
     batch.count_sampled(rows, torch.tensor(list(sampled.values()), dtype=torch.int64))
     batch.record_sampled(rows.own_rows, list(sampled.values()))
-    sched.update(out, RunnerOutput(sampled, logprobs={}, prompt_logprobs={}))
+    sched.update(out, RunnerOutput({r: [t] for r, t in sampled.items()}, {}, {}))
     return out
 
 
@@ -258,6 +258,6 @@ def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:
         sampled = fast_out.sampled_token_ids
         batch.count_sampled(rows, sampled)
         batch.record_sampled(rows.own_rows, sampled.tolist())
-        runner = {rid: tok for rid, tok in zip(rows.row_ids, sampled.tolist())}
+        runner = {rid: [tok] for rid, tok in zip(rows.row_ids, sampled.tolist())}
         sched.update(out, RunnerOutput(runner, logprobs={}, prompt_logprobs={}))
     assert checked_penalties and any(r.output_token_ids for r in sched.requests.values())

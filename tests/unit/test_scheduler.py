@@ -113,7 +113,7 @@ def step(
     """One engine step; every sampling request gets tokens[rid] (default TOK)."""
     out = sched.schedule()
     tokens = tokens or {}
-    sampled = {rid: tokens.get(rid, TOK) for s in out.scheduled for rid in s.sample_ids}
+    sampled = {rid: [tokens.get(rid, TOK)] for s in out.scheduled for rid in s.sample_ids}
     return out, sched.update(out, RunnerOutput(sampled, logprobs={}, prompt_logprobs={}))
 
 
@@ -521,7 +521,7 @@ def test_abort_between_schedule_and_update():
     sched.add_request(make_request("a", prompt(1, 6), arrival=0))
     out = sched.schedule()
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    assert sched.update(out, RunnerOutput({"a": TOK}, logprobs={}, prompt_logprobs={})) == []
+    assert sched.update(out, RunnerOutput({"a": [TOK]}, logprobs={}, prompt_logprobs={})) == []
     assert_pool_all_free(sched)
 
 
@@ -730,7 +730,7 @@ def test_stats():
 def step_with_prompt_logprobs(sched: Scheduler) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
     """Like step(), and the fake runner scores each chunk's prompt rows: row p -> token p + 1."""
     out = sched.schedule()
-    sampled = {rid: TOK for s in out.scheduled for rid in s.sample_ids}
+    sampled = {rid: [TOK] for s in out.scheduled for rid in s.sample_ids}
     plp = {
         s.request_id: [
             (
@@ -781,7 +781,7 @@ def test_prompt_logprobs_reported_once_across_preemption():
 
 def runner_output(out: SchedulerOutput, tokens: dict[str, int]) -> RunnerOutput:
     """The fake runner's result of `out`: tokens[rid] for every sampling id."""
-    sampled = {rid: tokens[rid] for s in out.scheduled for rid in s.sample_ids}
+    sampled = {rid: [tokens[rid]] for s in out.scheduled for rid in s.sample_ids}
     return RunnerOutput(sampled, logprobs={}, prompt_logprobs={})
 
 

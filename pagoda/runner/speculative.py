@@ -1,0 +1,173 @@
+"""Speculative decoding in the runner: verifying a step's draft tokens, proposing the next's.
+
+A request with d draft tokens runs its last token and the d drafts as one chunk of d + 1
+positions (the scheduler's ScheduledRequest.num_draft_tokens). Verification samples every
+position as the plain sampler samples a row: the same processing (logit bias, min_tokens bans,
+penalties counting the drafts before the position, temperature, top-k/p, min-p), the same
+exponential race, a seeded request drawing its noise position by position from its generator.
+It keeps the longest prefix of drafts equal to those samples, then the sample after it
+(runner/rejection_sampler.py, accept_greedy). Drafts here are deterministic (prompt lookup), so
+this is exactly rejection sampling (accept x with min(1, p(x) / q(x)) for a one-hot q): the
+output is distributed as the target's, and greedy output is the target's argmax chain. A seeded
+request's generator is then rewound to a_r + 1 draws, so it gives the tokens it gives without
+speculation.
+
+Proposals (spec_decode/ngram.py) are made when a step's tokens reach the host, from each
+request's prompt and outputs, within max_tokens and max_model_len; they ride back to the
+scheduler in RunnerOutput.draft_token_ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import overload
+
+import torch
+
+from pagoda.config import SpeculativeConfig
+from pagoda.runner.device import to_device
+from pagoda.runner.input_batch import InputBatch, RequestRow, SamplingRows
+from pagoda.runner.rejection_sampler import (
+    DraftLayout,
+    accept_greedy,
+    rewind_generators,
+    snapshot_generators,
+)
+from pagoda.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata
+from pagoda.spec_decode.ngram import NgramProposer
+
+
+@dataclass
+class Verified:
+    """A step's emitted tokens, rows in order: row i emitted counts[i] = a_i + 1 of them."""
+
+    sampled: torch.Tensor  # (N,) int64 on the device
+    counts: list[int]
+    logprobs: LogprobsTensors | None  # (N, ...): the target's, at each emitted position
+    emitted_rows: SamplingRows  # the rows, each repeated counts[i] times
+
+
+def draft_positions(rows: SamplingRows, drafts: list[list[int]]) -> SamplingRows:
+    """The rows to sample: row i at each of its len(drafts[i]) + 1 positions."""
+    return rows.expanded([len(d) + 1 for d in drafts])
+
+
+def verify_drafts(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    meta: SamplingMetadata,
+    rows: SamplingRows,
+    drafts: list[list[int]],
+) -> Verified:
+    """Sample every draft position of `rows` (row i proposed drafts[i], maybe none) and keep
+    what the target agrees with (module docstring). logits (T, vocab) and meta: those of
+    draft_positions(rows, drafts), as for a plain step of those rows."""
+    num_drafts = [len(d) for d in drafts]
+    layout = DraftLayout.build(num_drafts, logits.device)
+    flat_drafts = to_device([t for d in drafts for t in d], torch.int64, logits.device)
+    if meta.output_counts is not None:
+        _count_earlier_drafts(meta.output_counts, layout, drafts)
+    # Seeded random rows with drafts: their generators, keyed by row, before the draws.
+    seeded = {
+        i: meta.generators[layout.target_starts[i]]
+        for i in range(len(drafts))
+        if num_drafts[i] and layout.target_starts[i] in meta.generators
+    }
+    snapshots = snapshot_generators(seeded)
+    result = sampler(logits, meta)
+    verified = accept_greedy(result.sampled_token_ids, flat_drafts, layout)
+    num_accepted = verified.num_accepted.tolist()  # the step's sync (sync scheduling)
+    rewind = {i: g for i, g in seeded.items() if num_accepted[i] < num_drafts[i]}
+    rewind_generators(rewind, snapshots, num_accepted, logits.shape[1])
+    emitted = layout.emitted_target_rows(verified.num_accepted)
+    logprobs = None
+    if result.logprobs is not None:
+        logprobs = LogprobsTensors(*(t.index_select(0, emitted) for t in result.logprobs))
+    counts = [a + 1 for a in num_accepted]
+    return Verified(
+        result.sampled_token_ids.index_select(0, emitted),
+        counts,
+        logprobs,
+        rows.expanded(counts),
+    )
+
+
+def _count_earlier_drafts(
+    counts: torch.Tensor, layout: DraftLayout, drafts: list[list[int]]
+) -> None:
+    """Add to each position's output token counts (T, vocab) the drafts before it: position j
+    of a row has seen drafts 0..j-1 as outputs (penalties)."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    for i, row_drafts in enumerate(drafts):
+        start = layout.target_starts[i]
+        for j in range(1, len(row_drafts) + 1):
+            rows.extend([start + j] * j)
+            tokens.extend(row_drafts[:j])
+    if rows:
+        device = counts.device
+        index = (to_device(rows, torch.int64, device), to_device(tokens, torch.int64, device))
+        counts.index_put_(index, torch.ones(len(rows), device=device), accumulate=True)
+
+
+class _RowTokens(Sequence[int]):
+    """A request row's prompt then outputs, as one sequence, without copying them."""
+
+    def __init__(self, row: RequestRow) -> None:
+        self.prompt, self.outputs = row.prompt_token_ids, row.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.outputs)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        n = len(self.prompt)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            assert step == 1
+            return self.prompt[start:stop] + self.outputs[max(start - n, 0) : max(stop - n, 0)]
+        i = i + len(self) if i < 0 else i
+        return self.prompt[i] if i < n else self.outputs[i - n]
+
+
+class DraftProposer:
+    """The runner's proposer: drafts for each request that just sampled, from its own tokens."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        if not config.use_ngram:
+            raise ValueError(
+                f"speculative_config: method {config.method!r} is not implemented yet; use 'ngram'"
+            )
+        self.proposer = NgramProposer.from_config(config)
+        self.max_model_len = max_model_len
+
+    def propose(self, batch: InputBatch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Drafts for the next step of each request in `sampled` still in the batch (its new
+        tokens already recorded), at most what fits before max_tokens and max_model_len with
+        the target's token after them."""
+        requests: list[tuple[str, Sequence[int], int]] = []
+        for rid in sampled:
+            row = batch.rows.get(rid)
+            if row is None:
+                continue
+            num_tokens = len(row.prompt_token_ids) + len(row.output_token_ids)
+            max_tokens = row.params.max_tokens
+            room = self.max_model_len - num_tokens
+            if max_tokens is not None:
+                room = min(room, max_tokens - len(row.output_token_ids))
+            requests.append((rid, _RowTokens(row), room - 1))
+        proposals = self.proposer.propose(requests)
+        return {rid: d for (rid, _, _), d in zip(requests, proposals) if d}
+
+    def record(self, drafts: list[list[int]], rows: SamplingRows, counts: list[int]) -> None:
+        """Each row's verification outcome, for its backoff."""
+        for rid, row_drafts, count in zip(rows.row_ids, drafts, counts):
+            if row_drafts:
+                self.proposer.record(rid, len(row_drafts), count - 1)
+
+    def remove(self, request_id: str) -> None:
+        self.proposer.remove(request_id)
