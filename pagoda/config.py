@@ -283,6 +283,7 @@ SPEC_METHODS = ("ngram", "draft_model")
 SELF_DRAFT = "self"  # `model` value: the target's own checkpoint, kept quantized as the draft
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both prompt_lookup_min and prompt_lookup_max
 DEFAULT_MAX_BACKOFF_STEPS = 64
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -324,6 +325,11 @@ class SpeculativeConfig:
     # draft checkpoint's own
     quantization: str | None = None
     max_backoff_steps: int = DEFAULT_MAX_BACKOFF_STEPS
+    # vLLM's (v0) speculative_disable_by_batch_size: no proposals while more requests than this
+    # run. Verifying drafts pays where a step is memory-bound (small batches); a large batch's
+    # step is compute-bound, so its drafts cost about what they save, and the steps they join
+    # lose the compiled decode path (measured W-CPU, benchmarks/README.md). None: never.
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         _positive_int("num_speculative_tokens", self.num_speculative_tokens)
@@ -341,6 +347,8 @@ class SpeculativeConfig:
                 "speculative_config: max_backoff_steps must be an int >= 0 (0: never back "
                 f"off), got {self.max_backoff_steps!r}"
             )
+        if self.disable_by_batch_size is not None:
+            _positive_int("disable_by_batch_size", self.disable_by_batch_size)
         if self.method == "ngram":
             self._check_ngram()
         else:

@@ -144,11 +144,15 @@ class DraftProposer:
             )
         self.proposer = NgramProposer.from_config(config)
         self.max_model_len = max_model_len
+        self.max_batch = config.disable_by_batch_size
 
     def propose(self, batch: InputBatch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Drafts for the next step of each request in `sampled` still in the batch (its new
         tokens already recorded), at most what fits before max_tokens and max_model_len with
-        the target's token after them."""
+        the target's token after them; none while the batch holds more than
+        disable_by_batch_size requests."""
+        if self.max_batch is not None and len(batch.rows) > self.max_batch:
+            return {}
         requests: list[tuple[str, Sequence[int], int]] = []
         for rid in sampled:
             row = batch.rows.get(rid)

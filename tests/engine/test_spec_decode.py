@@ -57,9 +57,11 @@ class OracleProposer:
         self.truth = truth
         self.skip: set[int] = set()
         self.proposed = 0
+        self.batch_sizes: list[int] = []
 
     def propose(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
         drafts = []
+        self.batch_sizes.append(len(requests))
         for rid, tokens, allowed in requests:
             (i,) = [i for i, p in enumerate(PROMPTS) if list(tokens[: len(p)]) == p]
             sample = int(rid.split("#")[1]) if "#" in rid else 0
@@ -178,6 +180,19 @@ def test_preemption_and_stops(folder: str) -> None:
     assert got[0].outputs[0].token_ids[-1] == stop and got[0].outputs[0].finish_reason == "stop"
     assert len(got[0].outputs[0].token_ids) >= 10
     assert len(got[1].outputs[0].token_ids) == 7
+
+
+def test_no_proposals_in_large_batches(folder: str, plain: LLM) -> None:
+    """disable_by_batch_size: while more requests run than that, nothing is proposed; the
+    last request left alone speculates again."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 14, MAX_TOKENS)
+    ]
+    expected = _run(plain, params)
+    spec = _llm(folder, {**NGRAM, "disable_by_batch_size": 1})
+    oracle = _with_oracle(spec, expected)
+    assert _tokens(_run(spec, params)) == _tokens(expected)
+    assert oracle.batch_sizes and set(oracle.batch_sizes) == {1} and oracle.proposed > 0
 
 
 def test_config_errors(folder: str) -> None:

@@ -26,16 +26,17 @@ def test_ngram_server_streams_and_counts(
         None, *SMALL_POOL, "--max-model-len", "1024", "--speculative-config", NGRAM
     )
     client = server.client()
+    model = str(server.get("/v1/models").json()["data"][0]["id"])
     messages: Any = [{"role": "user", "content": f"Repeat this text exactly:\n\n{PASSAGE}"}]
     whole = client.chat.completions.create(
-        model="x", messages=messages, temperature=0.0, max_tokens=48
+        model=model, messages=messages, temperature=0.0, max_tokens=48
     )
     text = whole.choices[0].message.content
     assert text and "lighthouse keeper" in text
     chunks = [
         c.choices[0].delta.content or ""
         for c in client.chat.completions.create(
-            model="x", messages=messages, temperature=0.0, max_tokens=48, stream=True
+            model=model, messages=messages, temperature=0.0, max_tokens=48, stream=True
         )
         if c.choices
     ]

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from pagoda.config import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
     DEFAULT_MAX_BACKOFF_STEPS,
     DEFAULT_PROMPT_LOOKUP,
     QUANTIZATION_METHODS,
@@ -128,6 +129,10 @@ def test_draft_quantization_takes_the_engines_methods() -> None:
             {"method": "ngram", "num_speculative_tokens": 4, "max_backoff_steps": -1},
             "max_backoff_steps",
         ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0},
+            "disable_by_batch_size",
+        ),
     ],
 )
 def test_bad_values_name_the_field(values: dict, names: str) -> None:
@@ -155,6 +160,7 @@ def test_frozen_and_serializable() -> None:
         "prompt_lookup_min": 2,
         "prompt_lookup_max": 2,
         "max_backoff_steps": DEFAULT_MAX_BACKOFF_STEPS,
+        "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE,
     }
     assert parse(c.to_dict()) == c
     assert hash(c) == hash(parse(json.dumps(c.to_dict())))
