@@ -8,9 +8,10 @@ beside vLLM's B1 anchor.
 
 --workload copy asks the model to repeat a passage (bench/copy_workload.py), the case prompt
 lookup is made for. With --speculative-config, pagoda also runs without it in the same run (its
-own baseline: the ratio and whether the greedy outputs are identical), and --peer hf decodes
-with HF's prompt lookup (prompt_lookup_num_tokens = num_speculative_tokens,
-max_matching_ngram_size = prompt_lookup_max)."""
+own baseline: the ratio and whether the greedy outputs are identical), --peer hf decodes with
+HF's prompt lookup (prompt_lookup_num_tokens = num_speculative_tokens,
+max_matching_ngram_size = prompt_lookup_max) and --peer llama.cpp with its
+LlamaPromptLookupDecoding (num_pred_tokens, max_ngram_size: the same two)."""
 
 from __future__ import annotations
 
@@ -162,9 +163,11 @@ def main(args: argparse.Namespace) -> int:
         }
         same = weights["quantization"] == "none" and weights["dtype"] == "float32"
     elif args.peer == "llama.cpp":
-        timings = run_llama_cpp(args.model, prompts, args.output_len)
+        lookup = hf_prompt_lookup(spec)
+        timings = run_llama_cpp(args.model, prompts, args.output_len, lookup)
         record["peer"] = {
-            "name": "llama-cpp-python, 2 threads",
+            "name": "llama-cpp-python, 2 threads"
+            + (f", LlamaPromptLookupDecoding {lookup}" if lookup else ""),
             "precision": llama_cpp_precision(gguf_type),
             **summarize(timings[args.num_iters_warmup :]),
         }
@@ -403,9 +406,15 @@ def _covered(intervals: list[tuple[float, float]], windows: list[tuple[float, fl
     return total
 
 
-def run_llama_cpp(model: str | None, prompts: list[list[int]], output_len: int) -> list[IterTiming]:
+def run_llama_cpp(
+    model: str | None,
+    prompts: list[list[int]],
+    output_len: int,
+    prompt_lookup: dict[str, int] | None = None,
+) -> list[IterTiming]:
     """llama-cpp-python on the same GGUF file: 2 threads, greedy, no stop at EOS (its token
-    generator runs until we stop it); each token is stamped as it is yielded."""
+    generator runs until we stop it); each token is stamped as it is yielded. prompt_lookup
+    (hf_prompt_lookup's keys): decode with its LlamaPromptLookupDecoding draft model."""
     from pagoda.loading.model_files import resolve_model
 
     try:
@@ -416,7 +425,16 @@ def run_llama_cpp(model: str | None, prompts: list[list[int]], output_len: int) 
     if gguf_file is None:
         raise ValueError("--peer llama.cpp needs a GGUF model")
     n_ctx = max(len(p) for p in prompts) + output_len + 8
-    llm = Llama(os.path.join(folder, gguf_file), n_threads=2, n_ctx=n_ctx, verbose=False)
+    draft = None
+    if prompt_lookup is not None:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(
+            max_ngram_size=prompt_lookup["max_matching_ngram_size"],
+            num_pred_tokens=prompt_lookup["prompt_lookup_num_tokens"],
+        )
+    path = os.path.join(folder, gguf_file)
+    llm = Llama(path, n_threads=2, n_ctx=n_ctx, verbose=False, draft_model=draft)
     timings = []
     for ids in prompts:
         stamps: list[float] = []

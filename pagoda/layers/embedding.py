@@ -73,7 +73,7 @@ class LMHead(nn.Module):
         # matmul's dtype (the model's) unless float32
         owner: Any = self._tied[0] if self._tied else self
         if owner.kernel == "float":
-            logits = F.linear(hidden_states, owner.weight)
+            logits = _float_logits(hidden_states, owner.weight)
         else:
             logits = apply_stored(owner, hidden_states)
         return logits.float() if float32 else logits
@@ -81,3 +81,21 @@ class LMHead(nn.Module):
     def extra_repr(self) -> str:
         tied = ", tied" if self._tied else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{tied}"
+
+
+# Rows for which a float32 LM head on CPU runs as W @ x^T: a vocabulary-sized weight with a few
+# rows (speculative decoding verifies k + 1 positions a request; small decode batches) is 2.3x
+# faster that way than F.linear with MKL on the 2-core AVX2 machine (SmolLM2's 49152 x 576:
+# 5 rows 19.2 -> 8.5 ms, 16 rows 20.2 -> 14.4 ms; 1 row and 64 rows equal). The decoder's own
+# (smaller) linears measured no gain, so only the LM head does it.
+_TRANSPOSED_ROWS = range(2, 33)
+
+
+def _float_logits(hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if (
+        hidden_states.shape[0] in _TRANSPOSED_ROWS
+        and hidden_states.device.type == "cpu"
+        and weight.dtype == torch.float32
+    ):
+        return torch.mm(weight, hidden_states.t()).t().contiguous()
+    return F.linear(hidden_states, weight)

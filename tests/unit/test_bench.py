@@ -302,7 +302,7 @@ def test_latency_peer_llama_cpp_record_names_the_same_file(monkeypatch, capsys):
     monkeypatch.setattr(latency, "token_id_engine_kwargs", lambda args: {"seed": 0})
     monkeypatch.setattr(latency, "gguf_weight_type", lambda model: "Q4_1")
     monkeypatch.setattr(latency, "run_pagoda", fake_pagoda)
-    monkeypatch.setattr(latency, "run_llama_cpp", lambda model, prompts, n: timings)
+    monkeypatch.setattr(latency, "run_llama_cpp", lambda model, prompts, n, lookup=None: timings)
     args = _parser(latency).parse_args(["--peer", "llama.cpp"])
     args.model = None
     assert latency.main(args) == 0
