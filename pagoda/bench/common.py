@@ -300,3 +300,35 @@ def left_pad(prompts: Sequence[list[int]], pad_token_id: int) -> tuple[Any, Any]
         ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[row, width - len(p) :] = 1
     return ids, mask
+
+
+def spec_stats(llm: Any) -> dict[str, Any]:
+    """The engine's speculative decoding totals (warm-up included) and their rates."""
+    stats = llm.engine.stats()
+    drafts, tokens = stats.spec_num_drafts, stats.spec_num_draft_tokens
+    accepted = stats.spec_num_accepted_tokens
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": tokens,
+        "num_accepted_tokens": accepted,
+        "accepted_per_position": stats.spec_accepted_per_position,
+        "acceptance_rate": round(accepted / tokens, 4) if tokens else None,
+        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
+    }
+
+
+def prompt_lookup_args(spec: Any) -> dict[str, int] | None:
+    """HF generate()'s prompt-lookup arguments matching an ngram --speculative-config (the
+    llama.cpp peer reads the same two)."""
+    if spec is None:
+        return None
+    from pagoda.config import SpeculativeConfig
+
+    config = SpeculativeConfig.parse(spec)
+    if config is None or not config.use_ngram:
+        return None
+    assert config.prompt_lookup_max is not None
+    return {
+        "prompt_lookup_num_tokens": config.num_speculative_tokens,
+        "max_matching_ngram_size": config.prompt_lookup_max,
+    }

@@ -35,8 +35,10 @@ from pagoda.bench.common import (
     log,
     median,
     peer_comparison,
+    prompt_lookup_args,
     random_prompt,
     ratio,
+    spec_stats,
     token_id_engine_kwargs,
     weights_record,
 )
@@ -154,7 +156,7 @@ def main(args: argparse.Namespace) -> int:
     record["peer"] = None
     same = False
     if args.peer == "hf":
-        lookup = hf_prompt_lookup(spec)
+        lookup = prompt_lookup_args(spec)
         timings = run_hf(args.model, prompts, args.output_len, lookup)
         record["peer"] = {
             "name": "hf-transformers" + (f", prompt lookup {lookup}" if lookup else ""),
@@ -163,7 +165,7 @@ def main(args: argparse.Namespace) -> int:
         }
         same = weights["quantization"] == "none" and weights["dtype"] == "float32"
     elif args.peer == "llama.cpp":
-        lookup = hf_prompt_lookup(spec)
+        lookup = prompt_lookup_args(spec)
         timings = run_llama_cpp(args.model, prompts, args.output_len, lookup)
         record["peer"] = {
             "name": "llama-cpp-python, 2 threads"
@@ -244,37 +246,6 @@ def workload_prompts(
     from pagoda.loading.tokenizer import load_tokenizer
 
     return copy_prompts(load_tokenizer(*resolve_model(model)), count)
-
-
-def spec_stats(llm: Any) -> dict[str, Any]:
-    """The engine's speculative decoding totals (warm-up included) and their rates."""
-    stats = llm.engine.stats()
-    drafts, tokens = stats.spec_num_drafts, stats.spec_num_draft_tokens
-    accepted = stats.spec_num_accepted_tokens
-    return {
-        "num_drafts": drafts,
-        "num_draft_tokens": tokens,
-        "num_accepted_tokens": accepted,
-        "accepted_per_position": stats.spec_accepted_per_position,
-        "acceptance_rate": round(accepted / tokens, 4) if tokens else None,
-        "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
-    }
-
-
-def hf_prompt_lookup(spec: Any) -> dict[str, int] | None:
-    """HF generate()'s prompt-lookup arguments matching an ngram --speculative-config."""
-    if spec is None:
-        return None
-    from pagoda.config import SpeculativeConfig
-
-    config = SpeculativeConfig.parse(spec)
-    if config is None or not config.use_ngram:
-        return None
-    assert config.prompt_lookup_max is not None
-    return {
-        "prompt_lookup_num_tokens": config.num_speculative_tokens,
-        "max_matching_ngram_size": config.prompt_lookup_max,
-    }
 
 
 def run_pagoda(
@@ -414,7 +385,7 @@ def run_llama_cpp(
 ) -> list[IterTiming]:
     """llama-cpp-python on the same GGUF file: 2 threads, greedy, no stop at EOS (its token
     generator runs until we stop it); each token is stamped as it is yielded. prompt_lookup
-    (hf_prompt_lookup's keys): decode with its LlamaPromptLookupDecoding draft model."""
+    (prompt_lookup_args' keys): decode with its LlamaPromptLookupDecoding draft model."""
     from pagoda.loading.model_files import resolve_model
 
     try:
