@@ -302,16 +302,24 @@ def left_pad(prompts: Sequence[list[int]], pad_token_id: int) -> tuple[Any, Any]
     return ids, mask
 
 
-def spec_stats(llm: Any) -> dict[str, Any]:
-    """The engine's speculative decoding totals (warm-up included) and their rates."""
-    stats = llm.engine.stats()
-    drafts, tokens = stats.spec_num_drafts, stats.spec_num_draft_tokens
-    accepted = stats.spec_num_accepted_tokens
+def spec_stats(after: Any, before: Any = None) -> dict[str, Any]:
+    """Speculative decoding's counts between two engine stats (SchedulerStats; before None:
+    since start) and their rates."""
+
+    def delta(name: str) -> int:
+        return int(getattr(after, name) - (getattr(before, name) if before is not None else 0))
+
+    drafts, tokens = delta("spec_num_drafts"), delta("spec_num_draft_tokens")
+    accepted = delta("spec_num_accepted_tokens")
+    per_position = list(after.spec_accepted_per_position)
+    if before is not None:
+        for i, n in enumerate(before.spec_accepted_per_position):
+            per_position[i] -= n
     return {
         "num_drafts": drafts,
         "num_draft_tokens": tokens,
         "num_accepted_tokens": accepted,
-        "accepted_per_position": stats.spec_accepted_per_position,
+        "accepted_per_position": per_position,
         "acceptance_rate": round(accepted / tokens, 4) if tokens else None,
         "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else None,
     }

@@ -130,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
     )
     record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
     if spec is not None:
-        record["spec_decode"] = spec_stats(llm)
+        record["spec_decode"] = spec_stats(llm.engine.stats())
         del llm
         baseline: list[list[int]] = []
         plain = {k: v for k, v in kwargs.items() if k != "speculative_config"}

@@ -26,6 +26,7 @@ from pagoda.bench.common import (
     random_prompt,
     random_workload,
     ratio,
+    spec_stats,
     throughput_stats,
     token_id_engine_kwargs,
     weights_record,
@@ -196,15 +197,7 @@ def run_pagoda(
     result["num_cached_tokens"] = sum(o.num_cached_tokens for o in outputs)
     result["num_preemptions"] = after.num_preemptions - before.num_preemptions
     if after.spec_num_drafts or "speculative_config" in kwargs:
-        drafts = after.spec_num_drafts - before.spec_num_drafts
-        tokens = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-        accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-        result["spec_decode"] = {
-            "num_drafts": drafts,
-            "num_draft_tokens": tokens,
-            "num_accepted_tokens": accepted,
-            "acceptance_rate": round(accepted / tokens, 4) if tokens else None,
-        }
+        result["spec_decode"] = spec_stats(after, before)
     if num_out != sum(r.output_len for r in requests):
         log(f"warning: pagoda produced {num_out} output tokens, the workload asks for more")
     return result

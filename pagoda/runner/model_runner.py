@@ -336,18 +336,21 @@ class ModelRunner:
         penalties, on the device, for the steps after this one). decoded: the logits and argmax
         a padded decode step already computed, one row per request in order."""
         rows = SamplingRows()
-        drafts: list[list[int]] = []  # each sampling row's draft tokens (speculative decoding)
         token_end = 0
         for s in scheduled:
             token_end += len(s.token_ids)
             if s.sample_ids:
-                d = s.num_draft_tokens
-                rows.add(s, self.batch.rows[s.request_id], token_end - 1 - d)
-                drafts += [s.token_ids[len(s.token_ids) - d :]] * len(s.sample_ids)
+                rows.add(s, self.batch.rows[s.request_id], token_end - 1 - s.num_draft_tokens)
         if not rows.row_ids:
             self.prev_sampled, self.prev_rows = None, {}
             return PendingOutput([], [], None, None, prompt_logprobs)
-        if any(drafts):
+        if any(s.num_draft_tokens for s in scheduled):
+            # each sampling row's draft tokens (n > 1 siblings never have any)
+            drafts = [
+                s.token_ids[len(s.token_ids) - s.num_draft_tokens :]
+                for s in scheduled
+                for _ in s.sample_ids
+            ]
             return self._sample_drafts(rows, drafts, hidden, prompt_logprobs)
         # One row per request in a pure-decode step: no gather (and no index upload) needed.
         flat = rows.flat_rows

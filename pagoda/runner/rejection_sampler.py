@@ -34,6 +34,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pagoda.runner.sampler import exponential_race
+
 PLACEHOLDER_TOKEN_ID = -1  # pads token_ids after a row's emitted tokens; never a token id
 
 
@@ -165,13 +167,6 @@ def _emit(tokens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
     return tokens.masked_fill(cols > num_accepted.unsqueeze(1), PLACEHOLDER_TOKEN_ID)
 
 
-def _race(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """The plain sampler's exponential race over (N, V) nonnegative weights (need not sum to 1)
-    with its noise U ~ Uniform[0, 1): argmax(w / E), E = -log(U); (N,) int64. `uniform` is
-    overwritten. The same arithmetic as runner/sampler.py's random_sample, bit for bit."""
-    return torch.div(weights, uniform.log_(), out=uniform).argmin(dim=-1)
-
-
 def _noise(
     shape: tuple[int, ...],
     like: torch.Tensor,
@@ -260,7 +255,7 @@ def _sample_all_positions(
             uniform[start + i].uniform_(generator=g)
             if i < k:
                 states[row].append(g.get_state())
-    tokens = _race(target_probs, uniform)
+    tokens = exponential_race(target_probs, uniform)
     if greedy is not None:
         is_greedy = layout.expand_rows(greedy)
         tokens = torch.where(is_greedy, target_probs.argmax(dim=-1), tokens)
@@ -298,7 +293,7 @@ def _sample_by_position(
                 n: generators[alive[j]] for n, j in enumerate(random) if alive[j] in generators
             }
             noise = _noise(tuple(picked.shape), picked, {n: (n, n + 1) for n in seeded}, seeded)
-            sampled = _race(picked, noise)
+            sampled = exponential_race(picked, noise)
             if tokens is None:
                 tokens = sampled
             else:
@@ -342,12 +337,12 @@ def _sample_with_draft_probs(
     accepted_flat = u * q_x < p_x
     residual = (p_rows - q_rows).clamp_(min=0.0)  # the race needs no normalization
     noise = _noise(tuple(residual.shape), residual, draft_segments, generators)
-    recovered_flat = _race(residual, noise)  # (D,)
+    recovered_flat = exponential_race(residual, noise)  # (D,)
 
     bonus_probs = target_probs.index_select(0, layout.bonus_rows).float()  # (R, V)
     bonus_segments = {r: (r, r + 1) for r in range(layout.num_rows)}
     noise = _noise(tuple(bonus_probs.shape), bonus_probs, bonus_segments, generators)
-    bonus = _race(bonus_probs, noise)  # (R,)
+    bonus = exponential_race(bonus_probs, noise)  # (R,)
     if layout.max_k == 0:
         return VerifyOutput(bonus.unsqueeze(1), torch.zeros_like(bonus))
 

@@ -384,7 +384,14 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
         uniform.uniform_()
     for row, generator in generators.items():
         uniform[row].uniform_(generator=generator)
-    return torch.div(probs, uniform.log_(), out=uniform).argmin(dim=-1)
+    return exponential_race(probs, uniform)
+
+
+def exponential_race(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """random_sample's race over (N, V) nonnegative weights (need not sum to 1) with its noise
+    U ~ Uniform[0, 1) already drawn: argmax(w / E), E = -log(U); (N,) int64. `uniform` is
+    overwritten."""
+    return torch.div(weights, uniform.log_(), out=uniform).argmin(dim=-1)
 
 
 def compute_logprobs_for(
