@@ -220,6 +220,14 @@ def weights_record(llm: Any, gguf_type: str | None) -> dict[str, Any]:
     if gguf_file is not None:
         size = os.path.getsize(os.path.join(folder, gguf_file))
         record["gguf_file_mib"] = round(size / 2**20, 2)
+    draft = getattr(llm.engine, "draft", None)
+    if draft is not None:  # speculative decoding's draft model
+        record["draft_model"] = {
+            "architecture": draft.config.architecture,
+            "num_layers": draft.config.num_layers,
+            "quantization": draft.config.quantization,
+            "weight_mib": round(draft.config.weight_bytes / 2**20, 2),
+        }
     return record
 
 

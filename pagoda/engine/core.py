@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pagoda.config import EngineConfig, ModelConfig
+from pagoda.loading.draft import DraftModel, load_draft_model
 from pagoda.loading.loader import load_model
 from pagoda.runner.device import resolve_device, torch_dtype
 from pagoda.runner.model_runner import ModelRunner
@@ -45,6 +46,10 @@ class EngineCore:
         self.eos_token_ids = _eos_token_ids(model_config.hf_config, tokenizer)
         self.block_size = config.cache.block_size
         kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
+        spec = config.speculative_config
+        self.draft: DraftModel | None = None
+        if spec is not None and not spec.use_ngram:
+            self.draft = load_draft_model(config, model_config, tokenizer)
         self.runner = ModelRunner(
             model,
             model_config,
@@ -57,14 +62,17 @@ class EngineCore:
             kernel_backend=config.kernel_backend,
             use_cuda_graphs=config.use_cuda_graphs,
             compile_decode=config.compile_decode,
-            speculative_config=config.speculative_config,
+            speculative_config=spec,
+            draft=self.draft,
         )
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(pool, self.block_size)
+        # A draft model writes its KV up to k positions past a step's tokens (draft_model.py).
+        lookahead = 0 if self.draft is None or spec is None else spec.num_speculative_tokens
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache_manager, model_config.max_model_len
+            config.scheduler, self.kv_cache_manager, model_config.max_model_len, lookahead
         )
         self.async_scheduling = config.use_async_scheduling
         # Async scheduling: the step launched by the last step() call, not yet updated.
@@ -107,7 +115,10 @@ class EngineCore:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        block_bytes = self.block_size * self.model_config.kv_bytes_per_token(cache.kv_quant_dtype)
+        per_token = self.model_config.kv_bytes_per_token(cache.kv_quant_dtype)
+        if self.draft is not None:  # the draft's cache has as many blocks (draft_step.py)
+            per_token += self.draft.config.kv_bytes_per_token(cache.kv_quant_dtype)
+        block_bytes = self.block_size * per_token
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":

@@ -21,6 +21,7 @@ from pagoda.config import ModelConfig, SpeculativeConfig
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.quant_forms import triton_weights
+from pagoda.loading.draft import DraftModel
 from pagoda.models.interface import CausalLM
 from pagoda.runner.cuda_graphs import (
     LOGITS_IN_GRAPH_MAX,
@@ -30,9 +31,11 @@ from pagoda.runner.cuda_graphs import (
     padded_size,
 )
 from pagoda.runner.device import to_device, torch_dtype
+from pagoda.runner.draft_step import DraftModelStep
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.kernel_warmup import decode_split_counts, matmul_row_counts, prefill_lens
 from pagoda.runner.pending_output import PendingOutput
+from pagoda.runner.prompt_logprobs import compute_prompt_logprobs
 from pagoda.runner.sampler import (
     LogprobsTensors,
     Sampler,
@@ -68,12 +71,13 @@ class ModelRunner:
         use_cuda_graphs: bool = False,
         compile_decode: bool = False,
         speculative_config: SpeculativeConfig | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay captured
         graphs for pure-decode batches (CUDA, triton). compile_decode: run pure-decode batches
         through torch.compile (pagoda/runner/compilation.py). speculative_config: propose draft
         tokens for each decoding request and verify them (runner/speculative.py); needs sync
-        scheduling."""
+        scheduling. draft: the draft model of method draft_model (runner/draft_step.py)."""
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -110,8 +114,20 @@ class ModelRunner:
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[str, int] = {}
         self.proposer: DraftProposer | None = None
+        self.draft_step: DraftModelStep | None = None
+        if draft is not None:
+            self.draft_step = DraftModelStep(
+                draft,
+                self.batch,
+                self.buffers,
+                block_size,
+                device,
+                kv_quant_dtype,
+                _compiled_decode(draft.model) if compile_decode else None,
+            )
         if speculative_config is not None:
-            self.proposer = DraftProposer(speculative_config, model_config.max_model_len)
+            max_len, max_tokens = model_config.max_model_len, self.buffers.max_tokens
+            self.proposer = DraftProposer(speculative_config, max_len, self.draft_step, max_tokens)
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
         mc = self.model_config
@@ -130,6 +146,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._allocate_caches(num_blocks)
+        if self.draft_step is not None:
+            self.draft_step.allocate(num_blocks)
 
     def capture_cuda_graphs(self) -> None:
         """After allocate_kv_cache: capture the decode graphs when they are enabled."""
@@ -150,9 +168,15 @@ class ModelRunner:
         (a decode batch of one request and one of two, each request two blocks long) rather
         than in the first requests' steps. This writes keys and values into blocks 0-3, which
         no request holds yet and every request overwrites before reading."""
-        if self.compiled is None:
-            return
-        num_blocks = self.kv_caches[0].k.shape[0]
+        compiled = [(self.compiled, self.kv_caches)]
+        if self.draft_step is not None:
+            compiled.append((self.draft_step.compiled, self.draft_step.kv_caches))
+        for graphs, caches in compiled:
+            if graphs is not None:
+                self._compile(graphs, caches)
+
+    def _compile(self, compiled: CompiledDecode, caches: list[KVCache]) -> None:
+        num_blocks = caches[0].k.shape[0]
         for batch, width in WARMUP_SHAPES:
             batch = min(batch, self.max_num_seqs)
             width = min(width, self.max_blocks_per_seq)
@@ -161,9 +185,9 @@ class ModelRunner:
             ids, pos, meta = self.buffers.prepare(
                 [[0]] * batch, [seq_len] * batch, tables, self.block_size
             )
-            with forward_context(meta, self.kv_caches) as ctx:
+            with forward_context(meta, caches) as ctx:
                 try:
-                    self.compiled.warm_up(ids, pos, ctx)
+                    compiled.warm_up(ids, pos, ctx)
                 except Exception as e:  # inductor needs a C++ compiler and Python headers
                     raise RuntimeError(
                         f"compiling the decode step failed ({type(e).__name__}: {e}); "
@@ -239,7 +263,8 @@ class ModelRunner:
         (see PendingOutput)."""
         for rid in out.finished_request_ids:
             self.generators.pop(rid, None)
-            if self.proposer is not None:
+        if self.proposer is not None:  # a preempted request's blocks are gone
+            for rid in out.finished_request_ids + out.preempted_request_ids:
                 self.proposer.remove(rid)
         self.batch.apply(out)
         self._copy_blocks(out.block_copies)
@@ -283,7 +308,9 @@ class ModelRunner:
             hidden = decoded.hidden
         hidden = hidden[:num_tokens]
 
-        prompt_logprobs = self._prompt_logprobs(out.scheduled, hidden)
+        prompt_logprobs = compute_prompt_logprobs(
+            out.scheduled, hidden, self.batch, self.model, self.sampler, self.max_num_seqs
+        )
         return self._sample(out.scheduled, hidden, prompt_logprobs, decoded)
 
     def decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> DecodeOutput:
@@ -324,6 +351,8 @@ class ModelRunner:
         dst = to_device([c[1] for c in copies], torch.int64, self.device)
         for cache in self.kv_caches:
             cache.copy_blocks(src, dst)
+        if self.draft_step is not None:
+            self.draft_step.copy_blocks(src, dst)
 
     def _sample(
         self,
@@ -443,37 +472,6 @@ class ModelRunner:
                 self.generators[rid] = gen
             generators[i] = gen
         return generators
-
-    def _prompt_logprobs(
-        self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
-    ) -> dict[str, LogprobsTensors]:
-        result: dict[str, LogprobsTensors] = {}
-        token_start = 0
-        for s in scheduled:
-            n = s.num_prompt_logprob_tokens
-            if n:
-                request = self.batch.rows[s.request_id]
-                k = request.params.prompt_logprobs or 0
-                row = token_start + s.prompt_logprob_offset
-                first = s.start + s.prompt_logprob_offset + 1
-                targets = to_device(
-                    request.prompt_token_ids[first : first + n], torch.int64, self.device
-                )
-                # Slices of max_num_seqs rows: the (rows, vocab) temporaries then stay within
-                # the LM-head peak that profile_run measured (a whole chunk's would not).
-                step = self.max_num_seqs
-                parts = []
-                for i in range(0, n, step):
-                    rows = hidden[row + i : row + min(i + step, n)]
-                    logits = self.model.compute_logits(rows)
-                    parts.append(
-                        self.sampler.compute_logprobs_for(logits, targets[i : i + step], k)
-                    )
-                result[s.request_id] = (
-                    parts[0] if len(parts) == 1 else LogprobsTensors(*map(torch.cat, zip(*parts)))
-                )
-            token_start += len(s.token_ids)
-        return result
 
 
 def _compiled_decode(model: CausalLM) -> CompiledDecode:

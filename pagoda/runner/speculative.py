@@ -6,22 +6,22 @@ position as the plain sampler samples a row: the same processing (logit bias, mi
 penalties counting the drafts before the position, temperature, top-k/p, min-p), the same
 exponential race, a seeded request drawing its noise position by position from its generator.
 It keeps the longest prefix of drafts equal to those samples, then the sample after it
-(runner/rejection_sampler.py, accept_greedy). Drafts here are deterministic (prompt lookup), so
-this is exactly rejection sampling (accept x with min(1, p(x) / q(x)) for a one-hot q): the
-output is distributed as the target's, and greedy output is the target's argmax chain. A seeded
-request's generator is then rewound to a_r + 1 draws, so it gives the tokens it gives without
-speculation.
+(runner/rejection_sampler.py, accept_greedy). Drafts here are deterministic (prompt lookup, or
+the draft model's argmax), so this is exactly rejection sampling (accept x with
+min(1, p(x) / q(x)) for a one-hot q): the output is distributed as the target's, and greedy
+output is the target's argmax chain. A seeded request's generator is then rewound to a_r + 1
+draws, so it gives the tokens it gives without speculation.
 
-Proposals (spec_decode/ngram.py) are made when a step's tokens reach the host, from each
-request's prompt and outputs, within max_tokens and max_model_len; they ride back to the
-scheduler in RunnerOutput.draft_token_ids.
+Proposals (spec_decode/ngram.py, spec_decode/draft_model.py) are made when a step's tokens
+reach the host, from each request's prompt and outputs, within max_tokens and max_model_len;
+they ride back to the scheduler in RunnerOutput.draft_token_ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Protocol, overload
 
 import torch
 
@@ -35,6 +35,7 @@ from pagoda.runner.rejection_sampler import (
     snapshot_generators,
 )
 from pagoda.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata
+from pagoda.spec_decode.draft_model import DraftModelProposer, DraftStepFn
 from pagoda.spec_decode.ngram import NgramProposer
 
 
@@ -134,15 +135,33 @@ class _RowTokens(Sequence[int]):
         return self.prompt[i] if i < n else self.outputs[i - n]
 
 
-class DraftProposer:
-    """The runner's proposer: drafts for each request that just sampled, from its own tokens."""
+class Proposer(Protocol):
+    """What spec_decode's proposers share (NgramProposer, DraftModelProposer)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        if not config.use_ngram:
-            raise ValueError(
-                f"speculative_config: method {config.method!r} is not implemented yet; use 'ngram'"
-            )
-        self.proposer = NgramProposer.from_config(config)
+    def propose(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]: ...
+    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None: ...
+    def remove(self, request_id: str) -> None: ...
+
+
+class DraftProposer:
+    """The runner's proposer: drafts for each request that just sampled, from its own tokens
+    (ngram) or a draft model's continuation of them (draft_model)."""
+
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        draft_step: DraftStepFn | None = None,
+        max_step_tokens: int = 2048,
+    ) -> None:
+        """draft_step: the draft model's forward (method draft_model); max_step_tokens: the
+        most tokens one of its catch-up forwards takes."""
+        self.proposer: Proposer
+        if config.use_ngram:
+            self.proposer = NgramProposer.from_config(config)
+        else:
+            assert draft_step is not None, "method draft_model needs the draft's step"
+            self.proposer = DraftModelProposer(config, draft_step, max_step_tokens)
         self.max_model_len = max_model_len
         self.max_batch = config.disable_by_batch_size
 

@@ -48,8 +48,12 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
+        num_lookahead_tokens: int = 0,
     ) -> None:
+        """num_lookahead_tokens: KV slots each step allocates past a sampling request's tokens
+        (a draft model writes its proposals' KV there before they are scheduled)."""
         self.config = scheduler_config
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv = kv_cache_manager
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -171,7 +175,7 @@ class Scheduler:
             missing = request.num_tokens_with_placeholders - request.num_computed_tokens
             n = min(missing + len(self._drafts(request, missing)), budget)
             scheduled = True
-            while not self.kv.allocate_slots(request, n):
+            while not self.kv.allocate_slots(request, n + self._lookahead(request, n)):
                 victim = self._preemption_victim()
                 if self.running.index(victim) < i:  # keep i on `request` as the list shrinks
                     i -= 1
@@ -208,7 +212,8 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
-            if not self.kv.allocate_slots(request, n, hits):
+            lookahead = self._lookahead(request, n + num_hit_tokens)
+            if not self.kv.allocate_slots(request, n + lookahead, hits):
                 break
             self.waiting.pop(0)
             request.num_computed_tokens += num_hit_tokens
@@ -219,6 +224,14 @@ class Scheduler:
             self.running.append(request)
             num_new[request.request_id] = n
             budget -= n
+
+    def _lookahead(self, request: Request, n: int) -> int:
+        """The lookahead slots of a request given n tokens now: only a step that samples it
+        proposes after, and no slot lies past max_model_len."""
+        end = request.num_computed_tokens + n
+        if not self.num_lookahead_tokens or end < request.num_tokens_with_placeholders:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - end))
 
     def _drafts(self, request: Request, missing: int) -> list[int]:
         """The proposed tokens a request may verify now: only when its one missing token is its

@@ -150,3 +150,32 @@ def test_compiled_smollm2_gguf_matches_eager(smollm2_path: str) -> None:
     compiled = forced_logprobs(compiled_llm, prompts[:1], tokens[:1], 5)
     compiled += forced_logprobs(compiled_llm, prompts, tokens[1:], 5)
     assert_forced_match(compiled, expected, tie_gap=BF16_TIE_GAP, logprob_atol=BF16_LOGPROB_ATOL)
+
+
+def test_compiled_draft_model_steps(tiny_weights_dir: Any) -> None:
+    """-O2 with a draft model: the draft's one-token steps run compiled too (its own graphs,
+    compiled at startup); the target's own checkpoint as draft is accepted at every draft, and
+    the tokens are the eager engine's."""
+    folder = tiny_weights_dir("llama")
+    spec = {"model": folder, "num_speculative_tokens": 3}
+    llm = _compiled_llm(folder, skip_tokenizer_init=True, speculative_config=spec)
+    draft_step = llm.engine.runner.draft_step
+    assert draft_step is not None and draft_step.compiled is not None
+    inner, draft_batches = draft_step.compiled, []
+
+    def spy(ids: torch.Tensor, pos: torch.Tensor, ctx: Any) -> torch.Tensor:
+        draft_batches.append(ids.shape[0])
+        return inner(ids, pos, ctx)
+
+    draft_step.compiled = spy  # type: ignore[assignment]
+    frames_before = torch._dynamo.utils.counters["frames"]["ok"]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert torch._dynamo.utils.counters["frames"]["ok"] == frames_before  # no recompiles
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens == stats.spec_num_accepted_tokens > 0
+    assert 1 in draft_batches and max(draft_batches) >= 2, draft_batches
+    eager = LLM(folder, skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=64)
+    ref = eager.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]

@@ -6,19 +6,29 @@ A tiny random model never repeats itself, so prompt lookup proposes little and i
 nothing: the verification is driven by an oracle proposer instead, which proposes the plain
 run's own continuation with some drafts corrupted, so steps accept all, some and none of their
 drafts. The real n-gram proposer is checked on the embedded SmolLM2 copying a passage.
+
+Draft models: the target's own weights kept int4 ("model": "self"), another architecture (the
+tiny Qwen2 drafting for the tiny Llama), and the target's own checkpoint as its draft, whose
+drafts must all be accepted: any stale or misplaced KV in the draft's cache would show as a
+rejection. The quantized self-draft of SmolLM2 (float target, its GGUF kept 4-bit) is checked
+against the float engine.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.outputs import RequestOutput
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+SELF_INT4 = {"model": "self", "quantization": "int4", "num_speculative_tokens": 3}
 PROMPTS = [
     [(7 * j + 3) % 900 + 5 for j in range(5)],
     [(11 * j + 2) % 900 + 5 for j in range(19)],  # prefilled in chunks beside decodes
@@ -147,14 +157,23 @@ def test_drafts_change_nothing(case: str, plain: LLM, spec: LLM) -> None:
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     # Drafts cut by the token budget are proposed but never verified.
     assert oracle.proposed >= drafted > accepted > 0  # some drafts held, some did not
-    if params.logprobs is not None:
-        for o_got, o_exp in zip(got, expected):
-            for c_got, c_exp in zip(o_got.outputs, o_exp.outputs):
-                assert c_got.logprobs is not None and c_exp.logprobs is not None
-                for lp_got, lp_exp in zip(c_got.logprobs, c_exp.logprobs):
-                    assert lp_got.keys() == lp_exp.keys()
-                    for t in lp_got:
-                        assert lp_got[t].logprob == pytest.approx(lp_exp[t].logprob, abs=1e-4)
+    _check_logprobs(params, got, expected)
+
+
+def _check_logprobs(
+    params: SamplingParams, got: list[RequestOutput], expected: list[RequestOutput]
+) -> None:
+    """The target's logprobs at each token, as without drafts (a 5-row step's matmuls round
+    differently from 1-row ones: float32 noise, far below 1e-4)."""
+    if params.logprobs is None:
+        return
+    for o_got, o_exp in zip(got, expected):
+        for c_got, c_exp in zip(o_got.outputs, o_exp.outputs):
+            assert c_got.logprobs is not None and c_exp.logprobs is not None
+            for lp_got, lp_exp in zip(c_got.logprobs, c_exp.logprobs):
+                assert lp_got.keys() == lp_exp.keys()
+                for t in lp_got:
+                    assert lp_got[t].logprob == pytest.approx(lp_exp[t].logprob, abs=1e-4)
 
 
 def test_preemption_and_stops(folder: str) -> None:
@@ -200,8 +219,8 @@ def test_config_errors(folder: str) -> None:
         _llm(folder, NGRAM, async_scheduling=True)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         _llm(folder, {"method": "ngram"})
-    with pytest.raises(ValueError, match="not implemented yet"):
-        _llm(folder, {"model": "self", "quantization": "int4", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="needs a quantization"):
+        _llm(folder, {"model": "self", "num_speculative_tokens": 2})
 
 
 COPY_TEXT = (
@@ -224,3 +243,117 @@ def test_ngram_on_smollm2_accepts_copied_text(smollm2_path: str) -> None:
     stats = spec.engine.stats()
     print(f"\nngram on SmolLM2 copying: {len(got.token_ids)} tokens, {stats}")
     assert stats.spec_num_accepted_tokens >= len(got.token_ids) // 2, stats
+
+
+# ---- draft models ----------------------------------------------------------------------------
+def _spec_counts(llm: LLM, run: Any) -> tuple[Any, int, int]:
+    """run(), and the draft tokens it verified and accepted."""
+    before = llm.engine.stats()
+    result = run()
+    after = llm.engine.stats()
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    return result, drafted, after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+
+
+@pytest.fixture(scope="module")
+def self_draft(folder: str) -> Iterator[LLM]:
+    yield _llm(folder, SELF_INT4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_self_draft_changes_nothing(case: str, plain: LLM, self_draft: LLM) -> None:
+    """The target's weights kept int4 as its draft: every sampling mode gives the plain run's
+    tokens (and logprobs); the greedy drafts are partly accepted."""
+    params = CASES[case]
+    expected = _run(plain, params)
+    got, drafted, accepted = _spec_counts(self_draft, lambda: _run(self_draft, params))
+    assert _tokens(got) == _tokens(expected)
+    _check_logprobs(params, got, expected)
+    assert drafted > 0
+    if case == "greedy":
+        assert drafted > accepted > 0
+
+
+@pytest.mark.parametrize("num_blocks", [64, 12])
+def test_own_checkpoint_as_draft_is_always_accepted(folder: str, num_blocks: int) -> None:
+    """The draft is the target itself: each of its greedy drafts is the target's next token,
+    so every one is accepted, through chunked prefill, a batch of three and (12 blocks)
+    preemption and prefix-cache hits, only if the draft's KV is right at every position."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = _run(_llm(folder, None, num_gpu_blocks_override=num_blocks), params)
+    spec = {"model": folder, "num_speculative_tokens": 3}
+    llm = _llm(folder, spec, num_gpu_blocks_override=num_blocks)
+    got, drafted, accepted = _spec_counts(llm, lambda: _run(llm, params))
+    assert _tokens(got) == _tokens(expected)
+    assert drafted == accepted > 2 * MAX_TOKENS
+    stats = llm.engine.stats()
+    assert (stats.num_preemptions > 0) == (num_blocks == 12)
+
+
+def test_draft_of_another_architecture(folder: str, plain: LLM, tiny_weights_dir: Any) -> None:
+    """A Qwen2 (2 layers) drafting for the Llama (3 layers): its own cache shapes; its random
+    drafts are rejected, so backoff soon stops proposing."""
+    params = CASES["greedy"]
+    expected = _run(plain, params)
+    spec = {"model": tiny_weights_dir("qwen2"), "num_speculative_tokens": 3}
+    llm = _llm(folder, spec)
+    got, drafted, accepted = _spec_counts(llm, lambda: _run(llm, params))
+    assert _tokens(got) == _tokens(expected)
+    assert accepted == 0 and 0 < drafted < len(PROMPTS) * MAX_TOKENS
+
+
+def _tiny_llama(path: Path, **overrides: Any) -> str:
+    values: dict[str, Any] = dict(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=1,
+        max_position_embeddings=1024,
+    )
+    values.update(overrides)
+    LlamaForCausalLM(LlamaConfig(**values)).save_pretrained(path)
+    return str(path)
+
+
+def test_draft_model_errors(folder: str, tmp_path: Path) -> None:
+    """A draft must share the target's vocabulary and reach its max_model_len."""
+    other_vocab = _tiny_llama(tmp_path / "vocab", vocab_size=1000)
+    with pytest.raises(ValueError, match="draft model's vocabulary has 1000 tokens"):
+        _llm(folder, {"model": other_vocab, "num_speculative_tokens": 2})
+    short = _tiny_llama(tmp_path / "short", max_position_embeddings=32)
+    with pytest.raises(ValueError, match="the draft model.*max_model_len=64"):
+        _llm(folder, {"model": short, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="the draft model.*does not exist"):
+        _llm(folder, {"model": str(tmp_path / "missing"), "num_speculative_tokens": 2})
+
+
+def test_draft_tokenizer_must_match(tiny_model_dir: Any, tmp_path: Path) -> None:
+    """Same vocabulary size, one token spelled differently: rejected at load."""
+    target = tiny_model_dir("llama")
+    draft = tmp_path / "draft"
+    shutil.copytree(target, draft)
+    tokenizer = AutoTokenizer.from_pretrained(draft)
+    vocab = tokenizer.get_vocab()
+    tokenizer.add_tokens(["<draft-only>"])
+    tokenizer.save_pretrained(draft)
+    assert len(tokenizer.get_vocab()) == len(vocab) + 1
+    spec = {"model": str(draft), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="tokenizer differs from the target's"):
+        LLM(target, speculative_config=spec, max_model_len=64, num_gpu_blocks_override=16)
+
+
+def test_quantized_self_draft_on_smollm2(smollm2_path: str, smollm2_llm: LLM) -> None:
+    """SmolLM2: float32 target, its GGUF kept Q4_1 as the draft. Greedy output equals the
+    float engine's; most tokens come from accepted drafts."""
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    messages = [{"role": "user", "content": "Name three uses of a lighthouse."}]
+    expected = smollm2_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    spec = {"model": "self", "quantization": "gguf", "num_speculative_tokens": 4}
+    llm = LLM(smollm2_path, quantization="none", max_model_len=512, speculative_config=spec)
+    run = lambda: llm.chat(messages, params, use_tqdm=False)[0].outputs[0]  # noqa: E731
+    got, drafted, accepted = _spec_counts(llm, run)
+    assert got.token_ids == expected.token_ids
+    print(f"\nSmolLM2 self-draft: {len(got.token_ids)} tokens, {accepted} of {drafted} accepted")
+    assert accepted >= len(got.token_ids) // 2

@@ -957,3 +957,25 @@ def test_async_fork_shares_only_the_prompt_blocks():
     sched.update(out2, runner_output(out2, {"l": 21}))
     sched.update(out3, runner_output(out3, {"l": 31, "l#1": 32}))
     assert lead.output_token_ids == [11, 21, 31] and sibling.output_token_ids == [12, 32]
+
+
+@pytest.mark.parametrize("max_model_len, expected_blocks", [(1024, [1, 3, 3]), (8, [1, 2])])
+def test_lookahead_slots_follow_sampling_steps(
+    max_model_len: int, expected_blocks: list[int]
+) -> None:
+    """A draft model writes its proposals' KV up to k positions past a sampling step's tokens:
+    those steps allocate k lookahead slots (within max_model_len); a prefill chunk that samples
+    nothing allocates none."""
+    kv = KVCacheManager(BlockPool(16, False), BS)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=4)
+    sched = Scheduler(config, kv, max_model_len, num_lookahead_tokens=3)
+    sched.add_request(make_request("a", prompt(0, 6), arrival=0, max_tokens=3))
+    blocks = []
+    while sched.has_unfinished_requests():
+        step(sched)
+        if "a" in kv.req_blocks:
+            blocks.append(len(kv.get_block_ids("a")))
+    # chunk [0, 4): 1 block; chunk [4, 6) samples: 6 + 3 slots in 3 blocks; the decode at 6:
+    # 7 + 3 slots, 3 blocks (the last step finishes the request and frees them). At max_model_len
+    # 8: min(3, 8 - 6) = 2 slots, 2 blocks, and the next step reaches the length cap.
+    assert blocks == expected_blocks

@@ -1,0 +1,82 @@
+"""The draft model of speculative decoding ("method": "draft_model"): loaded beside the target.
+
+The draft is a second checkpoint, or the target's own (`"model": "self"`) under another weight
+scheme: a float target with a 4-bit copy of itself as the draft (quantized self-draft). It is
+loaded as the target is (loader.load_model: same device, dtype, load format and seed), with the
+draft's `quantization`, and it must speak the target's tokens: its vocabulary size must match,
+and so must its tokenizer's vocabulary when both have one (ValueError otherwise). Its paged KV
+cache shares the target's block ids, so it must also reach the target's max_model_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.config import EngineConfig, ModelConfig
+from pagoda.loading.loader import load_model
+from pagoda.models.interface import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftModel:
+    """A loaded draft: its network and what the engine needs to know of it."""
+
+    model: CausalLM
+    config: ModelConfig
+
+
+def load_draft_model(config: EngineConfig, target: ModelConfig, tokenizer: Any) -> DraftModel:
+    """The draft of config.speculative_config (method draft_model), on the target's device;
+    `target` and `tokenizer` (None without one) are the target's."""
+    spec = config.speculative_config
+    assert spec is not None and not spec.use_ngram and spec.model is not None
+    own = spec.is_self_draft
+    draft_config = dataclasses.replace(
+        config,
+        model=config.model if own else spec.model,
+        tokenizer=None,
+        quantization=spec.quantization,
+        max_model_len=target.max_model_len,
+        speculative_config=None,
+        skip_tokenizer_init=own or tokenizer is None,
+    )
+    name = f"the target's checkpoint ({spec.quantization})" if own else spec.model
+    try:
+        model, model_config, draft_tokenizer = load_model(draft_config)
+    except ValueError as e:
+        raise ValueError(f"speculative_config: the draft model, {name}: {e}") from e
+    _check_vocabulary(target, tokenizer, model_config, draft_tokenizer)
+    logger.info(
+        "draft model: %s, %s, quantization=%s, %d layers",
+        name,
+        model_config.architecture,
+        model_config.quantization,
+        model_config.num_layers,
+    )
+    return DraftModel(model, model_config)
+
+
+def _check_vocabulary(
+    target: ModelConfig, tokenizer: Any, draft: ModelConfig, draft_tokenizer: Any
+) -> None:
+    """The draft's token ids must mean what the target's mean."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config: the draft model's vocabulary has {draft.vocab_size} tokens, "
+            f"the target's {target.vocab_size}; a draft model must share the target's tokenizer"
+        )
+    if tokenizer is None or draft_tokenizer is None:
+        return
+    ours, theirs = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if ours != theirs:
+        differing = sorted(set(ours.items()) ^ set(theirs.items()))[:3]
+        raise ValueError(
+            "speculative_config: the draft model's tokenizer differs from the target's "
+            f"({len(theirs)} vs {len(ours)} entries; e.g. {differing}); a draft model must "
+            "share the target's tokenizer"
+        )

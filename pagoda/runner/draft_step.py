@@ -1,0 +1,97 @@
+"""DraftModelStep: the draft model's forward for spec_decode/draft_model.py, on the runner's
+inputs.
+
+The draft's paged KV cache has the target's block ids, block size and number of blocks (other
+tensors, its own layer count and head shape): a step of the draft reads a request's block table
+from the runner's persistent batch, as the target's steps do, and a block copy (copy-on-write)
+copies the draft's blocks too. The engine sizes the blocks for both (EngineCore._num_blocks).
+Draft steps reuse the runner's InputBuffers: they run when the target's step is done (its
+results on the host), before the next step is prepared.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagoda.layers.forward_context import forward_context
+from pagoda.layers.kv_cache import KVCache
+from pagoda.loading.draft import DraftModel
+from pagoda.runner.device import torch_dtype
+from pagoda.runner.input_batch import InputBatch
+from pagoda.runner.step_inputs import InputBuffers
+
+if TYPE_CHECKING:
+    from pagoda.runner.compilation import CompiledDecode
+
+
+class DraftModelStep:
+    """One forward of the draft over some requests' tokens; a DraftStepFn."""
+
+    def __init__(
+        self,
+        draft: DraftModel,
+        batch: InputBatch,
+        buffers: InputBuffers,
+        block_size: int,
+        device: torch.device,
+        kv_quant_dtype: torch.dtype | None,
+        compiled: CompiledDecode | None = None,
+    ) -> None:
+        """compiled: the draft's torch.compile'd decode step (CPU, -O1 and above), for its
+        steps of one token per request, as the target's (runner/compilation.py)."""
+        self.model = draft.model
+        self.compiled = compiled
+        self.config = draft.config
+        self.batch = batch
+        self.buffers = buffers
+        self.block_size = block_size
+        self.device = device
+        self.kv_quant_dtype = kv_quant_dtype
+        self.kv_caches: list[KVCache] = []
+        self.num_steps = 0  # forwards run (tests, benchmarks)
+
+    def allocate(self, num_blocks: int) -> None:
+        """The draft's KV cache: num_blocks blocks, the target's count."""
+        mc = self.config
+        self.kv_caches = [
+            KVCache.allocate(
+                num_blocks,
+                self.block_size,
+                mc.num_kv_heads,
+                mc.head_dim,
+                torch_dtype(mc.dtype),
+                self.kv_quant_dtype,
+                self.device,
+            )
+            for _ in range(mc.num_layers)
+        ]
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for cache in self.kv_caches:
+            cache.copy_blocks(src, dst)
+
+    @torch.inference_mode()
+    def __call__(self, rows: list[tuple[str, list[int], int]]) -> list[int]:
+        """Feed each row's tokens at its positions (request id, tokens, first position) and
+        return each row's argmax after its last token. The rows' blocks must cover them."""
+        token_ids = [tokens for _, tokens, _ in rows]
+        seq_lens = [start + len(tokens) for _, tokens, start in rows]
+        tables = self.batch.block_tables([rid for rid, _, _ in rows], seq_lens, self.block_size)
+        ids, pos, meta = self.buffers.prepare(token_ids, seq_lens, tables, self.block_size)
+        with forward_context(meta, self.kv_caches) as ctx:
+            if self.compiled is not None and ids.shape[0] == len(rows):
+                hidden = self.compiled(ids, pos, ctx)
+            else:
+                hidden = self.model(ids, pos)  # (num_tokens, hidden_size)
+        last = [-1] * len(rows)
+        end = 0
+        for i, tokens in enumerate(token_ids):
+            end += len(tokens)
+            last[i] = end - 1
+        if last != list(range(len(rows))):
+            hidden = hidden.index_select(0, self.buffers.row_index(last))
+        self.num_steps += 1
+        logits = self.model.compute_logits(hidden, float32=False)
+        return logits.argmax(dim=-1).tolist()

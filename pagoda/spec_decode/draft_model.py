@@ -1,0 +1,120 @@
+"""DraftModelProposer: drafts from a smaller model's greedy continuation (vLLM's "draft_model").
+
+The draft has a paged KV cache of its own over the target's block ids (the same blocks, other
+tensors: runner/draft_step.py), so it reads and writes a request's positions where the target
+does. Per request the proposer knows how many leading positions of the draft's cache are valid
+(`valid`): written by the draft from the request's true tokens. To propose for a request of
+T tokens t[0:T] (the last just sampled by the target):
+
+    catch up   feed t[valid:T] at positions valid..T-1 (the whole prompt the first time), in
+               passes of at most max_num_batched_tokens tokens; the last position's argmax is
+               d1; valid = T
+    decode     feed d1 at T, d2 at T+1, ... : k - 1 more one-token steps give d2..dk
+
+Positions T..T+k-2 lie past the target's computed tokens: the scheduler allocates k lookahead
+slots beyond each step's tokens for them (Scheduler num_lookahead_tokens). When the target
+accepts a of the drafts, the draft's KV at T..T+min(a, k-1)-1 was computed from accepted tokens
+and so is valid too (`record`). A preempted request's blocks are gone: `remove` forgets it and
+it catches up from position 0. Drafts are the draft's argmax (a one-hot q), so verification
+keeps the target's distribution exactly (runner/speculative.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pagoda.config import SpeculativeConfig
+from pagoda.spec_decode.backoff import ProposalBackoff
+
+# One draft forward: rows of (request id, tokens to feed, position of the first) -> each row's
+# greedy next token after its last fed token. The runner's DraftModelStep is one.
+DraftStepFn = Callable[[list[tuple[str, list[int], int]]], list[int]]
+
+
+@dataclass
+class _Proposal:
+    num_tokens: int  # T when proposed: the draft's cache is valid below it
+    num_drafts: int
+
+
+class DraftModelProposer:
+    """Draft tokens for a batch of requests from a draft model, with per-request backoff."""
+
+    def __init__(self, config: SpeculativeConfig, step: DraftStepFn, max_step_tokens: int) -> None:
+        """step: the draft's forward (DraftStepFn). max_step_tokens: the most tokens one
+        catch-up pass feeds (the engine's max_num_batched_tokens)."""
+        assert not config.use_ngram and max_step_tokens >= 1
+        self.k = config.num_speculative_tokens
+        self.step = step
+        self.max_step_tokens = max_step_tokens
+        self.backoff = ProposalBackoff(config.max_backoff_steps)
+        self.valid: dict[str, int] = {}  # leading positions of the draft's cache that are valid
+        self._proposals: dict[str, _Proposal] = {}
+        self.num_catch_up_tokens = 0  # tokens fed to catch up, in all (tests, benchmarks)
+
+    def propose(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
+        """Drafts for (request id, token ids, max tokens allowed) triples, in order (the
+        NgramProposer contract): at most min(k, allowed) tokens each, [] in backoff."""
+        limits = {}
+        for rid, tokens, allowed in requests:
+            limit = min(self.k, allowed)
+            if limit > 0 and len(tokens) > 0 and self.backoff.allow(rid):
+                limits[rid] = limit
+        if not limits:
+            return [[] for _ in requests]
+        drafts = self._catch_up([(rid, tokens) for rid, tokens, _ in requests if rid in limits])
+        for j in range(1, max(limits.values())):
+            rows = [
+                (rid, [d[-1]], self.valid[rid] + j - 1)
+                for rid, d in drafts.items()
+                if len(d) < limits[rid]
+            ]
+            for (rid, _, _), token in zip(rows, self.step(rows)):
+                drafts[rid].append(token)
+        for rid, d in drafts.items():
+            self._proposals[rid] = _Proposal(self.valid[rid], len(d))
+        return [drafts.get(rid, []) for rid, _, _ in requests]
+
+    def _catch_up(self, requests: list[tuple[str, Sequence[int]]]) -> dict[str, list[int]]:
+        """Feed each request's tokens from its first invalid position to its last, in passes
+        of at most max_step_tokens tokens; returns each request's first draft token."""
+        pending: dict[str, tuple[Sequence[int], int]] = {}  # id -> (tokens, next position)
+        for rid, tokens in requests:
+            pending[rid] = (tokens, min(self.valid.get(rid, 0), len(tokens) - 1))
+        first: dict[str, list[int]] = {}
+        while pending:
+            rows: list[tuple[str, list[int], int]] = []
+            room = self.max_step_tokens
+            for rid, (tokens, start) in pending.items():
+                if room == 0:
+                    break
+                chunk = list(tokens[start : start + room])
+                rows.append((rid, chunk, start))
+                room -= len(chunk)
+            for (rid, chunk, start), token in zip(rows, self.step(rows)):
+                tokens, _ = pending[rid]
+                self.num_catch_up_tokens += len(chunk)
+                if start + len(chunk) == len(tokens):
+                    del pending[rid]
+                    first[rid] = [token]
+                    self.valid[rid] = len(tokens)
+                else:
+                    pending[rid] = (tokens, start + len(chunk))
+        return {rid: first[rid] for rid, _ in requests}
+
+    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A verification's outcome: num_accepted of the num_proposed drafts (the scheduler may
+        have cut the proposal) held. The draft's KV of accepted drafts it fed stays valid."""
+        self.backoff.record(request_id, num_proposed, num_accepted)
+        proposal = self._proposals.pop(request_id, None)
+        if proposal is not None and request_id in self.valid:
+            fed = proposal.num_drafts - 1  # the last draft was sampled, never fed
+            self.valid[request_id] = proposal.num_tokens + min(num_accepted, fed)
+
+    def remove(self, request_id: str) -> None:
+        """Forget a finished, aborted or preempted request (its blocks, and the draft's KV in
+        them, are gone)."""
+        self.valid.pop(request_id, None)
+        self._proposals.pop(request_id, None)
+        self.backoff.remove(request_id)
