@@ -11,6 +11,7 @@ results on the host), before the next step is prepared.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,10 +21,17 @@ from pagoda.layers.kv_cache import KVCache
 from pagoda.loading.draft import DraftModel
 from pagoda.runner.device import torch_dtype
 from pagoda.runner.input_batch import InputBatch
+from pagoda.runner.speculative import one_token_rows
 from pagoda.runner.step_inputs import InputBuffers
 
 if TYPE_CHECKING:
     from pagoda.runner.compilation import CompiledDecode
+
+# A step whose rows feed at most this many tokens each (the catch-up after a verification: the
+# target's token, and the last draft when all were accepted) runs as one-token rows
+# (speculative.one_token_rows), compiled where decode steps are; a longer catch-up (a prompt)
+# runs as a prefill.
+ONE_TOKEN_ROWS_MAX = 8
 
 
 class DraftModelStep:
@@ -76,20 +84,23 @@ class DraftModelStep:
     def __call__(self, rows: list[tuple[str, list[int], int]]) -> list[int]:
         """Feed each row's tokens at its positions (request id, tokens, first position) and
         return each row's argmax after its last token. The rows' blocks must cover them."""
+        rids = [rid for rid, _, _ in rows]
         token_ids = [tokens for _, tokens, _ in rows]
         seq_lens = [start + len(tokens) for _, tokens, start in rows]
-        tables = self.batch.block_tables([rid for rid, _, _ in rows], seq_lens, self.block_size)
+        last = list(itertools.accumulate(len(t) for t in token_ids))
+        num_tokens = last[-1]
+        if num_tokens > len(rows) and num_tokens <= self.buffers.max_reqs:
+            if max(len(t) for t in token_ids) <= ONE_TOKEN_ROWS_MAX:
+                starts = [start for _, _, start in rows]
+                rids, token_ids, seq_lens = one_token_rows(rids, token_ids, starts)
+        tables = self.batch.block_tables(rids, seq_lens, self.block_size)
         ids, pos, meta = self.buffers.prepare(token_ids, seq_lens, tables, self.block_size)
         with forward_context(meta, self.kv_caches) as ctx:
-            if self.compiled is not None and ids.shape[0] == len(rows):
+            if self.compiled is not None and len(token_ids) == num_tokens:
                 hidden = self.compiled(ids, pos, ctx)
             else:
                 hidden = self.model(ids, pos)  # (num_tokens, hidden_size)
-        last = [-1] * len(rows)
-        end = 0
-        for i, tokens in enumerate(token_ids):
-            end += len(tokens)
-            last[i] = end - 1
+        last = [end - 1 for end in last]
         if last != list(range(len(rows))):
             hidden = hidden.index_select(0, self.buffers.row_index(last))
         self.num_steps += 1

@@ -41,7 +41,12 @@ from pagoda.runner.sampler import (
     Sampler,
     SamplingMetadata,
 )
-from pagoda.runner.speculative import DraftProposer, draft_positions, verify_drafts
+from pagoda.runner.speculative import (
+    DraftProposer,
+    draft_positions,
+    one_token_rows,
+    verify_drafts,
+)
 from pagoda.runner.step_inputs import InputBuffers
 from pagoda.scheduling.messages import (
     PLACEHOLDER_TOKEN_ID,
@@ -272,16 +277,20 @@ class ModelRunner:
             self.prev_sampled, self.prev_rows = None, {}
             return PendingOutput([], [], None, None, {})
 
+        rids = [s.request_id for s in out.scheduled]
         token_ids = [s.token_ids for s in out.scheduled]
+        seq_lens = [s.start + len(s.token_ids) for s in out.scheduled]
         num_tokens = sum(len(t) for t in token_ids)
+        decoding = all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.scheduled)
+        if num_tokens > len(rids) and decoding and num_tokens <= self.max_num_seqs:
+            # a verification step without prefills runs as a decode step of one-token rows
+            starts = [s.start for s in out.scheduled]
+            rids, token_ids, seq_lens = one_token_rows(rids, token_ids, starts)
         num_decodes = sum(len(t) == 1 for t in token_ids)
         size = None  # the padded size of a pure-decode batch that runs as a graph's batch
         if self.decode_sizes is not None and num_decodes == num_tokens:
             size = padded_size(self.decode_sizes, num_tokens)
-        seq_lens = [s.start + len(s.token_ids) for s in out.scheduled]
-        tables = self.batch.block_tables(
-            [s.request_id for s in out.scheduled], seq_lens, self.block_size
-        )
+        tables = self.batch.block_tables(rids, seq_lens, self.block_size)
         ids_t, pos_t, meta = self.buffers.prepare(
             token_ids,
             seq_lens,

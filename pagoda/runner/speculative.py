@@ -94,6 +94,26 @@ def verify_drafts(
     )
 
 
+def one_token_rows(
+    request_ids: list[str], token_ids: list[list[int]], starts: list[int]
+) -> tuple[list[str], list[list[int]], list[int]]:
+    """Requests feeding several tokens (request i: token_ids[i] from position starts[i]) as a
+    pure-decode batch: a row per token, in order, each with its request's block table and the
+    sequence length up to and including that token. Attention writes every token's keys and
+    values before any row reads them, so row j of a request sees its rows before j as the
+    causal prefill of those tokens would; the step can then run as a decode step (compiled
+    decode on CPU, CUDA graphs). Returns (request id, [token], seq_len) per row."""
+    rids: list[str] = []
+    rows: list[list[int]] = []
+    seq_lens: list[int] = []
+    for rid, tokens, start in zip(request_ids, token_ids, starts):
+        for j, token in enumerate(tokens):
+            rids.append(rid)
+            rows.append([token])
+            seq_lens.append(start + j + 1)
+    return rids, rows, seq_lens
+
+
 def _count_earlier_drafts(
     counts: torch.Tensor, layout: DraftLayout, drafts: list[list[int]]
 ) -> None:

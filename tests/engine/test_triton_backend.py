@@ -105,6 +105,35 @@ def test_padded_decode_batches_match_hf(
     assert_outputs_match(outs, expected)
 
 
+def test_verification_steps_as_padded_decode_batches(
+    tiny_model_dir: Any, tiny_hf_model: Any
+) -> None:
+    """Speculative decoding on the triton backend, the draft being the target's own checkpoint:
+    verification steps run as padded decode batches of one-token rows (a graph replay's eager
+    reference), the draft's steps on the kernels too; every draft is accepted and the tokens
+    are HF's."""
+    folder = tiny_model_dir("llama")
+    spec = {"model": folder, "num_speculative_tokens": 2}  # 3 rows a request: 3 and 6 padded
+    llm = _triton_llm(folder, max_num_seqs=8, speculative_config=spec)
+    runner = llm.engine.runner
+    runner.decode_sizes = capture_sizes(8)  # 1, 2, 4, 8
+    verify_rows: list[int] = []
+    execute = runner.execute
+
+    def spy(out: Any) -> Any:
+        if any(s.num_draft_tokens for s in out.scheduled):
+            verify_rows.append(sum(len(s.token_ids) for s in out.scheduled))
+        return execute(out)
+
+    runner.execute = spy  # type: ignore[method-assign]
+    prompts = PROMPTS[:2]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], _greedy())
+    stats = llm.engine.stats()
+    assert stats.spec_num_draft_tokens == stats.spec_num_accepted_tokens > 0
+    assert any(n not in runner.decode_sizes for n in verify_rows), verify_rows  # padded
+    assert_outputs_match(outs, hf_greedy(tiny_hf_model("llama"), prompts, MAX_TOKENS))
+
+
 def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagoda.config import EngineConfig
 
