@@ -116,7 +116,8 @@ class EngineCore:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         per_token = self.model_config.kv_bytes_per_token(cache.kv_quant_dtype)
-        if self.draft is not None:  # the draft's cache has as many blocks (draft_step.py)
+        if self.draft is not None and not self.draft.shares_target_kv:
+            # the draft's own cache has as many blocks (draft_step.py)
             per_token += self.draft.config.kv_bytes_per_token(cache.kv_quant_dtype)
         block_bytes = self.block_size * per_token
         budget = cache.kv_cache_memory_bytes

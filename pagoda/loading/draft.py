@@ -6,6 +6,12 @@ loaded as the target is (loader.load_model: same device, dtype, load format and 
 draft's `quantization`, and it must speak the target's tokens: its vocabulary size must match,
 and so must its tokenizer's vocabulary when both have one (ValueError otherwise). Its paged KV
 cache shares the target's block ids, so it must also reach the target's max_model_len.
+
+A self-draft (`shares_target_kv`) reads and writes the target's own KV cache instead of one of
+its own: the same layers and heads, so the draft attends to the target's keys and values of
+every computed token and writes only past them (its proposals' positions, which the target's
+verification overwrites before it reads them). It needs no memory for a cache and never
+catches up on a prompt.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class DraftModel:
 
     model: CausalLM
     config: ModelConfig
+    shares_target_kv: bool = False  # a self-draft: the target's KV cache is its own
 
 
 def load_draft_model(config: EngineConfig, target: ModelConfig, tokenizer: Any) -> DraftModel:
@@ -51,14 +58,20 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, tokenizer: Any) 
     except ValueError as e:
         raise ValueError(f"speculative_config: the draft model, {name}: {e}") from e
     _check_vocabulary(target, tokenizer, model_config, draft_tokenizer)
+    shared = own and _kv_layout(model_config) == _kv_layout(target)
     logger.info(
-        "draft model: %s, %s, quantization=%s, %d layers",
+        "draft model: %s, %s, quantization=%s, %d layers, %s",
         name,
         model_config.architecture,
         model_config.quantization,
         model_config.num_layers,
+        "on the target's KV cache" if shared else "its own KV cache",
     )
-    return DraftModel(model, model_config)
+    return DraftModel(model, model_config, shared)
+
+
+def _kv_layout(config: ModelConfig) -> tuple[int, int, int, str]:
+    return config.num_layers, config.num_kv_heads, config.head_dim, config.dtype
 
 
 def _check_vocabulary(

@@ -2,7 +2,7 @@
 inputs.
 
 The draft's paged KV cache has the target's block ids, block size and number of blocks (other
-tensors, its own layer count and head shape): a step of the draft reads a request's block table
+tensors, its own layer count and head shape; or the target's tensors for a self-draft): a step of the draft reads a request's block table
 from the runner's persistent batch, as the target's steps do, and a block copy (copy-on-write)
 copies the draft's blocks too. The engine sizes the blocks for both (EngineCore._num_blocks).
 Draft steps reuse the runner's InputBuffers: they run when the target's step is done (its
@@ -50,6 +50,7 @@ class DraftModelStep:
         """compiled: the draft's torch.compile'd decode step (CPU, -O1 and above), for its
         steps of one token per request, as the target's (runner/compilation.py)."""
         self.model = draft.model
+        self.shares_target_kv = draft.shares_target_kv
         self.compiled = compiled
         self.config = draft.config
         self.batch = batch
@@ -60,8 +61,12 @@ class DraftModelStep:
         self.kv_caches: list[KVCache] = []
         self.num_steps = 0  # forwards run (tests, benchmarks)
 
-    def allocate(self, num_blocks: int) -> None:
-        """The draft's KV cache: num_blocks blocks, the target's count."""
+    def allocate(self, num_blocks: int, target_caches: list[KVCache]) -> None:
+        """The draft's KV cache: num_blocks blocks, the target's count; or the target's caches
+        themselves for a draft that shares them (loading/draft.py)."""
+        if self.shares_target_kv:
+            self.kv_caches = target_caches
+            return
         mc = self.config
         self.kv_caches = [
             KVCache.allocate(
@@ -77,6 +82,8 @@ class DraftModelStep:
         ]
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.shares_target_kv:
+            return  # the runner copied them
         for cache in self.kv_caches:
             cache.copy_blocks(src, dst)
 

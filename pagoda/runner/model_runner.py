@@ -131,8 +131,13 @@ class ModelRunner:
                 _compiled_decode(draft.model) if compile_decode else None,
             )
         if speculative_config is not None:
-            max_len, max_tokens = model_config.max_model_len, self.buffers.max_tokens
-            self.proposer = DraftProposer(speculative_config, max_len, self.draft_step, max_tokens)
+            self.proposer = DraftProposer(
+                speculative_config,
+                model_config.max_model_len,
+                self.draft_step,
+                self.buffers.max_tokens,
+                draft is not None and draft.shares_target_kv,
+            )
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
         mc = self.model_config
@@ -152,7 +157,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._allocate_caches(num_blocks)
         if self.draft_step is not None:
-            self.draft_step.allocate(num_blocks)
+            self.draft_step.allocate(num_blocks, self.kv_caches)
 
     def capture_cuda_graphs(self) -> None:
         """After allocate_kv_cache: capture the decode graphs when they are enabled."""

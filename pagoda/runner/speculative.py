@@ -1,7 +1,9 @@
 """Speculative decoding in the runner: verifying a step's draft tokens, proposing the next's.
 
 A request with d draft tokens runs its last token and the d drafts as one chunk of d + 1
-positions (the scheduler's ScheduledRequest.num_draft_tokens). Verification samples every
+positions (the scheduler's ScheduledRequest.num_draft_tokens); in a step without prefills the
+chunks run as one-token decode rows (one_token_rows), so verification takes the decode path:
+compiled on CPU, a CUDA graph's replay on GPU. Verification samples every
 position as the plain sampler samples a row: the same processing (logit bias, min_tokens bans,
 penalties counting the drafts before the position, temperature, top-k/p, min-p), the same
 exponential race, a seeded request drawing its noise position by position from its generator.
@@ -173,29 +175,37 @@ class DraftProposer:
         max_model_len: int,
         draft_step: DraftStepFn | None = None,
         max_step_tokens: int = 2048,
+        shares_target_kv: bool = False,
     ) -> None:
         """draft_step: the draft model's forward (method draft_model); max_step_tokens: the
-        most tokens one of its catch-up forwards takes."""
+        most tokens one of its catch-up forwards takes; shares_target_kv: the draft runs on
+        the target's KV cache (a self-draft, loading/draft.py)."""
         self.proposer: Proposer
         if config.use_ngram:
             self.proposer = NgramProposer.from_config(config)
         else:
             assert draft_step is not None, "method draft_model needs the draft's step"
-            self.proposer = DraftModelProposer(config, draft_step, max_step_tokens)
+            self.proposer = DraftModelProposer(
+                config, draft_step, max_step_tokens, shares_target_kv
+            )
         self.max_model_len = max_model_len
         self.max_batch = config.disable_by_batch_size
+        # A draft with a cache of its own catches up on the prompt at its first proposal; that
+        # waits for the step after the first token, so the draft's prefill is not in the TTFT.
+        self.wait_first_token = not config.use_ngram and not shares_target_kv
 
     def propose(self, batch: InputBatch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Drafts for the next step of each request in `sampled` still in the batch (its new
         tokens already recorded), at most what fits before max_tokens and max_model_len with
         the target's token after them; none while the batch holds more than
-        disable_by_batch_size requests."""
+        disable_by_batch_size requests, nor (a draft with its own cache) after a request's
+        first token."""
         if self.max_batch is not None and len(batch.rows) > self.max_batch:
             return {}
         requests: list[tuple[str, Sequence[int], int]] = []
         for rid in sampled:
             row = batch.rows.get(rid)
-            if row is None:
+            if row is None or (self.wait_first_token and len(row.output_token_ids) == 1):
                 continue
             num_tokens = len(row.prompt_token_ids) + len(row.output_token_ids)
             max_tokens = row.params.max_tokens

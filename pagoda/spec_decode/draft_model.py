@@ -15,7 +15,9 @@ Positions T..T+k-2 lie past the target's computed tokens: the scheduler allocate
 slots beyond each step's tokens for them (Scheduler num_lookahead_tokens). When the target
 accepts a of the drafts, the draft's KV at T..T+min(a, k-1)-1 was computed from accepted tokens
 and so is valid too (`record`). A preempted request's blocks are gone: `remove` forgets it and
-it catches up from position 0. Drafts are the draft's argmax (a one-hot q), so verification
+it catches up from position 0. A self-draft on the target's own KV cache (loading/draft.py)
+feeds only the last token: the target computed every position before it. Drafts are the
+draft's argmax (a one-hot q), so verification
 keeps the target's distribution exactly (runner/speculative.py).
 """
 
@@ -41,17 +43,28 @@ class _Proposal:
 class DraftModelProposer:
     """Draft tokens for a batch of requests from a draft model, with per-request backoff."""
 
-    def __init__(self, config: SpeculativeConfig, step: DraftStepFn, max_step_tokens: int) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        step: DraftStepFn,
+        max_step_tokens: int,
+        shares_target_kv: bool = False,
+    ) -> None:
         """step: the draft's forward (DraftStepFn). max_step_tokens: the most tokens one
-        catch-up pass feeds (the engine's max_num_batched_tokens)."""
+        catch-up pass feeds (the engine's max_num_batched_tokens). shares_target_kv: the draft
+        runs on the target's KV cache, valid below each request's last token: only that token
+        is ever fed to catch up."""
         assert not config.use_ngram and max_step_tokens >= 1
+        self.shares_target_kv = shares_target_kv
         self.k = config.num_speculative_tokens
         self.step = step
         self.max_step_tokens = max_step_tokens
         self.backoff = ProposalBackoff(config.max_backoff_steps)
         self.valid: dict[str, int] = {}  # leading positions of the draft's cache that are valid
         self._proposals: dict[str, _Proposal] = {}
-        self.num_catch_up_tokens = 0  # tokens fed to catch up, in all (tests, benchmarks)
+        # requests' proposals, and tokens fed to catch up, in all (tests, benchmarks)
+        self.num_proposals = 0
+        self.num_catch_up_tokens = 0
 
     def propose(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
         """Drafts for (request id, token ids, max tokens allowed) triples, in order (the
@@ -74,6 +87,7 @@ class DraftModelProposer:
                 drafts[rid].append(token)
         for rid, d in drafts.items():
             self._proposals[rid] = _Proposal(self.valid[rid], len(d))
+        self.num_proposals += len(drafts)
         return [drafts.get(rid, []) for rid, _, _ in requests]
 
     def _catch_up(self, requests: list[tuple[str, Sequence[int]]]) -> dict[str, list[int]]:
@@ -81,7 +95,8 @@ class DraftModelProposer:
         of at most max_step_tokens tokens; returns each request's first draft token."""
         pending: dict[str, tuple[Sequence[int], int]] = {}  # id -> (tokens, next position)
         for rid, tokens in requests:
-            pending[rid] = (tokens, min(self.valid.get(rid, 0), len(tokens) - 1))
+            valid = len(tokens) - 1 if self.shares_target_kv else self.valid.get(rid, 0)
+            pending[rid] = (tokens, min(valid, len(tokens) - 1))
         first: dict[str, list[int]] = {}
         while pending:
             rows: list[tuple[str, list[int], int]] = []

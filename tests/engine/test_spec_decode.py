@@ -270,22 +270,30 @@ def test_self_draft_changes_nothing(case: str, plain: LLM, self_draft: LLM) -> N
     assert _tokens(got) == _tokens(expected)
     _check_logprobs(params, got, expected)
     assert drafted > 0
+    # the draft runs on the target's KV cache: it never catches up on a prompt
+    runner = self_draft.engine.runner
+    assert runner.draft_step is not None and runner.draft_step.kv_caches is runner.kv_caches
+    proposer = runner.proposer.proposer  # type: ignore[union-attr]
+    assert proposer.num_catch_up_tokens == proposer.num_proposals > 0
     if case == "greedy":
         assert drafted > accepted > 0
 
 
 @pytest.mark.parametrize("num_blocks", [64, 12])
 def test_own_checkpoint_as_draft_is_always_accepted(folder: str, num_blocks: int) -> None:
-    """The draft is the target itself: each of its greedy drafts is the target's next token,
-    so every one is accepted, through chunked prefill, a batch of three and (12 blocks)
-    preemption and prefix-cache hits, only if the draft's KV is right at every position."""
+    """The draft is the target's checkpoint, with a KV cache of its own: each of its greedy
+    drafts is the target's next token, so every one is accepted, through chunked prefill, a
+    batch of three and (12 blocks) preemption and prefix-cache hits, only if the draft's KV is
+    right at every position."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = _run(_llm(folder, None, num_gpu_blocks_override=num_blocks), params)
     spec = {"model": folder, "num_speculative_tokens": 3}
     llm = _llm(folder, spec, num_gpu_blocks_override=num_blocks)
     got, drafted, accepted = _spec_counts(llm, lambda: _run(llm, params))
     assert _tokens(got) == _tokens(expected)
-    assert drafted == accepted > 2 * MAX_TOKENS
+    assert drafted == accepted > MAX_TOKENS
+    runner = llm.engine.runner
+    assert runner.draft_step is not None and runner.draft_step.kv_caches is not runner.kv_caches
     stats = llm.engine.stats()
     assert (stats.num_preemptions > 0) == (num_blocks == 12)
 

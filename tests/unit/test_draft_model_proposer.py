@@ -21,11 +21,11 @@ class FakeDraft:
 
 
 def proposer(
-    k: int = 3, max_step_tokens: int = 64, **fields: int
+    k: int = 3, max_step_tokens: int = 64, shared: bool = False, **fields: int
 ) -> tuple[DraftModelProposer, FakeDraft]:
     config = SpeculativeConfig(num_speculative_tokens=k, method="draft_model", model="d", **fields)
     draft = FakeDraft()
-    return DraftModelProposer(config, draft, max_step_tokens), draft
+    return DraftModelProposer(config, draft, max_step_tokens, shared), draft
 
 
 def test_catch_up_then_one_token_steps() -> None:
@@ -83,3 +83,16 @@ def test_allowance_backoff_and_remove() -> None:
     draft.steps.clear()
     p.propose([("a", [*tokens, 9], 4)])
     assert draft.steps[0] == [("a", [*tokens, 9], 0)]
+
+
+def test_a_draft_on_the_target_cache_feeds_only_the_last_token() -> None:
+    """A self-draft reads the target's KV, valid below the last token: no prompt catch-up."""
+    p, draft = proposer(k=3, shared=True)
+    tokens = list(range(10, 20))
+    assert p.propose([("a", tokens, 8)]) == [[20, 21, 22]]
+    assert draft.steps == [[("a", [19], 9)], [("a", [20], 10)], [("a", [21], 11)]]
+    p.record("a", 3, 0)  # all rejected: one step of backoff
+    assert p.propose([("a", [*tokens, 5], 8)]) == [[]]
+    draft.steps.clear()
+    p.propose([("a", [*tokens, 5, 6], 8)])
+    assert draft.steps[0] == [("a", [6], 11)]
