@@ -2,9 +2,10 @@
 inputs.
 
 The draft's paged KV cache has the target's block ids, block size and number of blocks (other
-tensors, its own layer count and head shape; or the target's tensors for a self-draft): a step of the draft reads a request's block table
-from the runner's persistent batch, as the target's steps do, and a block copy (copy-on-write)
-copies the draft's blocks too. The engine sizes the blocks for both (EngineCore._num_blocks).
+tensors, its own layer count and head shape; or the target's tensors for a self-draft): a step
+of the draft reads a request's block table from the runner's persistent batch, as the target's
+steps do, and a block copy (copy-on-write) copies the draft's blocks too. The draft runs on the
+target's kernel backend. The engine sizes the blocks for both (EngineCore._num_blocks).
 Draft steps reuse the runner's InputBuffers: they run when the target's step is done (its
 results on the host), before the next step is prepared.
 """
@@ -27,10 +28,10 @@ from pagoda.runner.step_inputs import InputBuffers
 if TYPE_CHECKING:
     from pagoda.runner.compilation import CompiledDecode
 
-# A step whose rows feed at most this many tokens each (the catch-up after a verification: the
-# target's token, and the last draft when all were accepted) runs as one-token rows
-# (speculative.one_token_rows), compiled where decode steps are; a longer catch-up (a prompt)
-# runs as a prefill.
+# Where decode steps are compiled, a step whose rows feed at most this many tokens each (the
+# catch-up after a verification: the target's token, and the last draft when all were
+# accepted) runs compiled, as one-token rows (speculative.one_token_rows); a longer catch-up (a
+# prompt) runs as a prefill. Eager, the prefill path is as fast.
 ONE_TOKEN_ROWS_MAX = 8
 
 
@@ -96,7 +97,7 @@ class DraftModelStep:
         seq_lens = [start + len(tokens) for _, tokens, start in rows]
         last = list(itertools.accumulate(len(t) for t in token_ids))
         num_tokens = last[-1]
-        if num_tokens > len(rows) and num_tokens <= self.buffers.max_reqs:
+        if self.compiled is not None and len(rows) < num_tokens <= self.buffers.max_reqs:
             if max(len(t) for t in token_ids) <= ONE_TOKEN_ROWS_MAX:
                 starts = [start for _, _, start in rows]
                 rids, token_ids, seq_lens = one_token_rows(rids, token_ids, starts)

@@ -121,6 +121,7 @@ class ModelRunner:
         self.proposer: DraftProposer | None = None
         self.draft_step: DraftModelStep | None = None
         if draft is not None:
+            draft.model.set_kernel_backend(kernel_backend)
             self.draft_step = DraftModelStep(
                 draft,
                 self.batch,
@@ -287,8 +288,9 @@ class ModelRunner:
         seq_lens = [s.start + len(s.token_ids) for s in out.scheduled]
         num_tokens = sum(len(t) for t in token_ids)
         decoding = all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.scheduled)
-        if num_tokens > len(rids) and decoding and num_tokens <= self.max_num_seqs:
-            # a verification step without prefills runs as a decode step of one-token rows
+        fast_decode = self.compiled is not None or self.decode_sizes is not None
+        if num_tokens > len(rids) and decoding and num_tokens <= self.max_num_seqs and fast_decode:
+            # a verification step without prefills runs as a (compiled, graphed) decode step
             starts = [s.start for s in out.scheduled]
             rids, token_ids, seq_lens = one_token_rows(rids, token_ids, starts)
         num_decodes = sum(len(t) == 1 for t in token_ids)

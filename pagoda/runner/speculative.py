@@ -1,9 +1,9 @@
 """Speculative decoding in the runner: verifying a step's draft tokens, proposing the next's.
 
 A request with d draft tokens runs its last token and the d drafts as one chunk of d + 1
-positions (the scheduler's ScheduledRequest.num_draft_tokens); in a step without prefills the
-chunks run as one-token decode rows (one_token_rows), so verification takes the decode path:
-compiled on CPU, a CUDA graph's replay on GPU. Verification samples every
+positions (the scheduler's ScheduledRequest.num_draft_tokens); where decode steps are
+compiled (CPU) or replayed as CUDA graphs, a step without prefills runs its chunks as one-token
+decode rows (one_token_rows), so verification takes that path too. Verification samples every
 position as the plain sampler samples a row: the same processing (logit bias, min_tokens bans,
 penalties counting the drafts before the position, temperature, top-k/p, min-p), the same
 exponential race, a seeded request drawing its noise position by position from its generator.
