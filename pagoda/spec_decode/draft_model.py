@@ -17,8 +17,8 @@ accepts a of the drafts, the draft's KV at T..T+min(a, k-1)-1 was computed from 
 and so is valid too (`record`). A preempted request's blocks are gone: `remove` forgets it and
 it catches up from position 0. A self-draft on the target's own KV cache (loading/draft.py)
 feeds only the last token: the target computed every position before it. Drafts are the
-draft's argmax (a one-hot q), so verification
-keeps the target's distribution exactly (runner/speculative.py).
+draft's argmax (a one-hot q), so verification keeps the target's distribution exactly
+(runner/speculative.py).
 """
 
 from __future__ import annotations
