@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.config import ModelConfig
+
 # Quantized K/V rows are stored with one scale of this dtype per (token, kv head); config.py
 # names it (KV_SCALE_DTYPE) for sizing.
 KV_SCALE_DTYPE = torch.float32
@@ -85,3 +87,27 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 def dequantize_kv(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """values (..., head_dim), scale (...) -> values * scale as `dtype` (computed in float32)."""
     return (values.to(KV_SCALE_DTYPE) * scale.unsqueeze(-1)).to(dtype)
+
+
+def allocate_kv_caches(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    quant_dtype: torch.dtype | None,
+    device: torch.device | str,
+) -> list[KVCache]:
+    """A zeroed KVCache per layer of the model `config` describes, in its dtype (or quant_dtype
+    with scales)."""
+    dtype = getattr(torch, config.dtype)
+    return [
+        KVCache.allocate(
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype,
+            quant_dtype,
+            device,
+        )
+        for _ in range(config.num_layers)
+    ]

@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagoda.layers.forward_context import forward_context
-from pagoda.layers.kv_cache import KVCache
+from pagoda.layers.kv_cache import KVCache, allocate_kv_caches
 from pagoda.loading.draft import DraftModel
-from pagoda.runner.device import torch_dtype
 from pagoda.runner.input_batch import InputBatch
 from pagoda.runner.speculative import one_token_rows
 from pagoda.runner.step_inputs import InputBuffers
@@ -60,7 +59,6 @@ class DraftModelStep:
         self.device = device
         self.kv_quant_dtype = kv_quant_dtype
         self.kv_caches: list[KVCache] = []
-        self.num_steps = 0  # forwards run (tests, benchmarks)
 
     def allocate(self, num_blocks: int, target_caches: list[KVCache]) -> None:
         """The draft's KV cache: num_blocks blocks, the target's count; or the target's caches
@@ -68,19 +66,9 @@ class DraftModelStep:
         if self.shares_target_kv:
             self.kv_caches = target_caches
             return
-        mc = self.config
-        self.kv_caches = [
-            KVCache.allocate(
-                num_blocks,
-                self.block_size,
-                mc.num_kv_heads,
-                mc.head_dim,
-                torch_dtype(mc.dtype),
-                self.kv_quant_dtype,
-                self.device,
-            )
-            for _ in range(mc.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(
+            self.config, num_blocks, self.block_size, self.kv_quant_dtype, self.device
+        )
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if self.shares_target_kv:
@@ -111,6 +99,5 @@ class DraftModelStep:
         last = [end - 1 for end in last]
         if last != list(range(len(rows))):
             hidden = hidden.index_select(0, self.buffers.row_index(last))
-        self.num_steps += 1
         logits = self.model.compute_logits(hidden, float32=False)
         return logits.argmax(dim=-1).tolist()

@@ -19,7 +19,7 @@ import torch
 
 from pagoda.config import ModelConfig, SpeculativeConfig
 from pagoda.layers.forward_context import forward_context
-from pagoda.layers.kv_cache import KVCache
+from pagoda.layers.kv_cache import KVCache, allocate_kv_caches
 from pagoda.layers.quant_forms import triton_weights
 from pagoda.loading.draft import DraftModel
 from pagoda.models.interface import CausalLM
@@ -30,7 +30,7 @@ from pagoda.runner.cuda_graphs import (
     capture_sizes,
     padded_size,
 )
-from pagoda.runner.device import to_device, torch_dtype
+from pagoda.runner.device import to_device
 from pagoda.runner.draft_step import DraftModelStep
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.kernel_warmup import decode_split_counts, matmul_row_counts, prefill_lens
@@ -141,19 +141,9 @@ class ModelRunner:
             )
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
-        mc = self.model_config
-        return [
-            KVCache.allocate(
-                num_blocks,
-                self.block_size,
-                mc.num_kv_heads,
-                mc.head_dim,
-                torch_dtype(mc.dtype),
-                self.kv_quant_dtype,
-                self.device,
-            )
-            for _ in range(mc.num_layers)
-        ]
+        return allocate_kv_caches(
+            self.model_config, num_blocks, self.block_size, self.kv_quant_dtype, self.device
+        )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._allocate_caches(num_blocks)
@@ -287,10 +277,11 @@ class ModelRunner:
         token_ids = [s.token_ids for s in out.scheduled]
         seq_lens = [s.start + len(s.token_ids) for s in out.scheduled]
         num_tokens = sum(len(t) for t in token_ids)
-        decoding = all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.scheduled)
-        fast_decode = self.compiled is not None or self.decode_sizes is not None
-        if num_tokens > len(rids) and decoding and num_tokens <= self.max_num_seqs and fast_decode:
-            # a verification step without prefills runs as a (compiled, graphed) decode step
+        if (
+            len(rids) < num_tokens <= self.max_num_seqs
+            and (self.compiled is not None or self.decode_sizes is not None)
+            and all(len(s.token_ids) == 1 + s.num_draft_tokens for s in out.scheduled)
+        ):  # a verification step without prefills runs as a (compiled, graphed) decode step
             starts = [s.start for s in out.scheduled]
             rids, token_ids, seq_lens = one_token_rows(rids, token_ids, starts)
         num_decodes = sum(len(t) == 1 for t in token_ids)
