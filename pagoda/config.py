@@ -37,7 +37,10 @@ class ModelConfig:
     dtype: str  # the activations' and KV cache's dtype, e.g. "float32"
     max_model_len: int
     quantization: str = "none"  # the weight scheme in effect (see layers/quant.py)
-    weight_bytes: int = 0  # bytes of every parameter and buffer of the loaded model
+    weight_bytes: int = 0  # bytes of every parameter and buffer of the loaded model (one rank's)
+    tensor_parallel_size: int = 1  # ranks sharing each layer (layers/parallel.py)
+    # KV heads in rank 0's cache, the largest (TensorParallel.heads); 0: all of them
+    rank_kv_heads: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -49,6 +52,12 @@ class ModelConfig:
         return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
 
     @property
+    def num_kv_heads_per_rank(self) -> int:
+        """KV heads in this rank's cache: all of them at tensor_parallel_size 1. The engine
+        holds rank 0's config, whose share is the largest."""
+        return self.rank_kv_heads or self.num_kv_heads
+
+    @property
     def head_dim(self) -> int:
         return head_dim_of(self.hf_config)
 
@@ -57,13 +66,14 @@ class ModelConfig:
         return int(self.hf_config.vocab_size)
 
     def kv_bytes_per_token(self, kv_quant_dtype: str | None = None) -> int:
-        """K and V bytes of one token over all layers: head_dim values per kv head in the model
-        dtype, or in `kv_quant_dtype` plus one KV_SCALE_DTYPE scale (CacheConfig.kv_quant_dtype)."""
+        """K and V bytes of one token over all layers in one rank's cache: head_dim values per kv
+        head in the model dtype, or in `kv_quant_dtype` plus one KV_SCALE_DTYPE scale
+        (CacheConfig.kv_quant_dtype)."""
         if kv_quant_dtype is None:
             per_head = self.head_dim * DTYPE_BYTES[self.dtype]
         else:
             per_head = self.head_dim * DTYPE_BYTES[kv_quant_dtype] + DTYPE_BYTES[KV_SCALE_DTYPE]
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        return 2 * self.num_layers * self.num_kv_heads_per_rank * per_head
 
 
 # --kv-cache-dtype values (vLLM's) -> storage dtype of quantized K/V, each (token, kv head) row
@@ -155,6 +165,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     # vLLM's --speculative-config: a SpeculativeConfig, its dict, or its JSON text (parsed here).
     speculative_config: SpeculativeConfig | None = None
+    # Ranks that split every layer (layers/parallel.py), each a worker process the engine starts
+    # (distributed/workers.py); 1: the model runs in the engine's own process.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -187,8 +200,15 @@ class EngineConfig:
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; "
                 f"got {self.quantization!r}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         spec = SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
+        if spec is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative decoding with tensor_parallel_size > 1 is not supported yet; "
+                "drop --speculative-config or run on one rank"
+            )
         if spec is not None and self.async_scheduling:
             raise ValueError(
                 "async scheduling does not work with speculative decoding yet: drafts are "
@@ -217,8 +237,9 @@ class EngineConfig:
 
     @property
     def level(self) -> int:
-        """The optimization level in effect (see optimization_level)."""
-        if self.enforce_eager:
+        """The optimization level in effect (see optimization_level). Tensor-parallel ranks
+        run eagerly: their collectives are not captured in CUDA graphs or compiled yet."""
+        if self.enforce_eager or self.tensor_parallel_size > 1:
             return 0
         if self.optimization_level is not None:
             return self.optimization_level

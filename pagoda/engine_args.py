@@ -78,6 +78,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "so host work overlaps the GPU's (default: on with CUDA, off on CPU)",
     )
     g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=None,
+        help="split every layer over N ranks, one worker process each (gloo on CPU, NCCL on "
+        "CUDA); --kv-cache-memory-bytes is then per rank",
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         help="speculative decoding as a JSON object with vLLM's fields, e.g. "
@@ -109,6 +117,7 @@ ENGINE_ARG_NAMES = (
     "enforce_eager",
     "async_scheduling",
     "speculative_config",
+    "tensor_parallel_size",
 )
 
 

@@ -348,3 +348,32 @@ def prompt_lookup_args(spec: Any) -> dict[str, int] | None:
         "prompt_lookup_num_tokens": config.num_speculative_tokens,
         "max_matching_ngram_size": config.prompt_lookup_max,
     }
+
+
+def tensor_parallel_stats(engine: Any) -> dict[str, Any] | None:
+    """Under tensor parallelism, per rank since start: steps, mean step time, the collectives'
+    calls, bytes and time per step (gloo: the whole exchange), and weight / KV-cache bytes.
+    None on one rank."""
+    from pagoda.distributed.workers import WorkerGroup
+
+    runner = engine.runner
+    if not isinstance(runner, WorkerGroup):
+        return None
+    ranks = []
+    for rank, (s, memory) in enumerate(zip(runner.stats(), runner.memory())):
+        steps = max(1, int(s["steps"]))
+        ranks.append(
+            {
+                "rank": rank,
+                "steps": int(s["steps"]),
+                "step_ms": round(1000 * s["step_seconds"] / steps, 3),
+                "collective_calls_per_step": round(s["collective_calls"] / steps, 2),
+                "collective_bytes_per_step": round(s["collective_bytes"] / steps),
+                "collective_ms_per_step": round(1000 * s["collective_seconds"] / steps, 3),
+                "collective_share_of_step": round(
+                    s["collective_seconds"] / max(s["step_seconds"], 1e-9), 4
+                ),
+                **memory,
+            }
+        )
+    return {"tensor_parallel_size": len(ranks), "ranks": ranks}

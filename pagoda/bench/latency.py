@@ -39,6 +39,7 @@ from pagoda.bench.common import (
     random_prompt,
     ratio,
     spec_stats,
+    tensor_parallel_stats,
     token_id_engine_kwargs,
     weights_record,
 )
@@ -129,6 +130,9 @@ def main(args: argparse.Namespace) -> int:
         args.model, kwargs, prompts, args.output_len, gguf_type, outputs
     )
     record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
+    parallel = tensor_parallel_stats(llm.engine)
+    if parallel is not None:
+        record["tensor_parallel"] = parallel
     if spec is not None:
         record["spec_decode"] = spec_stats(llm.engine.stats())
         del llm

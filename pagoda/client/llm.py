@@ -26,7 +26,7 @@ class LLM:
     Engine arguments use vLLM's names: dtype, seed, max_model_len, block_size,
     enable_prefix_caching, kv_cache_memory_bytes, num_gpu_blocks_override, max_num_seqs,
     max_num_batched_tokens, scheduling_policy, device, load_format, tokenizer,
-    skip_tokenizer_init. With skip_tokenizer_init there is no tokenizer: prompts must be
+    skip_tokenizer_init, speculative_config, tensor_parallel_size. With skip_tokenizer_init there is no tokenizer: prompts must be
     {"prompt_token_ids": [...]}, outputs carry token ids and empty text, and stop strings, chat
     and text prompts raise ValueError.
     """

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from pagoda.config import EngineConfig, ModelConfig
-from pagoda.loading.draft import DraftModel, load_draft_model
-from pagoda.loading.loader import load_model
-from pagoda.runner.device import resolve_device, torch_dtype
+from pagoda.distributed.workers import RemoteOutput, WorkerGroup
+from pagoda.loading.draft import DraftModel
+from pagoda.loading.tokenizer import load_tokenizer_for
+from pagoda.runner.builder import build_runner, profiled_kv_budget
+from pagoda.runner.device import resolve_device
 from pagoda.runner.model_runner import ModelRunner
 from pagoda.runner.pending_output import PendingOutput
 from pagoda.scheduling.block_pool import BlockPool
@@ -40,31 +42,24 @@ class EngineCore:
         self.config = config
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device_type)
-        model, model_config, tokenizer = load_model(config)
-        self.model_config: ModelConfig = model_config
-        self.tokenizer: Any = tokenizer
-        self.eos_token_ids = _eos_token_ids(model_config.hf_config, tokenizer)
         self.block_size = config.cache.block_size
         kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
         spec = config.speculative_config
         self.draft: DraftModel | None = None
-        if spec is not None and not spec.use_ngram:
-            self.draft = load_draft_model(config, model_config, tokenizer)
-        self.runner = ModelRunner(
-            model,
-            model_config,
-            self.block_size,
-            self.device,
-            self.eos_token_ids,
-            None if kv_quant_dtype is None else torch_dtype(kv_quant_dtype),
-            max_num_seqs=config.scheduler.max_num_seqs,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            kernel_backend=config.kernel_backend,
-            use_cuda_graphs=config.use_cuda_graphs,
-            compile_decode=config.compile_decode,
-            speculative_config=spec,
-            draft=self.draft,
-        )
+        # One rank in this process, or a worker process per tensor-parallel rank.
+        self.runner: ModelRunner | WorkerGroup
+        if config.tensor_parallel_size > 1:
+            if config.optimization_level:
+                logger.warning("tensor parallelism runs every step eagerly: -O is ignored")
+            tokenizer = None if config.skip_tokenizer_init else load_tokenizer_for(config)
+            self.runner = WorkerGroup(config)
+            model_config, self.eos_token_ids = self.runner.model_config, self.runner.eos_token_ids
+        else:
+            setup = build_runner(config)
+            self.runner, model_config, tokenizer = setup.runner, setup.model_config, setup.tokenizer
+            self.eos_token_ids, self.draft = setup.eos_token_ids, setup.draft
+        self.model_config: ModelConfig = model_config
+        self.tokenizer: Any = tokenizer
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
         pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
@@ -76,7 +71,7 @@ class EngineCore:
         )
         self.async_scheduling = config.use_async_scheduling
         # Async scheduling: the step launched by the last step() call, not yet updated.
-        self.in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        self.in_flight: tuple[SchedulerOutput, PendingOutput | RemoteOutput] | None = None
         num_tokens = self.num_blocks * self.block_size
         blocks_per_seq = -(-model_config.max_model_len // self.block_size)
         logger.info(
@@ -123,7 +118,11 @@ class EngineCore:
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                budget = self._profiled_kv_budget()
+                runner = self.runner
+                if isinstance(runner, WorkerGroup):
+                    budget = runner.profiled_kv_budget()
+                else:
+                    budget = profiled_kv_budget(runner, self.config)
             else:
                 budget = CPU_DEFAULT_KV_CACHE_BYTES
         num = budget // block_bytes
@@ -134,36 +133,12 @@ class EngineCore:
             )
         return int(num)
 
-    def _profiled_kv_budget(self) -> int:
-        """gpu_memory_utilization of the device, less what is in use now (weights, CUDA context,
-        other processes) and the activation peak of the largest step (runner.profile_run)."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        self.runner.profile_run()
-        torch.cuda.synchronize(self.device)
-        activation = torch.cuda.max_memory_allocated(self.device) - base
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = kv_cache_budget(total, free, activation, self.config.cache.gpu_memory_utilization)
-        logger.info(
-            "memory profile: %.2f GiB total, %.2f GiB in use, %.2f GiB activation peak at %d "
-            "tokens -> %.2f GiB for the KV cache (gpu_memory_utilization %.2f)",
-            total / 2**30,
-            (total - free) / 2**30,
-            activation / 2**30,
-            self.config.scheduler.max_num_batched_tokens,
-            budget / 2**30,
-            self.config.cache.gpu_memory_utilization,
-        )
-        return budget
-
     # ---- the three verbs -------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update. With async scheduling the update is of the previous
         step, made while this one runs on the device: outputs arrive one step() later."""
         scheduler_output = self.scheduler.schedule()
-        pending = self.runner.execute(scheduler_output)
+        pending: PendingOutput | RemoteOutput = self.runner.execute(scheduler_output)
         if scheduler_output.is_empty and self.scheduler.waiting and not self.scheduler.running:
             # add_request admits only requests that fit the whole pool, so this is a bug.
             raise RuntimeError("the scheduler made no progress with an idle KV cache")
@@ -173,6 +148,16 @@ class EngineCore:
         if previous is None:
             return []
         return self.scheduler.update(previous[0], previous[1].get())
+
+    def check_health(self) -> None:
+        """RuntimeError if a tensor-parallel rank has died (the engine cannot step on)."""
+        if isinstance(self.runner, WorkerGroup):
+            self.runner.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks, if any (they also stop when this process exits)."""
+        if isinstance(self.runner, WorkerGroup):
+            self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -262,22 +247,3 @@ class EngineCore:
                 f"{max_tokens} max tokens, n={n}) but the whole cache has {self.num_blocks}; "
                 "lower max_tokens or raise --kv-cache-memory-bytes"
             )
-
-
-def kv_cache_budget(total: int, free: int, activation_peak: int, utilization: float) -> int:
-    """Bytes for KV blocks: the utilization share of the device less what is in use (total -
-    free: weights, context, other processes) and the activation peak of the largest step."""
-    return int(total * utilization) - (total - free) - activation_peak
-
-
-def _eos_token_ids(hf_config: Any, tokenizer: Any) -> frozenset[int]:
-    ids: set[int] = set()
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(int(e) for e in eos)
-    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if isinstance(tok_eos, int):
-        ids.add(tok_eos)
-    return frozenset(ids)

@@ -55,6 +55,8 @@ class EngineLoop:
                 self._drain_inputs()
             elif os.getppid() != self.parent_pid:
                 return
+            else:
+                self.engine.check_health()  # a dead tensor-parallel rank ends the process
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
                 self._send(EngineCoreOutputs(self.num_inputs, self.engine.stats(), outputs=outputs))

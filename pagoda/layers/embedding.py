@@ -3,6 +3,10 @@
 `quantize_int8()` (weight-quantized models) replaces the float weight with int8 rows and one scale
 per row: the embedding gathers and scales rows, the head runs the int8 matmul. A tied head reads
 the embedding's stored form, so the vocabulary matrix exists once.
+
+Under tensor parallelism both hold this rank's rows of the vocabulary (TensorParallel.vocab_part,
+ceil(V / N) rows, the last rank's padded with zeros): the embedding zeroes the rows of ids it does
+not hold and all-reduces; the head all-gathers the ranks' logits.
 """
 
 from __future__ import annotations
@@ -13,49 +17,94 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.gguf import GGUFWeight
+from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant_forms import apply_stored, set_int8, take_float_weight
 
 
-class VocabEmbedding(nn.Module):
+class _VocabRows(nn.Module):
+    """The vocabulary matrix, or this rank's rows of it: weight (ceil(V / N), embedding_dim)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype | None,
+        tp: TensorParallel,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings  # the whole vocabulary
+        self.embedding_dim = embedding_dim
+        self.tp = tp
+        self.vocab_start, self.vocab_len = tp.vocab_part(num_embeddings)
+        rows = -(-num_embeddings // tp.size)
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, dtype=dtype))
+
+    def load(self, tensor: torch.Tensor | GGUFWeight, name: str) -> None:
+        """Checkpoint tensor `name` (V, embedding_dim): this rank's rows, the padding zeroed."""
+        if tuple(tensor.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                f"{(self.num_embeddings, self.embedding_dim)}"
+            )
+        rows = tensor.narrow(0, self.vocab_start, self.vocab_len)
+        if isinstance(rows, GGUFWeight):
+            rows = rows.dequantize()
+        with torch.no_grad():
+            self.weight.zero_()
+            self.weight[: self.vocab_len].copy_(rows)
+
+
+class VocabEmbedding(_VocabRows):
     kernel = "float"
     qweight: torch.Tensor  # int8 rows, once quantized
     weight_scale: torch.Tensor
     dtype: torch.dtype  # of the float weight the rows replace
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__()
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype))
+        super().__init__(num_embeddings, embedding_dim, dtype, tp)
 
     def quantize_int8(self) -> None:
         set_int8(self, take_float_weight(self))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: (num_tokens,) -> (num_tokens, embedding_dim)
+        if self.tp.size == 1:
+            return self._rows(input_ids)
+        local = input_ids - self.vocab_start
+        held = (local >= 0) & (local < self.vocab_len)
+        rows = self._rows(torch.where(held, local, 0)) * held[:, None]
+        return self.tp.all_reduce(rows)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.kernel == "float":
-            return F.embedding(input_ids, self.weight)
-        rows = F.embedding(input_ids, self.qweight).to(self.dtype)
-        return rows * self.weight_scale[input_ids, None].to(self.dtype)
+            return F.embedding(ids, self.weight)
+        rows = F.embedding(ids, self.qweight).to(self.dtype)
+        return rows * self.weight_scale[ids, None].to(self.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.kernel}"
 
 
-class LMHead(nn.Module):
+class LMHead(_VocabRows):
     """Projects hidden states to float32 logits over the vocabulary."""
 
     kernel = "float"
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
-        super().__init__()
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype))
+        super().__init__(num_embeddings, embedding_dim, dtype, tp)
         self._tied: list[VocabEmbedding] = []  # a list keeps it out of the module tree
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
@@ -76,6 +125,7 @@ class LMHead(nn.Module):
             logits = _float_logits(hidden_states, owner.weight)
         else:
             logits = apply_stored(owner, hidden_states)
+        logits = self.tp.all_gather_last(logits, self.num_embeddings)
         return logits.float() if float32 else logits
 
     def extra_repr(self) -> str:

@@ -48,6 +48,26 @@ class GGUFWeight:
         array = dequantize(self.data, GGMLQuantizationType[self.qtype])
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(self.shape)
 
+    def narrow(self, dim: int, start: int, length: int) -> GGUFWeight:
+        """Rows [start, start + length) (dim 0), or columns (dim 1) on block boundaries: a
+        tensor-parallel shard, cut from the raw bytes without decoding."""
+        rows, cols = self.shape
+        if dim == 0:
+            data = np.ascontiguousarray(self.data[start : start + length])
+            return GGUFWeight(self.qtype, data, (length, cols))
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.qtype]]
+        if start % per_block or length % per_block:
+            raise ValueError(
+                f"a GGUF {self.qtype} tensor splits only on its {per_block}-column blocks; "
+                f"columns [{start}, {start + length}) are not: choose another "
+                "tensor_parallel_size"
+            )
+        first, num = start // per_block * nbytes, length // per_block * nbytes
+        data = np.ascontiguousarray(self.data[:, first : first + num])
+        return GGUFWeight(self.qtype, data, (rows, length))
+
     def permute_rows(self, order: torch.Tensor) -> GGUFWeight:
         """Rows reordered (blocks never straddle rows, so this is exact on the raw bytes)."""
         data = np.ascontiguousarray(self.data[order.numpy()])

@@ -103,7 +103,7 @@ def allocate_kv_caches(
         KVCache.allocate(
             num_blocks,
             block_size,
-            config.num_kv_heads,
+            config.num_kv_heads_per_rank,
             config.head_dim,
             dtype,
             quant_dtype,

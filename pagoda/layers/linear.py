@@ -5,6 +5,11 @@ input (q/k/v, gate/up) into one weight, so one GEMM replaces several; each HF sh
 into its row slice by `weight_loader(param, loaded, shard_id)`:
 
     weight rows:  [0, n_q) q | [n_q, n_q + n_k) k | [n_q + n_k, n_q + n_k + n_v) v
+
+Under tensor parallelism (layers/parallel.py) a layer holds a slice of the checkpoint's matrix:
+`in_part` (row-parallel: its input columns; the partial products are all-reduced in forward)
+or `out_parts` (column-parallel: each shard's output rows). Sizes are the rank's own; `load`
+cuts each checkpoint tensor to the slice before it is stored or quantized.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import QuantMethod
+
+Part = tuple[int, int]  # (start, length) along one dimension of a checkpoint tensor
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -43,19 +51,52 @@ class Linear(nn.Module):
         output_size: int,
         bias: bool = False,
         dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
+        in_part: Part | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype)) if bias else None
+        self.tp = tp
+        self.in_part = in_part if tp.size > 1 else None
+        self.out_parts: dict[str | None, Part] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, input_size) -> (num_tokens, output_size)
+        if self.in_part is not None:  # row-parallel: sum the ranks' partial products, then bias
+            y = (
+                F.linear(x, self.weight)
+                if self.quant_method is None
+                else self.quant_method.apply(self, x)
+            )
+            y = self.tp.all_reduce(y)
+            return y if self.bias is None else y + self.bias
         if self.quant_method is None:
             return F.linear(x, self.weight, self.bias)
         y = self.quant_method.apply(self, x)
         return y if self.bias is None else y + self.bias
+
+    def shard(self, name: str, tensor: Any, shard_id: str | None) -> Any:
+        """The rank's slice of checkpoint tensor `name`: output rows of `shard_id` (column-
+        parallel) or input columns (row-parallel; a bias is whole). Raw quantized tensors are
+        cut by their method, which knows their layout."""
+        if self.in_part is None and self.out_parts is None:
+            return tensor
+        if name == "bias":
+            if self.out_parts is None:
+                return tensor
+            start, length = self.out_parts[shard_id]
+            return tensor.narrow(0, start, length)
+        if self.in_part is not None:
+            dim, (start, length) = 1, self.in_part
+        else:
+            assert self.out_parts is not None
+            dim, (start, length) = 0, self.out_parts[shard_id]
+        if self.quant_method is not None and self.quant_method.loads_raw:
+            return self.quant_method.narrow(name, tensor, dim, start, length)
+        return tensor.narrow(dim, start, length)
 
     def set_quant_method(self, method: QuantMethod) -> None:
         self.device = self.weight.device
@@ -69,6 +110,7 @@ class Linear(nn.Module):
 
     def load(self, name: str, tensor: Any, shard_id: str | None = None) -> None:
         """Take checkpoint tensor `<layer>.<name>` (of shard `shard_id` in a packed layer)."""
+        tensor = self.shard(name, tensor, shard_id)
         if self.quant_method is not None and self.quant_method.loads_raw and name != "bias":
             if name not in self.quant_method.tensor_names:
                 raise ValueError(
@@ -105,6 +147,8 @@ class MergedLinear(Linear):
 
     `output_sizes` maps each shard id (e.g. "q", "k", "v") to its number of output rows, in
     packing order. `forward` returns the packed output; callers split it with `output_sizes`.
+    Column-parallel: `out_parts` maps each shard id to the (start, length) of its checkpoint
+    rows this rank holds (length == output_sizes[shard]).
     """
 
     def __init__(
@@ -113,8 +157,13 @@ class MergedLinear(Linear):
         output_sizes: dict[str, int],
         bias: bool = False,
         dtype: torch.dtype | None = None,
+        tp: TensorParallel = SINGLE,
+        out_parts: dict[str, Part] | None = None,
     ) -> None:
-        super().__init__(input_size, sum(output_sizes.values()), bias=bias, dtype=dtype)
+        super().__init__(input_size, sum(output_sizes.values()), bias=bias, dtype=dtype, tp=tp)
+        if out_parts is not None and tp.size > 1:
+            assert {s: n for s, (_, n) in out_parts.items()} == output_sizes
+            self.out_parts = {shard: part for shard, part in out_parts.items()}
         self.output_sizes = dict(output_sizes)
         self.shard_offsets: dict[str, int] = {}
         offset = 0

@@ -64,6 +64,11 @@ class QuantMethod:
     def finalize(self, layer: Any) -> None:
         raise NotImplementedError
 
+    def narrow(self, name: str, tensor: Any, dim: int, start: int, length: int) -> Any:
+        """A raw checkpoint tensor's tensor-parallel slice, [start, start + length) along `dim`
+        of the float weight it stands for (0: output rows, 1: input columns)."""
+        raise ValueError(f"{self.name} checkpoints cannot be split for tensor parallelism yet")
+
     def apply(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         return apply_stored(layer, x)
 
@@ -157,6 +162,9 @@ class GGUFMethod(QuantMethod):
 
     name = "gguf"
     loads_raw = True
+
+    def narrow(self, name: str, tensor: Any, dim: int, start: int, length: int) -> Any:
+        return tensor.narrow(dim, start, length)  # GGUFWeight or a float tensor (F32 / F16)
 
     def finalize(self, layer: Any) -> None:
         parts = [tensors["weight"] for _, tensors in self._pending_shards(layer)]

@@ -20,6 +20,7 @@ from pagoda.config import EngineConfig, ModelConfig
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import QUANTIZED_EMBEDDING_METHODS, make_method
 from pagoda.layers.quant_forms import stored_bytes
 from pagoda.loading.gguf import iter_gguf
@@ -44,10 +45,14 @@ def iter_weights(
         yield from iter_safetensors(folder)
 
 
-def load_model(config: EngineConfig) -> tuple[CausalLM, ModelConfig, Any]:
+def load_model(
+    config: EngineConfig, tp: TensorParallel = SINGLE
+) -> tuple[CausalLM, ModelConfig, Any]:
     """Build the model on config.device (resolved) in config.dtype_name with its weights loaded
     (random for load_format="dummy"), in eval mode; return it with its ModelConfig and tokenizer
-    (None with skip_tokenizer_init)."""
+    (None with skip_tokenizer_init). With `tp` of size N the model holds this rank's 1/N of each
+    layer: every checkpoint tensor is cut to its slice as it is read (layers/parallel.py); dummy
+    weights are drawn per rank."""
     folder, gguf_file = resolve_model(config.model)
     if config.load_format == "gguf" and gguf_file is None:
         raise ValueError(f"load_format='gguf' but {folder} is an HF folder; pass a .gguf file")
@@ -65,12 +70,15 @@ def load_model(config: EngineConfig) -> tuple[CausalLM, ModelConfig, Any]:
     dtype, device = getattr(torch, config.dtype_name), torch.device(config.device_type)
     quantization, quant_config = resolve_quantization(config, hf_config, gguf_file)
     with torch.device(device):
-        model = model_cls(hf_config, dtype)
+        model = model_cls(hf_config, dtype, tp)
     _load_weights(model, config, hf_config, folder, gguf_file, quantization, quant_config)
     model.eval()
     model.requires_grad_(False)
     weight_bytes = stored_bytes(model)
-    logger.info("weights: quantization=%s, %.1f MiB", quantization, weight_bytes / 2**20)
+    per_rank = "" if tp.size == 1 else f" (rank {tp.rank} of {tp.size})"
+    logger.info(
+        "weights: quantization=%s, %.1f MiB%s", quantization, weight_bytes / 2**20, per_rank
+    )
 
     model_config = ModelConfig(
         hf_config=hf_config,
@@ -79,8 +87,15 @@ def load_model(config: EngineConfig) -> tuple[CausalLM, ModelConfig, Any]:
         max_model_len=max_model_len,
         quantization=quantization,
         weight_bytes=weight_bytes,
+        tensor_parallel_size=tp.size,
+        rank_kv_heads=_rank_kv_heads(model),
     )
     return model, model_config, tokenizer
+
+
+def _rank_kv_heads(model: Any) -> int:
+    """The kv heads this rank's attention layers hold (its share under tensor parallelism)."""
+    return int(model.model.layers[0].self_attn.num_kv_heads)
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:

@@ -22,6 +22,7 @@ from pagoda.layers.forward_context import ForwardContext
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.rotary import apply_rotary, get_rope
 
 # (packed param prefix, HF projection name, shard id)
@@ -35,14 +36,19 @@ PACKED_MODULES = (
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden = config.hidden_size
         bias = bool(getattr(config, "mlp_bias", False))
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported; only silu")
-        self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias, dtype)
-        self.down_proj = Linear(inter, hidden, bias, dtype)
+        # tensor parallel: gate/up split by rows (column-parallel), down_proj by columns
+        part = tp.part(config.intermediate_size, "intermediate_size")
+        inter = part[1]
+        self.gate_up_proj = MergedLinear(
+            hidden, {"gate": inter, "up": inter}, bias, dtype, tp, {"gate": part, "up": part}
+        )
+        self.down_proj = Linear(inter, hidden, bias, dtype, tp, part)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,22 +60,33 @@ class LlamaAttention(nn.Module):
     qkv_bias = False  # bias on q/k/v even without `attention_bias` (Qwen2)
     backend = "torch"  # "triton": rotary fused into the KV-cache write; set by the model runner
 
-    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        # This rank's heads (all of them without tensor parallelism): layers/parallel.py
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        (first_head, self.num_heads), (first_kv_head, self.num_kv_heads) = tp.heads(
+            total_heads, total_kv_heads
+        )
         self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attention_bias or self.qkv_bias
+        d = self.head_dim
+        q_part = (first_head * d, self.q_size)
+        kv_part = (first_kv_head * d, self.kv_size)
         self.qkv_proj = MergedLinear(
             config.hidden_size,
             {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
             qkv_bias,
             dtype,
+            tp,
+            {"q": q_part, "k": kv_part, "v": kv_part},
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, attention_bias, dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, attention_bias, dtype, tp, q_part)
         scale = self.head_dim**-0.5
         # q and k are still adjacent in qkv at rotary time unless a subclass transforms them
         self.joint_rotary = type(self).qk_transform is LlamaAttention.qk_transform
@@ -127,11 +144,16 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, layer_idx: int, dtype: torch.dtype, attention_cls: type[LlamaAttention]
+        self,
+        config: Any,
+        layer_idx: int,
+        dtype: torch.dtype,
+        attention_cls: type[LlamaAttention],
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config, layer_idx, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = attention_cls(config, layer_idx, dtype, tp)
+        self.mlp = LlamaMLP(config, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -184,12 +206,16 @@ class LlamaModel(nn.Module):
     fused_max_rows = 0
 
     def __init__(
-        self, config: Any, dtype: torch.dtype, attention_cls: type[LlamaAttention]
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        attention_cls: type[LlamaAttention],
+        tp: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, attention_cls)
+            LlamaDecoderLayer(config, i, dtype, attention_cls, tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -217,12 +243,15 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, hf_config: Any, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
-        self.model = LlamaModel(hf_config, dtype, self.attention_cls)
-        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        self.tp = tp
+        self.model = LlamaModel(hf_config, dtype, self.attention_cls, tp)
+        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype, tp)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
@@ -260,6 +289,8 @@ class LlamaForCausalLM(nn.Module):
                 module = None
             if isinstance(module, Linear):
                 module.load(tensor_name, tensor, shard_id)
+            elif isinstance(module, (VocabEmbedding, LMHead)):
+                module.load(tensor, hf_name)
             elif module is not None and isinstance(
                 getattr(module, tensor_name, None), nn.Parameter
             ):
@@ -302,7 +333,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (Attention, RMSNorm, SiluAndMul, LlamaAttention)):
                 module.backend = backend
         self.model.fused_max_rows = 0
-        if backend == "triton" and self._float_linears():
+        # the fused forms add the residual inside row-parallel projections: one rank only
+        if backend == "triton" and self._float_linears() and self.tp.size == 1:
             from pagoda.kernels.fused_linear import MAX_ROWS
 
             self.model.fused_max_rows = MAX_ROWS

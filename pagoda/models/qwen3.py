@@ -8,12 +8,15 @@ from typing import Any
 import torch
 
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype) -> None:
-        super().__init__(config, layer_idx, dtype)
+    def __init__(
+        self, config: Any, layer_idx: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
+        super().__init__(config, layer_idx, dtype, tp)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
 

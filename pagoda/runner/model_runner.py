@@ -255,7 +255,7 @@ class ModelRunner:
         from pagoda.kernels.attention import decode_num_splits
 
         return decode_num_splits(
-            num_decodes, self.model_config.num_kv_heads, self.max_blocks_per_seq
+            num_decodes, self.model_config.num_kv_heads_per_rank, self.max_blocks_per_seq
         )
 
     @torch.inference_mode()

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from pagoda import LLM, SamplingParams
-from pagoda.engine.core import kv_cache_budget
+from pagoda.runner.builder import kv_cache_budget
 
 
 def test_profile_run_leaves_the_engine_unchanged(tiny_model_dir: Any) -> None:

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -326,3 +327,22 @@ def test_engine_start_failure_exits_nonzero(start_server: StartServer, tmp_path:
     server = start_server(str(bad), wait=False)
     assert server.proc.wait(120) != 0
     assert "engine" in server.log()
+
+
+def test_a_killed_tensor_parallel_rank_fails_streams_and_exits(
+    start_server: StartServer, tiny_llama_dir: str
+) -> None:
+    """Rank 1 of two (a process the engine started) is killed mid-stream: the stream ends with a
+    503 error event and the server exits non-zero, as when the engine itself dies."""
+    server = start_server(tiny_llama_dir, *SMALL_POOL, "--tensor-parallel-size", "2")
+    stream = Stream(server, {"prompt": "interrupted", **LONG})
+    assert stream.first.wait(60)
+    found = re.search(r"tensor parallel: 2 ranks \(pids \[(\d+), (\d+)\]\)", server.log())
+    assert found, server.log()
+    os.kill(int(found.group(2)), signal.SIGKILL)
+    events = stream.wait(30)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and "engine" in error["message"]
+    assert server.proc.wait(30) != 0
+    assert "rank 1" in server.log()

@@ -2,7 +2,8 @@
 
 Parts, highest first; a part imports only parts below it, its own modules and the ground:
 
-    cli.py, __init__.py (face) -> server/, bench/ -> client/ -> engine/ -> runner/ -> spec_decode/
+    cli.py, __init__.py (face) -> server/, bench/ -> client/ -> engine/ -> distributed/ -> runner/
+    -> spec_decode/
     -> loading/
     -> models/, layers/, kernels/ (the network)
 
@@ -29,6 +30,7 @@ RANKS = {
     "bench": 6,
     "client": 5,
     "engine": 4,
+    "distributed": 3.5,  # the tensor-parallel ranks: the engine starts them, each runs a runner
     "runner": 3,
     "spec_decode": 2.5,  # the proposers, which the runner calls; a draft model is a network
     "loading": 2,

@@ -114,6 +114,19 @@ def test_gguf_row_permutation_moves_whole_rows() -> None:
     assert torch.equal(w.permute_rows(order).dequantize(), w.dequantize()[order])
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K"])
+def test_gguf_tensor_parallel_shards_are_exact_slices(qtype: str) -> None:
+    """A rank's shard, cut from the raw blocks (rows, or whole blocks of columns), dequantizes
+    to exactly its slice of the whole tensor; a cut inside a block is a ValueError."""
+    raw = _random_blocks(qtype, 32, 512, np.random.default_rng(2))
+    w = gguf_blocks.GGUFWeight(qtype, raw, (32, 512))
+    full = w.dequantize()
+    assert torch.equal(w.narrow(0, 16, 16).dequantize(), full[16:32])
+    assert torch.equal(w.narrow(1, 256, 256).dequantize(), full[:, 256:])
+    with pytest.raises(ValueError, match="splits only on its"):
+        w.narrow(1, 0, 16 if qtype != "Q4_K" else 128)
+
+
 # ---- kernels -------------------------------------------------------------------------------
 
 

@@ -1,0 +1,2 @@
+"""Scale: tensor-parallel worker processes (workers.py, worker.py); later KV transfer and the Ray
+Serve app."""

@@ -1,0 +1,131 @@
+"""One tensor-parallel rank: a process that joins the ranks' torch.distributed group (gloo on CPU,
+NCCL on CUDA), builds its shard of the model and its runner (runner/builder.py), then runs the
+calls the engine sends it, in order, until the engine goes away.
+
+    engine (WorkerGroup)                      rank r (this loop)
+    (method, args) to every rank       -->    the runner's method; every rank runs every step
+                                       <--    ("ok", result): rank 0 after each call; the
+                                              others only for calls made with reply_all
+                                       <--    ("error", (type name, text)): any rank
+                                              whose call raised, which then exits 1
+
+Ranks compute identical logits (the LM head's all-gather) and seed identically, so every rank
+samples the same tokens; rank 0's are the ones returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pagoda.config import EngineConfig
+from pagoda.layers.parallel import TensorParallel
+from pagoda.runner.builder import RankSetup, build_runner, profiled_kv_budget
+from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# How long a collective waits for a rank that neither answers nor dies (a dead rank's peers
+# fail at once: its sockets close).
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+def run_worker(
+    config: EngineConfig, rank: int, size: int, init_method: str, conn: Connection, threads: int
+) -> None:
+    """Entry point of rank `rank` of `size`; `conn` is its pipe to the engine."""
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {rank}: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's to handle; it ends the workers
+    torch.set_num_threads(threads)
+    try:
+        tp = join_group(config, rank, size, init_method)
+        torch.manual_seed(config.seed)
+        setup = build_runner(config, tp)
+        conn.send(("ok", (setup.model_config, setup.eos_token_ids)))
+    except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
+        logger.exception("rank %d failed to start", rank)
+        _report(conn, e)
+        os._exit(1)
+    serve(conn, setup, config, tp)
+
+
+def join_group(config: EngineConfig, rank: int, size: int, init_method: str) -> TensorParallel:
+    backend = "nccl" if config.device_type == "cuda" else "gloo"
+    if config.device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
+    )
+    return TensorParallel(rank, size, dist.group.WORLD)
+
+
+def serve(conn: Connection, setup: RankSetup, config: EngineConfig, tp: TensorParallel) -> None:
+    runner, rank = setup.runner, tp.rank
+    steps = StepStats()
+
+    def execute(out: SchedulerOutput) -> RunnerOutput:
+        start = time.perf_counter()
+        result = runner.execute(out).get()
+        steps.add(start)
+        return result
+
+    calls: dict[str, Any] = {
+        "execute": execute,
+        "allocate_kv_cache": runner.allocate_kv_cache,
+        "warm_up_kernels": runner.warm_up_kernels,
+        "capture_cuda_graphs": runner.capture_cuda_graphs,
+        "compile_decode_step": runner.compile_decode_step,
+        "profiled_kv_budget": lambda: profiled_kv_budget(runner, config),
+        "memory": lambda: memory_of(setup),
+        "stats": lambda: {
+            **asdict(steps),
+            **{f"collective_{k}": v for k, v in asdict(tp.stats).items()},
+        },
+    }
+    while True:
+        try:
+            method, args, reply_all = conn.recv()
+        except (EOFError, OSError):  # the engine is gone
+            os._exit(0)
+        try:
+            result = calls[method](*args)
+        except Exception as e:  # noqa: BLE001
+            logger.exception("rank %d failed in %s", rank, method)
+            _report(conn, e)
+            os._exit(1)
+        if rank == 0 or reply_all:
+            conn.send(("ok", result))
+
+
+@dataclass
+class StepStats:
+    """This rank's steps: how many, and their seconds (execute to results on the host)."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+
+    def add(self, start: float) -> None:
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - start
+
+
+def memory_of(setup: RankSetup) -> dict[str, int]:
+    """This rank's bytes of weights and of KV cache."""
+    kv = sum(t.numel() * t.element_size() for c in setup.runner.kv_caches for t in c.tensors())
+    return {"weight_bytes": setup.model_config.weight_bytes, "kv_cache_bytes": kv}
+
+
+def _report(conn: Connection, e: BaseException) -> None:
+    try:
+        conn.send(("error", (type(e).__name__, str(e))))
+    except (OSError, ValueError):
+        pass

@@ -1,0 +1,181 @@
+"""WorkerGroup: the engine's runner under tensor parallelism. It starts one process per rank
+(distributed/worker.py), sends each of them every call the engine makes of its runner (the
+scheduler's output for each step: the same deltas a single runner gets) and returns rank 0's
+results.
+
+A rank that dies is never silent: every wait also watches the processes, so a rank killed in
+the middle of a step (or between steps: check_health) raises RuntimeError naming it, and the
+engine fails as it does for its own errors (the server answers 503 and exits non-zero). The
+ranks exit when the engine's end of their pipes closes (the engine exited or shut them down).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import weakref
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+
+from pagoda.config import EngineConfig, ModelConfig
+from pagoda.distributed.worker import run_worker
+from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0
+
+
+class WorkerGroup:
+    def __init__(self, config: EngineConfig) -> None:
+        size = config.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        threads = max(1, torch.get_num_threads() // size)  # the engine's cores, shared out
+        self.conns: list[Connection] = []
+        self.procs: list[BaseProcess] = []
+        for rank in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=run_worker,
+                args=(config, rank, size, init_method, child, threads),
+                name=f"pagoda-tp{rank}",
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _shutdown, self.conns, self.procs)
+        logger.info("tensor parallel: %d ranks (pids %s)", size, [p.pid for p in self.procs])
+        try:
+            ready = [self._receive(rank) for rank in range(size)]
+        except Exception:
+            self.shutdown()
+            raise
+        self.model_config: ModelConfig = ready[0][0]
+        self.eos_token_ids: frozenset[int] = ready[0][1]
+
+    # ---- the runner's interface, as EngineCore uses it ---------------------------------
+    def execute(self, out: SchedulerOutput) -> RemoteOutput:
+        self._send("execute", out)
+        return RemoteOutput(self)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.call_all("allocate_kv_cache", num_blocks)
+
+    def warm_up_kernels(self) -> None:
+        self.call_all("warm_up_kernels")
+
+    def capture_cuda_graphs(self) -> None:
+        self.call_all("capture_cuda_graphs")
+
+    def compile_decode_step(self) -> None:
+        self.call_all("compile_decode_step")
+
+    def profiled_kv_budget(self) -> int:
+        """The smallest rank's KV budget: every rank's cache has the same number of blocks."""
+        return min(self.call_all("profiled_kv_budget"))
+
+    def memory(self) -> list[dict[str, int]]:
+        """Each rank's weight and KV-cache bytes."""
+        return self.call_all("memory")
+
+    def stats(self) -> list[dict[str, float]]:
+        """Each rank's steps and step seconds, and its collectives' calls, bytes and seconds."""
+        return self.call_all("stats")
+
+    # ---- the processes ---------------------------------------------------------------------
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Run `method` on every rank; each rank's result, in rank order."""
+        self._send(method, *args, reply_all=True)
+        return [self._receive(rank) for rank in range(len(self.procs))]
+
+    def check_health(self) -> None:
+        """RuntimeError if a rank has exited."""
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise RuntimeError(_died(rank, proc))
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def _send(self, method: str, *args: Any, reply_all: bool = False) -> None:
+        self.check_health()
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((method, args, reply_all))
+            except (BrokenPipeError, ConnectionResetError, EOFError) as e:
+                raise RuntimeError(_died(rank, self.procs[rank])) from e
+
+    def _receive(self, rank: int) -> Any:
+        """Rank `rank`'s next reply; RuntimeError if it reports an error or any rank dies."""
+        conn = self.conns[rank]
+        sentinels = {p.sentinel: (r, p) for r, p in enumerate(self.procs)}
+        ready = wait([conn, *sentinels])
+        if conn in ready or conn.poll():
+            try:
+                status, value = conn.recv()
+            except (EOFError, OSError) as e:
+                raise RuntimeError(_died(rank, self.procs[rank])) from e
+            if status == "error":
+                raise _failure(rank, *value)
+            return value
+        dead_rank, proc = sentinels[next(s for s in ready if s in sentinels)]
+        proc.join(timeout=1)
+        message = _died(dead_rank, proc)
+        dead_conn = self.conns[dead_rank]
+        if dead_conn.poll():  # it reported its error before exiting
+            try:
+                status, value = dead_conn.recv()
+                if status == "error":
+                    raise _failure(dead_rank, *value)
+            except (EOFError, OSError):
+                pass
+        raise RuntimeError(message)
+
+
+class RemoteOutput:
+    """A step's results, on their way from rank 0 (as runner/pending_output.PendingOutput)."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def get(self) -> RunnerOutput:
+        result: RunnerOutput = self.group._receive(0)
+        return result
+
+
+def _failure(rank: int, kind: str, text: str) -> Exception:
+    """A rank's exception, as the engine raises it: ValueError stays ValueError (bad input, as
+    on one rank: e.g. a tensor_parallel_size the heads do not divide)."""
+    if kind == "ValueError":
+        return ValueError(text)
+    return RuntimeError(f"tensor-parallel rank {rank} failed: {kind}: {text}")
+
+
+def _died(rank: int, proc: BaseProcess) -> str:
+    return (
+        f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}; "
+        "the engine cannot continue without it"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _shutdown(conns: list[Connection], procs: list[BaseProcess]) -> None:
+    """Close the pipes (each rank exits on their end) and reap the processes."""
+    for conn in conns:
+        conn.close()
+    for proc in procs:
+        proc.join(timeout=SHUTDOWN_GRACE_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=SHUTDOWN_GRACE_S)

@@ -1,0 +1,112 @@
+"""Tensor parallelism inside the layers: which slice of each weight a rank holds, and the two
+collectives that put the slices' results together (torch.distributed: gloo on CPU, NCCL on CUDA).
+
+A rank holds 1/N of every projection (Megatron's split, as vLLM does it):
+
+    column-parallel (q/k/v, gate/up, LM head): output rows split; no collective after it
+    row-parallel (o_proj, down_proj):          input columns split; all-reduce of the partial sums
+    vocab-parallel embedding:                   vocabulary rows split; all-reduce of the rows
+    LM head:                                    vocabulary rows split; all-gather of the logits
+
+So each layer runs two all-reduces. Attention splits by whole GQA groups while there are at
+least N kv heads (TensorParallel.heads); with fewer, each rank keeps the one kv head its query
+heads read, so kv heads are replicated N / num_kv_heads times.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CollectiveStats:
+    """What this rank's collectives cost: calls, bytes sent in, seconds inside the calls (the
+    whole exchange with gloo on CPU; with NCCL on CUDA only the launch, which is asynchronous)."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, x: torch.Tensor, start: float) -> None:
+        self.calls += 1
+        self.bytes += x.numel() * x.element_size()
+        self.seconds += time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in its tensor-parallel group. size 1: no group, no collective."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the torch.distributed ProcessGroup of the ranks
+    stats: CollectiveStats = field(default_factory=CollectiveStats, compare=False)
+
+    def part(self, total: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's equal share of `total`; ValueError if it does not
+        divide."""
+        if total % self.size:
+            raise ValueError(
+                f"tensor_parallel_size={self.size} must divide {what} ({total}); "
+                "choose a size that divides it"
+            )
+        length = total // self.size
+        return self.rank * length, length
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((first query head, query heads), (first kv head, kv heads)) of this rank.
+
+        With at least `size` kv heads, each rank takes whole GQA groups (a kv head and the query
+        heads that read it), as evenly as they go: SmolLM2's 3 kv heads over 2 ranks are 2 + 1
+        (6 + 3 query heads), where vLLM would refuse the size. With fewer, query heads split
+        evenly and each rank keeps the one kv head they read, replicated size / num_kv_heads
+        times."""
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} attention heads do not group over {num_kv_heads}")
+        group = num_heads // num_kv_heads
+        if num_kv_heads >= self.size:
+            base, extra = divmod(num_kv_heads, self.size)
+            first = self.rank * base + min(self.rank, extra)
+            count = base + (1 if self.rank < extra else 0)
+            return (first * group, count * group), (first, count)
+        if self.size % num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size={self.size} must be a multiple of the number of key/value "
+                f"heads ({num_kv_heads}) when it exceeds it"
+            )
+        q_part = self.part(num_heads, "the number of attention heads")
+        return q_part, (self.rank // (self.size // num_kv_heads), 1)
+
+    def vocab_part(self, vocab_size: int) -> tuple[int, int]:
+        """(start, length) of this rank's vocabulary rows: ceil(V / size) each, the last rank
+        fewer (possibly none) when size does not divide V."""
+        per_rank = -(-vocab_size // self.size)
+        start = min(self.rank * per_rank, vocab_size)
+        return start, min(per_rank, vocab_size - start)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the ranks, in place; identical on every rank."""
+        if self.size > 1:
+            start = time.perf_counter()
+            dist.all_reduce(x, group=self.group)
+            self.stats.add(x, start)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor, total: int) -> torch.Tensor:
+        """Concatenate every rank's x along the last dimension, then keep the first `total`
+        columns. x: (n, ceil(total / size)) on every rank (the last rank's padded)."""
+        if self.size == 1:
+            return x
+        start = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.stats.add(x, start)
+        return torch.cat(parts, dim=-1)[..., :total]
+
+
+SINGLE = TensorParallel()

@@ -1,0 +1,102 @@
+"""One rank's runner from an EngineConfig: the model (this rank's shard of it), its ModelConfig,
+the tokenizer, the EOS ids and the ModelRunner. EngineCore builds one in its own process; under
+tensor parallelism each worker process builds its own (distributed/worker.py)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagoda.config import EngineConfig, ModelConfig
+from pagoda.layers.parallel import SINGLE, TensorParallel
+from pagoda.loading.draft import DraftModel, load_draft_model
+from pagoda.loading.loader import load_model
+from pagoda.runner.device import torch_dtype
+from pagoda.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RankSetup:
+    runner: ModelRunner
+    model_config: ModelConfig
+    tokenizer: Any  # None with skip_tokenizer_init
+    eos_token_ids: frozenset[int]
+    draft: DraftModel | None
+
+
+def build_runner(config: EngineConfig, tp: TensorParallel = SINGLE) -> RankSetup:
+    """Load the model (and a draft model) on config's resolved device and wrap it in a runner."""
+    model, model_config, tokenizer = load_model(config, tp)
+    eos_token_ids = eos_token_ids_of(model_config.hf_config, tokenizer)
+    spec = config.speculative_config
+    draft = None
+    if spec is not None and not spec.use_ngram:
+        draft = load_draft_model(config, model_config, tokenizer)
+    kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
+    runner = ModelRunner(
+        model,
+        model_config,
+        config.cache.block_size,
+        torch.device(config.device_type),
+        eos_token_ids,
+        None if kv_quant_dtype is None else torch_dtype(kv_quant_dtype),
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        kernel_backend=config.kernel_backend,
+        use_cuda_graphs=config.use_cuda_graphs,
+        compile_decode=config.compile_decode,
+        speculative_config=spec,
+        draft=draft,
+    )
+    return RankSetup(runner, model_config, tokenizer, eos_token_ids, draft)
+
+
+def profiled_kv_budget(runner: ModelRunner, config: EngineConfig) -> int:
+    """gpu_memory_utilization of the device, less what is in use now (weights, CUDA context,
+    other processes) and the activation peak of the largest step (runner.profile_run)."""
+    device = runner.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    runner.profile_run()
+    torch.cuda.synchronize(device)
+    activation = torch.cuda.max_memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    utilization = config.cache.gpu_memory_utilization
+    budget = kv_cache_budget(total, free, activation, utilization)
+    logger.info(
+        "memory profile: %.2f GiB total, %.2f GiB in use, %.2f GiB activation peak at %d "
+        "tokens -> %.2f GiB for the KV cache (gpu_memory_utilization %.2f)",
+        total / 2**30,
+        (total - free) / 2**30,
+        activation / 2**30,
+        config.scheduler.max_num_batched_tokens,
+        budget / 2**30,
+        utilization,
+    )
+    return budget
+
+
+def kv_cache_budget(total: int, free: int, activation_peak: int, utilization: float) -> int:
+    """Bytes for KV blocks: the utilization share of the device less what is in use (total -
+    free: weights, context, other processes) and the activation peak of the largest step."""
+    return int(total * utilization) - (total - free) - activation_peak
+
+
+def eos_token_ids_of(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return frozenset(ids)

@@ -1,0 +1,137 @@
+"""Tensor parallelism (layers/parallel.py, distributed/): two worker processes of one thread each,
+over gloo, must give what one rank gives.
+
+- Greedy and seeded sampling: the same tokens as tensor_parallel_size 1, with logprobs within
+  LOGPROB_ATOL, in mixed batches under chunked prefill and preemption, on the tiny Llama, Qwen2
+  and Qwen3 (kv heads split) and on a tiny Llama with one kv head (replicated), and on SmolLM2
+  (float32 weights, from the GGUF).
+- Each rank holds half of the weights and half of the KV cache.
+- A rank killed mid-run ends generate() with an error naming it, not a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from pagoda import LLM, SamplingParams
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.quant_forms import stored_bytes
+from pagoda.outputs import RequestOutput
+from tests.engine.test_scheduling_invariance import _params, _prompts
+from tests.equivalence import assert_same_outputs
+
+PROMPTS = _prompts(10, seed=3, shared_prefix=16)
+PARAMS = _params(len(PROMPTS))
+# Small steps and a small pool: prompts are prefilled in chunks, and requests are preempted.
+ENGINE = dict(
+    skip_tokenizer_init=True, max_num_batched_tokens=32, num_gpu_blocks_override=14, block_size=8
+)
+
+
+def _run(llm: LLM) -> list[RequestOutput]:
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+
+
+def _run_both(folder: str, **extra: Any) -> tuple[list[RequestOutput], list[RequestOutput], LLM]:
+    want = _run(LLM(folder, **ENGINE, **extra))
+    llm = LLM(folder, tensor_parallel_size=2, **ENGINE, **extra)
+    return _run(llm), want, llm
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tp2_equals_one_rank(tiny_weights_dir: Callable[[str], str], arch: str) -> None:
+    got, want, llm = _run_both(tiny_weights_dir(arch))
+    assert_same_outputs(got, want)
+    assert llm.engine.stats().num_preemptions > 0  # the pool is small enough to preempt
+    llm.engine.shutdown()
+
+
+def test_tp2_replicates_a_single_kv_head(tmp_path: Path) -> None:
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    got, want, llm = _run_both(str(tmp_path))
+    assert_same_outputs(got, want)
+    memory = llm.engine.runner.memory()  # type: ignore[union-attr]
+    one = LLM(str(tmp_path), **ENGINE).engine.runner
+    one_kv = sum(t.numel() * t.element_size() for c in one.kv_caches for t in c.tensors())
+    assert [m["kv_cache_bytes"] for m in memory] == [one_kv, one_kv]  # each rank: the one head
+    llm.engine.shutdown()
+
+
+def test_each_rank_holds_half(tiny_weights_dir: Callable[[str], str]) -> None:
+    folder = tiny_weights_dir("llama")
+    one = LLM(folder, **ENGINE)
+    llm = LLM(folder, tensor_parallel_size=2, **ENGINE)
+    memory = llm.engine.runner.memory()  # type: ignore[union-attr]
+    one_runner = one.engine.runner
+    one_kv = sum(t.numel() * t.element_size() for c in one_runner.kv_caches for t in c.tensors())
+    one_weights = one.engine.model_config.weight_bytes
+    # every matrix is halved; the norms and the rotary table are whole on each rank
+    model = one_runner.model
+    whole = [m for m in model.modules() if isinstance(m, RMSNorm)] + [model.model.rotary_emb]
+    replicated = sum(stored_bytes(m) for m in whole)
+    for rank in memory:
+        assert rank["kv_cache_bytes"] == one_kv // 2
+        assert rank["weight_bytes"] == (one_weights - replicated) // 2 + replicated
+    llm.engine.shutdown()
+
+
+def test_a_size_the_heads_do_not_divide_is_a_value_error(
+    tiny_weights_dir: Callable[[str], str],
+) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        LLM(tiny_weights_dir("llama"), tensor_parallel_size=3, **ENGINE)
+
+
+def test_speculative_decoding_with_tp_is_refused() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
+        LLM(
+            tensor_parallel_size=2,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        )
+
+
+def test_a_killed_rank_fails_loudly(tiny_weights_dir: Callable[[str], str]) -> None:
+    llm = LLM(tiny_weights_dir("llama"), tensor_parallel_size=2, skip_tokenizer_init=True)
+    rank1 = llm.engine.runner.procs[1]  # type: ignore[union-attr]
+    params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
+    prompts = [{"prompt_token_ids": [5 + i] * 20} for i in range(4)]
+    killer = threading.Timer(2.0, os.kill, (rank1.pid, signal.SIGKILL))
+    start = time.monotonic()
+    killer.start()
+    with pytest.raises(RuntimeError, match="rank 1 .* died with exit code -9"):
+        for _ in range(1000):  # far longer than 2 s: the kill lands mid-run
+            llm.generate(prompts, params, use_tqdm=False)
+    assert time.monotonic() - start < 60
+    with pytest.raises(RuntimeError, match="rank 1"):
+        llm.engine.check_health()
+    llm.engine.shutdown()
+
+
+def test_smollm2_float32_tp2_equals_one_rank(smollm2_llm: LLM) -> None:
+    # SmolLM2: 9 query heads, 3 kv heads, so the ranks hold 2 + 1 GQA groups (6 + 3 heads).
+    prompts = ["The capital of France is", "Write a haiku about rain.", "def fib(n):"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    want = smollm2_llm.generate(prompts, params, use_tqdm=False)  # float32, one rank
+    llm = LLM(tensor_parallel_size=2, quantization="none", num_gpu_blocks_override=64)
+    assert_same_outputs(llm.generate(prompts, params, use_tqdm=False), want)
+    llm.engine.shutdown()
