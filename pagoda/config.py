@@ -204,10 +204,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         spec = SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
-        if spec is not None and self.tensor_parallel_size > 1:
+        if spec is not None and not spec.use_ngram and self.tensor_parallel_size > 1:
             raise ValueError(
-                "speculative decoding with tensor_parallel_size > 1 is not supported yet; "
-                "drop --speculative-config or run on one rank"
+                "a draft model with tensor_parallel_size > 1 is not supported yet; use "
+                '{"method": "ngram"} or run on one rank'
             )
         if spec is not None and self.async_scheduling:
             raise ValueError(

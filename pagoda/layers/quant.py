@@ -191,6 +191,9 @@ class GGUFMethod(QuantMethod):
         set_int8(layer, torch.cat(floats, dim=0))
 
 
+# (dimension of the stored tensor, indices of the float weight per entry: "1", "8" or "group")
+Along = tuple[int, str] | None
+
 # codes (N, K) uint8, scale (N, G), zero point (N, G), g_idx (K,) or None
 Decoded = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -209,8 +212,30 @@ class _Int4CheckpointMethod(QuantMethod):
             raise ValueError(f"{self.name} group_size must be > 0 (per-channel -1 is unsupported)")
         self.group_size = group_size
 
+    # Each tensor's dimension (of its stored shape) for the float weight's output rows (dim 0)
+    # and input columns (dim 1), and how many of the float weight's indices one entry spans
+    # along it: 8 where 8 nibbles pack an int32, group_size for a per-group tensor. None: the
+    # tensor is whole on every rank.
+    layout: ClassVar[dict[str, tuple[Along, Along]]] = {}
+
     def decode(self, tensors: dict[str, torch.Tensor]) -> Decoded:
         raise NotImplementedError
+
+    def narrow(self, name: str, tensor: Any, dim: int, start: int, length: int) -> Any:
+        """Cut on whole packed ints and whole groups; the rows of a tensor-parallel shard and
+        the columns of a row-parallel one."""
+        along = self.layout[name][dim]
+        if along is None:
+            return tensor
+        tensor_dim, per = along
+        span = self.group_size if per == "group" else int(per)
+        if start % span or length % span:
+            raise ValueError(
+                f"{self.name}: a tensor-parallel shard of [{start}, {start + length}) does not "
+                f"fall on whole {'groups' if per == 'group' else 'packed ints'} of {span}; "
+                "choose another tensor_parallel_size"
+            )
+        return tensor.narrow(tensor_dim, start // span, length // span)
 
     def finalize(self, layer: Any) -> None:
         decoded = []
@@ -268,6 +293,11 @@ class AWQMethod(_Int4CheckpointMethod):
     interleaved order, scales (G, N); w = (q - z) * s."""
 
     name = "awq"
+    layout = {  # name: (along output rows, along input columns)
+        "qweight": ((1, "8"), (0, "1")),
+        "qzeros": ((1, "8"), (0, "group")),
+        "scales": ((1, "1"), (0, "group")),
+    }
 
     def decode(self, tensors: dict[str, torch.Tensor]) -> Decoded:
         q = unpack_int32(tensors["qweight"], 1, AWQ_ORDER)  # (K, N)
@@ -282,6 +312,27 @@ class GPTQMethod(_Int4CheckpointMethod):
 
     name = "gptq"
     tensor_names = ("qweight", "qzeros", "scales", "g_idx")
+    layout = {  # name: (along output rows, along input columns)
+        "qweight": ((1, "1"), (0, "8")),
+        "qzeros": ((1, "8"), (0, "group")),
+        "scales": ((1, "1"), (0, "group")),
+        "g_idx": (None, (0, "1")),
+    }
+
+    def narrow(self, name: str, tensor: Any, dim: int, start: int, length: int) -> Any:
+        part = super().narrow(name, tensor, dim, start, length)
+        if name != "g_idx" or dim == 0:
+            return part
+        # A row-parallel shard holds groups [start / g, ...) only if its channels are in order.
+        first = start // self.group_size
+        if not torch.equal(
+            part.to(torch.int64), torch.arange(start, start + length) // self.group_size
+        ):
+            raise ValueError(
+                "gptq: an act-order checkpoint (desc_act) cannot be split by input channels "
+                "yet; run it on one rank"
+            )
+        return part - first
 
     def __init__(self, group_size: int, bits: int = 4, checkpoint_format: str = "gptq") -> None:
         super().__init__(group_size, bits)

@@ -102,11 +102,24 @@ def test_a_size_the_heads_do_not_divide_is_a_value_error(
         LLM(tiny_weights_dir("llama"), tensor_parallel_size=3, **ENGINE)
 
 
-def test_speculative_decoding_with_tp_is_refused() -> None:
+def test_ngram_speculation_on_two_ranks(tiny_weights_dir: Callable[[str], str]) -> None:
+    """Every rank proposes and verifies the same drafts (the same tokens, the same logits)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    got, want, llm = _run_both(tiny_weights_dir("qwen2"), speculative_config=spec)
+    assert_same_outputs(got, want)
+    assert llm.engine.stats().spec_num_drafts > 0
+    llm.engine.shutdown()
+
+
+def test_a_draft_model_with_tp_is_refused() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         LLM(
             tensor_parallel_size=2,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            speculative_config={
+                "model": "self",
+                "quantization": "int4",
+                "num_speculative_tokens": 2,
+            },
         )
 
 

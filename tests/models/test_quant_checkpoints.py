@@ -286,13 +286,20 @@ def test_logits_match_float_reference(pair: Pair) -> None:
     )
 
 
-def test_greedy_generation_matches_float_reference(pair: Pair) -> None:
+def _greedy(llm: LLM) -> Any:
     params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=2)
-    prompt = {"prompt_token_ids": PROMPT}
-    got = pair.quantized.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-    want = pair.reference.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    return llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0]
+
+
+def test_greedy_generation_matches_float_reference(pair: Pair) -> None:
+    got, want = _greedy(pair.quantized), _greedy(pair.reference)
+    _assert_greedy_close(got, want, float(pair.reference_logits.abs().max()))
+
+
+def _assert_greedy_close(got: Any, want: Any, scale: float) -> None:
+    """Equal tokens up to a first divergence at a reference near-tie (module doc), and agreeing
+    tokens' log-probs within LOGIT_RTOL of `scale` (the reference's max |logit|)."""
     assert len(got.token_ids) == len(want.token_ids) == GREEDY_TOKENS
-    scale = float(pair.reference_logits.abs().max())
     for step, (token, ref_token) in enumerate(zip(got.token_ids, want.token_ids)):
         ref_lps = want.logprobs[step]
         if token == ref_token:
@@ -312,6 +319,27 @@ def test_greedy_generation_matches_float_reference(pair: Pair) -> None:
             f"({gap / scale:.2%} of max |logit|; a near tie is < {NEAR_TIE_RTOL:.0%})"
         )
         return  # the rest follows different prefixes
+
+
+@pytest.mark.parametrize(
+    "variant", [Variant("gptq", 32, sym=False), Variant("awq", 32, sym=False)], ids=lambda v: v.id
+)
+def test_tensor_parallel_shards_match_one_rank(variant: Variant, tmp_path: Path) -> None:
+    """TP=2 cuts the packed tensors on whole ints and groups: each rank decodes exactly its
+    slice. The int4 kernel rounds activations to bf16, and a row-parallel layer sums two such
+    partial products instead of one, so the comparison is the quantized-vs-float one above."""
+    _write_checkpoint(tmp_path, variant)
+    one = _llm(tmp_path)
+    scale = float(_prompt_logits(one.engine.runner.model, PROMPT).abs().max())
+    two = _llm(tmp_path, tensor_parallel_size=2)
+    _assert_greedy_close(_greedy(two), _greedy(one), scale)
+    two.engine.shutdown()
+
+
+def test_act_order_gptq_cannot_split_input_channels(tmp_path: Path) -> None:
+    _write_checkpoint(tmp_path, Variant("gptq", 32, desc_act=True))
+    with pytest.raises(ValueError, match="act-order"):
+        _llm(tmp_path, tensor_parallel_size=2)
 
 
 # ---------------------------------------------------------------------------------------------
