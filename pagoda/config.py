@@ -39,7 +39,8 @@ class ModelConfig:
     quantization: str = "none"  # the weight scheme in effect (see layers/quant.py)
     weight_bytes: int = 0  # bytes of every parameter and buffer of the loaded model (one rank's)
     tensor_parallel_size: int = 1  # ranks sharing each layer (layers/parallel.py)
-    # KV heads in rank 0's cache, the largest (TensorParallel.heads); 0: all of them
+    # KV heads in this rank's cache (TensorParallel.heads; the engine holds rank 0's config,
+    # whose share is the largest); 0: all of them
     rank_kv_heads: int = 0
 
     @property

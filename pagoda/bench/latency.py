@@ -130,9 +130,8 @@ def main(args: argparse.Namespace) -> int:
         args.model, kwargs, prompts, args.output_len, gguf_type, outputs
     )
     record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
-    parallel = tensor_parallel_stats(llm.engine)
-    if parallel is not None:
-        record["tensor_parallel"] = parallel
+    if kwargs.get("tensor_parallel_size", 1) > 1:
+        record["tensor_parallel"] = tensor_parallel_stats(llm.engine)
     if spec is not None:
         record["spec_decode"] = spec_stats(llm.engine.stats())
         del llm

@@ -3,7 +3,7 @@ collectives that put the slices' results together (torch.distributed: gloo on CP
 
 A rank holds 1/N of every projection (Megatron's split, as vLLM does it):
 
-    column-parallel (q/k/v, gate/up, LM head): output rows split; no collective after it
+    column-parallel (q/k/v, gate/up):          output rows split; no collective after it
     row-parallel (o_proj, down_proj):          input columns split; all-reduce of the partial sums
     vocab-parallel embedding:                   vocabulary rows split; all-reduce of the rows
     LM head:                                    vocabulary rows split; all-gather of the logits
