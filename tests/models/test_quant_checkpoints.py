@@ -51,6 +51,7 @@ from pagoda.config import EngineConfig
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.linear import Linear
+from pagoda.layers.quant import GPTQMethod
 from pagoda.layers.quant_forms import stored_bytes
 from pagoda.loading.loader import load_model
 from pagoda.models.llama import LlamaForCausalLM
@@ -336,10 +337,16 @@ def test_tensor_parallel_shards_match_one_rank(variant: Variant, tmp_path: Path)
     two.engine.shutdown()
 
 
-def test_act_order_gptq_cannot_split_input_channels(tmp_path: Path) -> None:
-    _write_checkpoint(tmp_path, Variant("gptq", 32, desc_act=True))
+def test_act_order_gptq_cannot_split_input_channels() -> None:
+    """A row-parallel GPTQ shard rebases g_idx to its own groups; with act order its channels'
+    groups are scattered over the whole input, so the cut is refused."""
+    method = GPTQMethod(32)
+    in_order = torch.arange(128) // 32
+    assert torch.equal(method.narrow("g_idx", in_order, 1, 64, 64), torch.arange(64) // 32)
+    assert method.narrow("g_idx", in_order, 0, 0, 16) is in_order  # whole for an output split
+    act_order = in_order[torch.randperm(128, generator=torch.Generator().manual_seed(0))]
     with pytest.raises(ValueError, match="act-order"):
-        _llm(tmp_path, tensor_parallel_size=2)
+        method.narrow("g_idx", act_order, 1, 64, 64)
 
 
 # ---------------------------------------------------------------------------------------------
