@@ -134,6 +134,8 @@ def test_a_draft_model_with_tp_is_refused() -> None:
         )
 
 
+# The default suite kills a rank under `pagoda serve` instead (tests/server/test_lifecycle.py).
+@pytest.mark.slow
 def test_a_killed_rank_fails_loudly(tiny_weights_dir: Callable[[str], str]) -> None:
     llm = LLM(tiny_weights_dir("llama"), tensor_parallel_size=2, skip_tokenizer_init=True)
     rank1 = llm.engine.runner.procs[1]  # type: ignore[union-attr]

@@ -323,7 +323,12 @@ def _assert_greedy_close(got: Any, want: Any, scale: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "variant", [Variant("gptq", 32, sym=False), Variant("awq", 32, sym=False)], ids=lambda v: v.id
+    "variant",
+    [
+        pytest.param(Variant("gptq", 32, sym=False), marks=pytest.mark.slow),
+        Variant("awq", 32, sym=False),
+    ],
+    ids=lambda v: v.id,
 )
 def test_tensor_parallel_shards_match_one_rank(variant: Variant, tmp_path: Path) -> None:
     """TP=2 cuts the packed tensors on whole ints and groups: each rank decodes exactly its
