@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.config import EngineConfig
+from pagoda.layers.kv_cache import kv_cache_bytes
 from pagoda.layers.parallel import TensorParallel
 from pagoda.runner.builder import RankSetup, build_runner, profiled_kv_budget
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
@@ -120,7 +121,7 @@ class StepStats:
 
 def memory_of(setup: RankSetup) -> dict[str, int]:
     """This rank's bytes of weights and of KV cache."""
-    kv = sum(t.numel() * t.element_size() for c in setup.runner.kv_caches for t in c.tensors())
+    kv = kv_cache_bytes(setup.runner.kv_caches)
     return {"weight_bytes": setup.model_config.weight_bytes, "kv_cache_bytes": kv}
 
 

@@ -111,3 +111,8 @@ def allocate_kv_caches(
         )
         for _ in range(config.num_layers)
     ]
+
+
+def kv_cache_bytes(caches: list[KVCache]) -> int:
+    """Bytes of every tensor of the caches (k, v and any scales)."""
+    return sum(t.numel() * t.element_size() for c in caches for t in c.tensors())

@@ -65,17 +65,15 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, input_size) -> (num_tokens, output_size)
-        if self.in_part is not None:  # row-parallel: sum the ranks' partial products, then bias
-            y = (
-                F.linear(x, self.weight)
-                if self.quant_method is None
-                else self.quant_method.apply(self, x)
-            )
-            y = self.tp.all_reduce(y)
-            return y if self.bias is None else y + self.bias
-        if self.quant_method is None:
+        if self.quant_method is None and self.in_part is None:
             return F.linear(x, self.weight, self.bias)
-        y = self.quant_method.apply(self, x)
+        y = (
+            F.linear(x, self.weight)
+            if self.quant_method is None
+            else self.quant_method.apply(self, x)
+        )
+        if self.in_part is not None:  # row-parallel: sum the ranks' partial products, then bias
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def shard(self, name: str, tensor: Any, shard_id: str | None) -> Any:

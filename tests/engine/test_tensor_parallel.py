@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagoda import LLM, SamplingParams
+from pagoda.layers.kv_cache import kv_cache_bytes
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quant_forms import stored_bytes
 from pagoda.outputs import RequestOutput
@@ -43,20 +44,27 @@ def _run(llm: LLM) -> list[RequestOutput]:
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
 
 
-def _run_both(folder: str, **extra: Any) -> tuple[list[RequestOutput], list[RequestOutput], LLM]:
-    want = _run(LLM(folder, **ENGINE, **extra))
-    llm = LLM(folder, tensor_parallel_size=2, **ENGINE, **extra)
-    return _run(llm), want, llm
+def _run_both(
+    folder: str, **extra: Any
+) -> tuple[list[RequestOutput], list[RequestOutput], LLM, LLM]:
+    """(TP=2 outputs, TP=1 outputs, the TP=1 engine, the TP=2 engine)."""
+    one = LLM(folder, **ENGINE, **extra)
+    want = _run(one)
+    two = LLM(folder, tensor_parallel_size=2, **ENGINE, **extra)
+    return _run(two), want, one, two
+
+
+def _kv_bytes(llm: LLM) -> int:
+    runner = llm.engine.runner
+    assert isinstance(runner, ModelRunner)
+    return kv_cache_bytes(runner.kv_caches)
 
 
 # Qwen2 (q/k/v biases, cut with their rows) runs on two ranks in the n-gram test below.
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tp2_equals_one_rank(tiny_weights_dir: Callable[[str], str], arch: str) -> None:
-    folder = tiny_weights_dir(arch)
-    one = LLM(folder, **ENGINE)
-    want = _run(one)
-    llm = LLM(folder, tensor_parallel_size=2, **ENGINE)
-    assert_same_outputs(_run(llm), want)
+    got, want, one, llm = _run_both(tiny_weights_dir(arch))
+    assert_same_outputs(got, want)
     assert llm.engine.stats().num_preemptions > 0  # the pool is small enough to preempt
     _assert_each_rank_holds_half(one, llm)
     llm.engine.shutdown()
@@ -66,10 +74,8 @@ def _assert_each_rank_holds_half(one: LLM, two: LLM) -> None:
     """Every matrix and the KV cache are halved; the norms and the rotary table are whole on
     each rank."""
     memory = two.engine.runner.memory()  # type: ignore[union-attr]
-    runner = one.engine.runner
-    assert isinstance(runner, ModelRunner)
-    one_kv = sum(t.numel() * t.element_size() for c in runner.kv_caches for t in c.tensors())
-    model: Any = runner.model
+    one_kv = _kv_bytes(one)
+    model: Any = one.engine.runner.model
     whole = [m for m in model.modules() if isinstance(m, RMSNorm)] + [model.model.rotary_emb]
     replicated = sum(stored_bytes(m) for m in whole)
     one_weights = one.engine.model_config.weight_bytes
@@ -96,11 +102,10 @@ def test_tp2_small_configs(tmp_path: Path, heads: int, kv_heads: int) -> None:
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    got, want, llm = _run_both(str(tmp_path))
+    got, want, one, llm = _run_both(str(tmp_path))
     assert_same_outputs(got, want)
     memory = llm.engine.runner.memory()  # type: ignore[union-attr]
-    one = LLM(str(tmp_path), **ENGINE).engine.runner
-    one_kv = sum(t.numel() * t.element_size() for c in one.kv_caches for t in c.tensors())
+    one_kv = _kv_bytes(one)
     want_kv = [one_kv, one_kv] if kv_heads == 1 else [one_kv * 2 // 3, one_kv // 3]
     assert [m["kv_cache_bytes"] for m in memory] == want_kv
     llm.engine.shutdown()
@@ -116,7 +121,7 @@ def test_a_size_the_heads_do_not_divide_is_a_value_error(
 def test_ngram_speculation_on_two_ranks(tiny_weights_dir: Callable[[str], str]) -> None:
     """Every rank proposes and verifies the same drafts (the same tokens, the same logits)."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
-    got, want, llm = _run_both(tiny_weights_dir("qwen2"), speculative_config=spec)
+    got, want, _, llm = _run_both(tiny_weights_dir("qwen2"), speculative_config=spec)
     assert_same_outputs(got, want)
     assert llm.engine.stats().spec_num_drafts > 0
     llm.engine.shutdown()
