@@ -14,74 +14,16 @@ from typing import Any
 
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
 
-# dtypes are named as torch names them (getattr(torch, name) is the dtype); bytes per element.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
 _DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # auto: triton on CUDA, torch on CPU. torch is the reference every kernel is tested against.
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def head_dim_of(hf_config: Any) -> int:
-    """Attention head size: explicit `head_dim` (Qwen3) or hidden_size / num_attention_heads."""
-    head_dim = getattr(hf_config, "head_dim", None)
-    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """What the engine needs to know of a checkpoint, derived once from its HF config."""
-
-    hf_config: Any
-    architecture: str
-    dtype: str  # the activations' and KV cache's dtype, e.g. "float32"
-    max_model_len: int
-    quantization: str = "none"  # the weight scheme in effect (see layers/quant.py)
-    weight_bytes: int = 0  # bytes of every parameter and buffer of the loaded model (one rank's)
-    tensor_parallel_size: int = 1  # ranks sharing each layer (layers/parallel.py)
-    # KV heads in this rank's cache (TensorParallel.heads; the engine holds rank 0's config,
-    # whose share is the largest); 0: all of them
-    rank_kv_heads: int = 0
-
-    @property
-    def num_layers(self) -> int:
-        return int(self.hf_config.num_hidden_layers)
-
-    @property
-    def num_kv_heads(self) -> int:
-        cfg = self.hf_config
-        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-
-    @property
-    def num_kv_heads_per_rank(self) -> int:
-        """KV heads in this rank's cache: all of them at tensor_parallel_size 1. The engine
-        holds rank 0's config, whose share is the largest."""
-        return self.rank_kv_heads or self.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return head_dim_of(self.hf_config)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
-
-    def kv_bytes_per_token(self, kv_quant_dtype: str | None = None) -> int:
-        """K and V bytes of one token over all layers in one rank's cache: head_dim values per kv
-        head in the model dtype, or in `kv_quant_dtype` plus one KV_SCALE_DTYPE scale
-        (CacheConfig.kv_quant_dtype)."""
-        if kv_quant_dtype is None:
-            per_head = self.head_dim * DTYPE_BYTES[self.dtype]
-        else:
-            per_head = self.head_dim * DTYPE_BYTES[kv_quant_dtype] + DTYPE_BYTES[KV_SCALE_DTYPE]
-        return 2 * self.num_layers * self.num_kv_heads_per_rank * per_head
-
-
 # --kv-cache-dtype values (vLLM's) -> storage dtype of quantized K/V, each (token, kv head) row
 # beside one KV_SCALE_DTYPE scale; "auto" stores the model dtype without scales.
 KV_QUANT_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 KV_CACHE_DTYPES = ("auto", *KV_QUANT_DTYPES)
-KV_SCALE_DTYPE = "float32"
 
 
 @dataclass(frozen=True)
@@ -169,6 +111,9 @@ class EngineConfig:
     # Ranks that split every layer (layers/parallel.py), each a worker process the engine starts
     # (distributed/workers.py); 1: the model runs in the engine's own process.
     tensor_parallel_size: int = 1
+    # Stages the layers are split into (layers/parallel.PipelineStage), each a worker process
+    # (times tensor_parallel_size) that runs micro-batches of every step (runner/pipeline.py).
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -203,8 +148,13 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
+            )
         spec = SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
+        self._check_pipeline(spec)
         if spec is not None and not spec.use_ngram and self.tensor_parallel_size > 1:
             raise ValueError(
                 "a draft model with tensor_parallel_size > 1 is not supported yet; use "
@@ -215,6 +165,25 @@ class EngineConfig:
                 "async scheduling does not work with speculative decoding yet: drafts are "
                 "proposed from the tokens the last step sampled; drop --async-scheduling"
             )
+
+    def _check_pipeline(self, spec: SpeculativeConfig | None) -> None:
+        if self.pipeline_parallel_size == 1:
+            return
+        if spec is not None:
+            raise ValueError(
+                "speculative decoding with pipeline_parallel_size > 1 is not supported yet"
+            )
+        if self.async_scheduling:
+            raise ValueError(
+                "async scheduling does not work with pipeline parallelism yet: the next step's "
+                "inputs are sampled on the last stage; drop --async-scheduling"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes: tensor_parallel_size ranks in each of pipeline_parallel_size
+        stages; 1: the model runs in the engine's own process."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def device_type(self) -> str:
@@ -238,9 +207,10 @@ class EngineConfig:
 
     @property
     def level(self) -> int:
-        """The optimization level in effect (see optimization_level). Tensor-parallel ranks
-        run eagerly: their collectives are not captured in CUDA graphs or compiled yet."""
-        if self.enforce_eager or self.tensor_parallel_size > 1:
+        """The optimization level in effect (see optimization_level). Tensor- and pipeline-
+        parallel ranks run eagerly: their collectives and transfers are not captured in CUDA
+        graphs or compiled yet."""
+        if self.enforce_eager or self.world_size > 1:
             return 0
         if self.optimization_level is not None:
             return self.optimization_level
@@ -261,7 +231,11 @@ class EngineConfig:
         """Whether async scheduling is in effect (see async_scheduling)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self.device_type == "cuda" and self.speculative_config is None
+        return (
+            self.device_type == "cuda"
+            and self.speculative_config is None
+            and self.pipeline_parallel_size == 1
+        )
 
     @property
     def dtype_name(self) -> str:

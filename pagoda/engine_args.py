@@ -86,6 +86,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "CUDA); --kv-cache-memory-bytes is then per rank",
     )
     g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=None,
+        help="split the layers into N stages, one worker process each (times the tensor-parallel "
+        "size); each step runs as micro-batches that overlap across the stages",
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         help="speculative decoding as a JSON object with vLLM's fields, e.g. "
@@ -118,6 +126,7 @@ ENGINE_ARG_NAMES = (
     "async_scheduling",
     "speculative_config",
     "tensor_parallel_size",
+    "pipeline_parallel_size",
 )
 
 

@@ -350,10 +350,11 @@ def prompt_lookup_args(spec: Any) -> dict[str, int] | None:
     }
 
 
-def tensor_parallel_stats(engine: Any) -> dict[str, Any] | None:
-    """Under tensor parallelism, per rank since start: steps, mean step time, the collectives'
-    calls, bytes and time per step (gloo: the whole exchange), and weight / KV-cache bytes.
-    None on one rank."""
+def parallel_stats(engine: Any) -> dict[str, Any] | None:
+    """Under tensor or pipeline parallelism, per rank since start: steps, mean step time, the
+    collectives' calls, bytes and time per step (gloo: the whole exchange), the pipeline's
+    sends and receives per step (a receive's time includes the wait for the previous stage),
+    and weight / KV-cache bytes. None on one rank."""
     from pagoda.distributed.workers import WorkerGroup
 
     runner = engine.runner
@@ -373,7 +374,15 @@ def tensor_parallel_stats(engine: Any) -> dict[str, Any] | None:
                 "collective_share_of_step": round(
                     s["collective_seconds"] / max(s["step_seconds"], 1e-9), 4
                 ),
+                "pipeline_transfers_per_step": round(s["pipeline_calls"] / steps, 2),
+                "pipeline_bytes_per_step": round(s["pipeline_bytes"] / steps),
+                "pipeline_ms_per_step": round(1000 * s["pipeline_seconds"] / steps, 3),
                 **memory,
             }
         )
-    return {"tensor_parallel_size": len(ranks), "ranks": ranks}
+    config = engine.config
+    return {
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "pipeline_parallel_size": config.pipeline_parallel_size,
+        "ranks": ranks,
+    }

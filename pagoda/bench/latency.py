@@ -34,12 +34,12 @@ from pagoda.bench.common import (
     load_hf_peer,
     log,
     median,
+    parallel_stats,
     peer_comparison,
     prompt_lookup_args,
     random_prompt,
     ratio,
     spec_stats,
-    tensor_parallel_stats,
     token_id_engine_kwargs,
     weights_record,
 )
@@ -130,8 +130,8 @@ def main(args: argparse.Namespace) -> int:
         args.model, kwargs, prompts, args.output_len, gguf_type, outputs
     )
     record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
-    if kwargs.get("tensor_parallel_size", 1) > 1:
-        record["tensor_parallel"] = tensor_parallel_stats(llm.engine)
+    if kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1) > 1:
+        record["parallel"] = parallel_stats(llm.engine)
     if spec is not None:
         record["spec_decode"] = spec_stats(llm.engine.stats())
         del llm

@@ -21,13 +21,13 @@ from pagoda.bench.common import (
     like_with_like_kwargs,
     load_hf_peer,
     log,
+    parallel_stats,
     parse_range,
     peer_comparison,
     random_prompt,
     random_workload,
     ratio,
     spec_stats,
-    tensor_parallel_stats,
     throughput_stats,
     token_id_engine_kwargs,
     weights_record,
@@ -199,9 +199,9 @@ def run_pagoda(
     result["num_preemptions"] = after.num_preemptions - before.num_preemptions
     if after.spec_num_drafts or "speculative_config" in kwargs:
         result["spec_decode"] = spec_stats(after, before)
-    parallel = tensor_parallel_stats(llm.engine)
+    parallel = parallel_stats(llm.engine)
     if parallel is not None:
-        result["tensor_parallel"] = parallel
+        result["parallel"] = parallel
     if num_out != sum(r.output_len for r in requests):
         log(f"warning: pagoda produced {num_out} output tokens, the workload asks for more")
     return result

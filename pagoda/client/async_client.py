@@ -129,10 +129,10 @@ class AsyncEngine:
             target=run_engine_process,
             args=(self.config, self._in_addr, self._out_addr, child_conn),
             name="pagoda-engine",
-            # A daemonic process may not start processes: with tensor parallelism the engine
-            # starts its ranks, so it is not daemonic then (shutdown() still ends it, and it
+            # A daemonic process may not start processes: with tensor or pipeline parallelism
+            # the engine starts its ranks, so it is not daemonic then (shutdown() still ends it, and it
             # ends itself within a second of this process going away: engine/process.py).
-            daemon=self.config.tensor_parallel_size == 1,
+            daemon=self.config.world_size == 1,
         )
         self._process.start()
         child_conn.close()

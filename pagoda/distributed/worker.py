@@ -1,16 +1,20 @@
-"""One tensor-parallel rank: a process that joins the ranks' torch.distributed group (gloo on CPU,
-NCCL on CUDA), builds its shard of the model and its runner (runner/builder.py), then runs the
-calls the engine sends it, in order, until the engine goes away.
+"""One worker rank: a process that joins the ranks' torch.distributed group (gloo on CPU, NCCL on
+CUDA), builds its share of the model and its runner (runner/builder.py), then runs the calls the
+engine sends it, in order, until the engine goes away.
+
+Global rank r is tensor-parallel rank r % T of pipeline stage r // T (T ranks a stage); each
+stage's ranks form their own tensor-parallel group.
 
     engine (WorkerGroup)                      rank r (this loop)
     (method, args) to every rank       -->    the runner's method; every rank runs every step
-                                       <--    ("ok", result): rank 0 after each call; the
-                                              others only for calls made with reply_all
+                                       <--    ("ok", result): the reply rank (the last
+                                              stage's first) after each call; the others
+                                              only for calls made with reply_all
                                        <--    ("error", (type name, text)): any rank
                                               whose call raised, which then exits 1
 
-Ranks compute identical logits (the LM head's all-gather) and seed identically, so every rank
-samples the same tokens; rank 0's are the ones returned.
+A last stage's ranks compute identical logits (the LM head's all-gather) and seed identically,
+so each samples the same tokens; the reply rank's are the ones returned.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch.distributed as dist
 
 from pagoda.config import EngineConfig
 from pagoda.layers.kv_cache import kv_cache_bytes
-from pagoda.layers.parallel import TensorParallel
+from pagoda.layers.parallel import PipelineStage, TensorParallel
 from pagoda.runner.builder import RankSetup, build_runner, profiled_kv_budget
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
 
@@ -43,34 +47,58 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 def run_worker(
     config: EngineConfig, rank: int, size: int, init_method: str, conn: Connection, threads: int
 ) -> None:
-    """Entry point of rank `rank` of `size`; `conn` is its pipe to the engine."""
+    """Entry point of global rank `rank` of `size`; `conn` is its pipe to the engine."""
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank {rank}: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's to handle; it ends the workers
     torch.set_num_threads(threads)
     try:
-        tp = join_group(config, rank, size, init_method)
+        tp, pp = join_group(config, rank, size, init_method)
         torch.manual_seed(config.seed)
-        setup = build_runner(config, tp)
+        setup = build_runner(config, tp, pp)
         conn.send(("ok", (setup.model_config, setup.eos_token_ids)))
     except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
         logger.exception("rank %d failed to start", rank)
         _report(conn, e)
         os._exit(1)
-    serve(conn, setup, config, tp)
+    serve(conn, setup, config, tp, pp)
 
 
-def join_group(config: EngineConfig, rank: int, size: int, init_method: str) -> TensorParallel:
+def join_group(
+    config: EngineConfig, rank: int, size: int, init_method: str
+) -> tuple[TensorParallel, PipelineStage]:
+    """Join the world group; return this rank's tensor-parallel group and pipeline stage."""
     backend = "nccl" if config.device_type == "cuda" else "gloo"
     if config.device_type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
-    return TensorParallel(rank, size, dist.group.WORLD)
+    tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+    stage = rank // tp_size
+    group: Any = dist.group.WORLD
+    if pp_size > 1 and tp_size > 1:  # every rank creates every stage's group, in order
+        groups = [
+            dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)
+        ]
+        group = groups[stage]
+    tp = TensorParallel(rank % tp_size, tp_size, group)
+    return tp, PipelineStage(stage, pp_size, rank, tp_size)
 
 
-def serve(conn: Connection, setup: RankSetup, config: EngineConfig, tp: TensorParallel) -> None:
-    runner, rank = setup.runner, tp.rank
+def reply_rank(config: EngineConfig) -> int:
+    """The global rank whose results the engine reads: the last stage's first."""
+    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+
+
+def serve(
+    conn: Connection,
+    setup: RankSetup,
+    config: EngineConfig,
+    tp: TensorParallel,
+    pp: PipelineStage,
+) -> None:
+    runner, rank = setup.runner, pp.global_rank
+    replies = rank == reply_rank(config)
     steps = StepStats()
 
     def execute(out: SchedulerOutput) -> RunnerOutput:
@@ -90,6 +118,7 @@ def serve(conn: Connection, setup: RankSetup, config: EngineConfig, tp: TensorPa
         "stats": lambda: {
             **asdict(steps),
             **{f"collective_{k}": v for k, v in asdict(tp.stats).items()},
+            **{f"pipeline_{k}": v for k, v in asdict(pp.stats).items()},
         },
     }
     while True:
@@ -103,7 +132,7 @@ def serve(conn: Connection, setup: RankSetup, config: EngineConfig, tp: TensorPa
             logger.exception("rank %d failed in %s", rank, method)
             _report(conn, e)
             os._exit(1)
-        if rank == 0 or reply_all:
+        if replies or reply_all:
             conn.send(("ok", result))
 
 

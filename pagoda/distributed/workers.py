@@ -1,7 +1,7 @@
-"""WorkerGroup: the engine's runner under tensor parallelism. It starts one process per rank
-(distributed/worker.py), sends each of them every call the engine makes of its runner (the
-scheduler's output for each step: the same deltas a single runner gets) and returns rank 0's
-results.
+"""WorkerGroup: the engine's runner under tensor and pipeline parallelism. It starts one process
+per rank (distributed/worker.py), sends each of them every call the engine makes of its runner
+(the scheduler's output for each step: the same deltas a single runner gets) and returns the
+reply rank's results (the last pipeline stage's first rank: rank 0 without pipeline stages).
 
 A rank that dies is never silent: every wait also watches the processes, so a rank killed in
 the middle of a step (or between steps: check_health) raises RuntimeError naming it, and the
@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from pagoda.config import EngineConfig, ModelConfig
-from pagoda.distributed.worker import run_worker
+from pagoda.config import EngineConfig
+from pagoda.distributed.worker import reply_rank, run_worker
+from pagoda.model_config import ModelConfig
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -32,7 +33,9 @@ SHUTDOWN_GRACE_S = 5.0
 
 class WorkerGroup:
     def __init__(self, config: EngineConfig) -> None:
-        size = config.tensor_parallel_size
+        size = config.world_size
+        self.tp_size = config.tensor_parallel_size
+        self.reply_rank = reply_rank(config)
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         threads = max(1, torch.get_num_threads() // size)  # the engine's cores, shared out
@@ -43,20 +46,31 @@ class WorkerGroup:
             proc = ctx.Process(
                 target=run_worker,
                 args=(config, rank, size, init_method, child, threads),
-                name=f"pagoda-tp{rank}",
+                name=f"pagoda-rank{rank}",
             )
             proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _shutdown, self.conns, self.procs)
-        logger.info("tensor parallel: %d ranks (pids %s)", size, [p.pid for p in self.procs])
+        logger.info(
+            "%d ranks: tensor parallel %d x pipeline %d (pids %s)",
+            size,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            [p.pid for p in self.procs],
+        )
         try:
             ready = [self._receive(rank) for rank in range(size)]
         except Exception:
             self.shutdown()
             raise
-        self.model_config: ModelConfig = ready[0][0]
+        # The config of the rank whose KV cache per token is the largest: every rank's cache
+        # has the engine's number of blocks.
+        configs: list[ModelConfig] = [r[0] for r in ready]
+        self.model_config = max(
+            configs, key=lambda c: c.num_layers_per_rank * c.num_kv_heads_per_rank
+        )
         self.eos_token_ids: frozenset[int] = ready[0][1]
 
     # ---- the runner's interface, as EngineCore uses it ---------------------------------
@@ -98,7 +112,7 @@ class WorkerGroup:
         """RuntimeError if a rank has exited."""
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
-                raise RuntimeError(_died(rank, proc))
+                raise RuntimeError(self._died(rank))
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -109,7 +123,7 @@ class WorkerGroup:
             try:
                 conn.send((method, args, reply_all))
             except (BrokenPipeError, ConnectionResetError, EOFError) as e:
-                raise RuntimeError(_died(rank, self.procs[rank])) from e
+                raise RuntimeError(self._died(rank)) from e
 
     def _receive(self, rank: int) -> Any:
         """Rank `rank`'s next reply; RuntimeError if it reports an error or any rank dies."""
@@ -120,48 +134,57 @@ class WorkerGroup:
             try:
                 status, value = conn.recv()
             except (EOFError, OSError) as e:
-                raise RuntimeError(_died(rank, self.procs[rank])) from e
+                raise RuntimeError(self._died(rank)) from e
             if status == "error":
-                raise _failure(rank, *value)
+                raise _failure(self._name(rank), *value)
             return value
         dead_rank, proc = sentinels[next(s for s in ready if s in sentinels)]
         proc.join(timeout=1)
-        message = _died(dead_rank, proc)
+        message = self._died(dead_rank)
         dead_conn = self.conns[dead_rank]
         if dead_conn.poll():  # it reported its error before exiting
             try:
                 status, value = dead_conn.recv()
                 if status == "error":
-                    raise _failure(dead_rank, *value)
+                    raise _failure(self._name(dead_rank), *value)
             except (EOFError, OSError):
                 pass
         raise RuntimeError(message)
 
+    def _name(self, rank: int) -> str:
+        """How messages name a rank: "tensor-parallel rank 1", "pipeline stage 1", or both."""
+        stage, tp_rank = divmod(rank, self.tp_size)
+        if len(self.procs) == self.tp_size:
+            return f"tensor-parallel rank {tp_rank}"
+        if self.tp_size == 1:
+            return f"pipeline stage {stage}"
+        return f"rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+
+    def _died(self, rank: int) -> str:
+        proc = self.procs[rank]
+        return (
+            f"{self._name(rank)} (pid {proc.pid}) died with exit code {proc.exitcode}; "
+            "the engine cannot continue without it"
+        )
+
 
 class RemoteOutput:
-    """A step's results, on their way from rank 0 (as runner/pending_output.PendingOutput)."""
+    """A step's results, on their way from the reply rank (as pending_output.PendingOutput)."""
 
     def __init__(self, group: WorkerGroup) -> None:
         self.group = group
 
     def get(self) -> RunnerOutput:
-        result: RunnerOutput = self.group._receive(0)
+        result: RunnerOutput = self.group._receive(self.group.reply_rank)
         return result
 
 
-def _failure(rank: int, kind: str, text: str) -> Exception:
+def _failure(name: str, kind: str, text: str) -> Exception:
     """A rank's exception, as the engine raises it: ValueError stays ValueError (bad input, as
     on one rank: e.g. a tensor_parallel_size the heads do not divide)."""
     if kind == "ValueError":
         return ValueError(text)
-    return RuntimeError(f"tensor-parallel rank {rank} failed: {kind}: {text}")
-
-
-def _died(rank: int, proc: BaseProcess) -> str:
-    return (
-        f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}; "
-        "the engine cannot continue without it"
-    )
+    return RuntimeError(f"{name} failed: {kind}: {text}")
 
 
 def _free_port() -> int:

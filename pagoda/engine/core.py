@@ -11,10 +11,11 @@ from typing import Any
 
 import torch
 
-from pagoda.config import EngineConfig, ModelConfig
+from pagoda.config import EngineConfig
 from pagoda.distributed.workers import RemoteOutput, WorkerGroup
 from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
+from pagoda.model_config import ModelConfig
 from pagoda.runner.builder import build_runner, profiled_kv_budget
 from pagoda.runner.device import resolve_device
 from pagoda.runner.model_runner import ModelRunner
@@ -46,11 +47,11 @@ class EngineCore:
         kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
         spec = config.speculative_config
         self.draft: DraftModel | None = None
-        # One rank in this process, or a worker process per tensor-parallel rank.
+        # One rank in this process, or a worker process per tensor-parallel rank and stage.
         self.runner: ModelRunner | WorkerGroup
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             if config.optimization_level:
-                logger.warning("tensor parallelism runs every step eagerly: -O is ignored")
+                logger.warning("parallel ranks run every step eagerly: -O is ignored")
             tokenizer = None if config.skip_tokenizer_init else load_tokenizer_for(config)
             self.runner = WorkerGroup(config)
             model_config, self.eos_token_ids = self.runner.model_config, self.runner.eos_token_ids
@@ -150,12 +151,12 @@ class EngineCore:
         return self.scheduler.update(previous[0], previous[1].get())
 
     def check_health(self) -> None:
-        """RuntimeError if a tensor-parallel rank has died (the engine cannot step on)."""
+        """RuntimeError if a worker rank has died (the engine cannot step on)."""
         if isinstance(self.runner, WorkerGroup):
             self.runner.check_health()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks, if any (they also stop when this process exits)."""
+        """Stop the worker ranks, if any (they also stop when this process exits)."""
         if isinstance(self.runner, WorkerGroup):
             self.runner.shutdown()
 

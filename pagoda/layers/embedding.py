@@ -111,6 +111,10 @@ class LMHead(_VocabRows):
         self.weight = embedding.weight
         self._tied = [embedding]
 
+    @property
+    def tied(self) -> bool:
+        return bool(self._tied)
+
     def quantize_int8(self) -> None:
         if self._tied:
             del self.weight  # the embedding holds (and quantizes) the shared matrix

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagoda.config import ModelConfig
+from pagoda.model_config import ModelConfig
 
 # Quantized K/V rows are stored with one scale of this dtype per (token, kv head); config.py
 # names it (KV_SCALE_DTYPE) for sizing.
@@ -109,7 +109,7 @@ def allocate_kv_caches(
             quant_dtype,
             device,
         )
-        for _ in range(config.num_layers)
+        for _ in range(config.num_layers_per_rank)
     ]
 
 

@@ -110,3 +110,63 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """This process's stage of the pipeline: a contiguous run of decoder layers. The first stage
+    also holds the embedding, the last the final norm and the LM head. Between stages the
+    residual stream passes as one (2, num_tokens, hidden_size) tensor (the hidden states and
+    the residual, so the next stage computes exactly what one process would), sent
+    point-to-point to the same tensor-parallel rank of the next stage. size 1: the whole model.
+
+    `peer_offset` is the distance in global ranks between stages (the tensor-parallel size)."""
+
+    rank: int = 0
+    size: int = 1
+    global_rank: int = 0
+    peer_offset: int = 1
+    stats: CollectiveStats = field(default_factory=CollectiveStats, compare=False)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def layers(self, num_layers: int) -> tuple[int, int]:
+        """[start, end) of this stage's layers: num_layers // size each, the remainder one each
+        to the stages before the last (the last also runs the LM head), as vLLM splits them."""
+        if num_layers < self.size:
+            raise ValueError(
+                f"pipeline_parallel_size={self.size} exceeds the model's {num_layers} layers"
+            )
+        counts = [num_layers // self.size] * self.size
+        for i in range(num_layers % self.size):
+            counts[-2 - i] += 1
+        start = sum(counts[: self.rank])
+        return start, start + counts[self.rank]
+
+    def send(self, x: torch.Tensor) -> Any:
+        """Start sending x to the next stage; returns the request to wait() on (x must live
+        until then)."""
+        start = time.perf_counter()
+        work = dist.isend(x.contiguous(), self.global_rank + self.peer_offset)
+        self.stats.add(x, start)
+        return work
+
+    def receive(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The tensor the previous stage sent next (in the order it sent them). Its seconds
+        include the wait for that stage: the pipeline's bubble, as this stage sees it."""
+        start = time.perf_counter()
+        x = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(x, self.global_rank - self.peer_offset)
+        self.stats.add(x, start)
+        return x
+
+
+WHOLE_MODEL = PipelineStage()

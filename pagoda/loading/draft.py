@@ -21,8 +21,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.config import EngineConfig, ModelConfig
+from pagoda.config import EngineConfig
 from pagoda.loading.loader import load_model
+from pagoda.model_config import ModelConfig
 from pagoda.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from pagoda.config import EngineConfig, ModelConfig
+from pagoda.config import EngineConfig
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.linear import Linear
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.parallel import SINGLE, TensorParallel
+from pagoda.layers.parallel import SINGLE, WHOLE_MODEL, PipelineStage, TensorParallel
 from pagoda.layers.quant import QUANTIZED_EMBEDDING_METHODS, make_method
 from pagoda.layers.quant_forms import stored_bytes
 from pagoda.loading.gguf import iter_gguf
@@ -28,6 +28,7 @@ from pagoda.loading.hf_config import architecture_of, load_hf_config, max_positi
 from pagoda.loading.model_files import resolve_model
 from pagoda.loading.safetensors import iter_safetensors
 from pagoda.loading.tokenizer import load_tokenizer_for
+from pagoda.model_config import ModelConfig
 from pagoda.models import MODEL_REGISTRY, get_model_class
 from pagoda.models.interface import CausalLM
 
@@ -46,13 +47,14 @@ def iter_weights(
 
 
 def load_model(
-    config: EngineConfig, tp: TensorParallel = SINGLE
+    config: EngineConfig, tp: TensorParallel = SINGLE, pp: PipelineStage = WHOLE_MODEL
 ) -> tuple[CausalLM, ModelConfig, Any]:
     """Build the model on config.device (resolved) in config.dtype_name with its weights loaded
     (random for load_format="dummy"), in eval mode; return it with its ModelConfig and tokenizer
     (None with skip_tokenizer_init). With `tp` of size N the model holds this rank's 1/N of each
     layer: every checkpoint tensor is cut to its slice as it is read (layers/parallel.py); dummy
-    weights are drawn per rank."""
+    weights are drawn per rank. With `pp` it holds only its stage's layers, and reads only their
+    tensors."""
     folder, gguf_file = resolve_model(config.model)
     if config.load_format == "gguf" and gguf_file is None:
         raise ValueError(f"load_format='gguf' but {folder} is an HF folder; pass a .gguf file")
@@ -70,12 +72,14 @@ def load_model(
     dtype, device = getattr(torch, config.dtype_name), torch.device(config.device_type)
     quantization, quant_config = resolve_quantization(config, hf_config, gguf_file)
     with torch.device(device):
-        model = model_cls(hf_config, dtype, tp)
+        model = model_cls(hf_config, dtype, tp, pp)
     _load_weights(model, config, hf_config, folder, gguf_file, quantization, quant_config)
     model.eval()
     model.requires_grad_(False)
     weight_bytes = stored_bytes(model)
     per_rank = "" if tp.size == 1 else f" (rank {tp.rank} of {tp.size})"
+    if pp.size > 1:
+        per_rank += f" (pipeline stage {pp.rank} of {pp.size})"
     logger.info(
         "weights: quantization=%s, %.1f MiB%s", quantization, weight_bytes / 2**20, per_rank
     )
@@ -89,13 +93,15 @@ def load_model(
         weight_bytes=weight_bytes,
         tensor_parallel_size=tp.size,
         rank_kv_heads=_rank_kv_heads(model),
+        pipeline_parallel_size=pp.size,
+        rank_layers=model.model.end_layer - model.model.start_layer,
     )
     return model, model_config, tokenizer
 
 
 def _rank_kv_heads(model: Any) -> int:
     """The kv heads this rank's attention layers hold (its share under tensor parallelism)."""
-    return int(model.model.layers[0].self_attn.num_kv_heads)
+    return int(model.model.layers[model.model.start_layer].self_attn.num_kv_heads)
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
@@ -139,8 +145,9 @@ def _load_weights(
             )
     model.finalize_weights()
     if quantization in QUANTIZED_EMBEDDING_METHODS:
-        model.model.embed_tokens.quantize_int8()
-        model.lm_head.quantize_int8()
+        for vocab in (model.model.embed_tokens, model.lm_head):  # None off their stage
+            if vocab is not None:
+                vocab.quantize_int8()
 
 
 def resolve_quantization(

@@ -28,8 +28,12 @@ class CausalLM(Protocol):
         """The decoder stack without the LM head (compiled decode steps run it)."""
         ...
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """(num_tokens,) ids and positions -> (num_tokens, hidden_size), inside forward_context."""
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, stream: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(num_tokens,) ids and positions -> (num_tokens, hidden_size), inside forward_context.
+        Under pipeline parallelism a stage after the first takes the previous stage's `stream`,
+        and a stage before the last returns its own (models/llama.py, LlamaModel.forward)."""
         ...
 
     def compute_logits(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:

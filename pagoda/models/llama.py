@@ -14,7 +14,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pagoda.config import head_dim_of
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import Attention
 from pagoda.layers.embedding import LMHead, VocabEmbedding
@@ -22,8 +21,9 @@ from pagoda.layers.forward_context import ForwardContext
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.parallel import SINGLE, TensorParallel
+from pagoda.layers.parallel import SINGLE, WHOLE_MODEL, PipelineStage, TensorParallel
 from pagoda.layers.rotary import apply_rotary, get_rope
+from pagoda.model_config import head_dim_of
 
 # (packed param prefix, HF projection name, shard id)
 PACKED_MODULES = (
@@ -200,6 +200,11 @@ class LlamaDecoderLayer(nn.Module):
         return fused_linear(act, down.weight, down.bias, residual=stream)
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: keeps the layer list's indices (and so the
+    checkpoint's names) aligned with the model's."""
+
+
 class LlamaModel(nn.Module):
     # Steps of at most this many tokens run the layers' fused forms (forward_fused); 0: never.
     # Set by LlamaForCausalLM.set_kernel_backend.
@@ -211,31 +216,60 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         attention_cls: type[LlamaAttention],
         tp: TensorParallel = SINGLE,
+        pp: PipelineStage = WHOLE_MODEL,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
+        self.dtype = dtype
+        self.hidden_size = config.hidden_size
+        # This stage's layers [start, end) (all of them without pipeline parallelism); each
+        # attention layer indexes the stage's KV caches from 0.
+        self.start_layer, self.end_layer = pp.layers(config.num_hidden_layers)
+        self.embed_tokens = (
+            VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
+            if pp.is_first
+            else None
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, attention_cls, tp)
+            LlamaDecoderLayer(config, i - self.start_layer, dtype, attention_cls, tp)
+            if self.start_layer <= i < self.end_layer
+            else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
         self.rotary_emb = get_rope(
             config, head_dim_of(config), config.max_position_embeddings, dtype
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext | None = None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext | None = None,
+        stream: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        """-> (num_tokens, hidden_size) final hidden states; on a pipeline stage before the
+        last, the (2, num_tokens, hidden_size) stream the next stage takes as `stream` (a later
+        stage given none runs on zeros: warm-up and profiling steps)."""
+        residual: torch.Tensor | None = None
+        if self.embed_tokens is not None:
+            hidden_states = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        else:
+            if stream is None:
+                shape = (2, input_ids.shape[0], self.hidden_size)
+                stream = torch.zeros(shape, dtype=self.dtype, device=input_ids.device)
+            hidden_states, residual = stream[0], stream[1]
         cos, sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         if hidden_states.shape[0] <= self.fused_max_rows:  # a shape: no host sync
             for layer in self.layers:
                 fused = cast(LlamaDecoderLayer, layer).forward_fused
                 hidden_states = fused(hidden_states, cos, sin, ctx)
+            assert self.norm is not None  # the fused forms run on the whole model only
             return self.norm(hidden_states)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(hidden_states, residual, cos, sin, ctx)
+        assert residual is not None  # every stage holds at least one layer
+        if self.norm is None:
+            return torch.stack((hidden_states, residual))
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states  # (num_tokens, hidden_size)
 
@@ -244,25 +278,59 @@ class LlamaForCausalLM(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(
-        self, hf_config: Any, dtype: torch.dtype = torch.float32, tp: TensorParallel = SINGLE
+        self,
+        hf_config: Any,
+        dtype: torch.dtype = torch.float32,
+        tp: TensorParallel = SINGLE,
+        pp: PipelineStage = WHOLE_MODEL,
     ) -> None:
+        """tp: this rank's share of every layer; pp: this stage's layers (the LM head only on
+        the last stage)."""
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
         self.tp = tp
-        self.model = LlamaModel(hf_config, dtype, self.attention_cls, tp)
-        self.lm_head = LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype, tp)
+        self.pp = pp
+        self.model = LlamaModel(hf_config, dtype, self.attention_cls, tp, pp)
+        self.lm_head = (
+            LMHead(hf_config.vocab_size, hf_config.hidden_size, dtype, tp) if pp.is_last else None
+        )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        # A tied head on a later stage than the embedding loads the embedding's matrix itself.
+        embedding = self.model.embed_tokens
+        if self.tie_word_embeddings and self.lm_head is not None and embedding is not None:
+            self.lm_head.tie_to(embedding)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size)
-        return self.model(input_ids, positions)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, stream: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size); under
+        # pipeline parallelism see LlamaModel.forward for `stream` and a non-last stage's result
+        return self.model(input_ids, positions, stream=stream)
 
     def compute_logits(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
         # hidden_states: (n, hidden_size) -> (n, vocab_size) float32 (else the model's dtype)
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage holds the LM head")
         return self.lm_head(hidden_states, float32)
+
+    def _stage_name(self, name: str) -> str | None:
+        """The name checkpoint tensor `name` loads under on this pipeline stage; None when
+        another stage holds it (or a tied head reads it from the embedding)."""
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            held = self.model.start_layer <= int(parts[2]) < self.model.end_layer
+            return name if held else None
+        if name.startswith("model.embed_tokens."):
+            if self.model.embed_tokens is not None:
+                return name
+            tied_here = self.tie_word_embeddings and self.lm_head is not None
+            return "lm_head." + parts[-1] if tied_here else None
+        if name.startswith("lm_head."):
+            return None if self.tie_word_embeddings or self.lm_head is None else name
+        if name.startswith("model.norm."):
+            return name if self.model.norm is not None else None
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Route HF-named checkpoint tensors to their (packed, possibly quantized) layers.
@@ -271,11 +339,10 @@ class LlamaForCausalLM(nn.Module):
         raises ValueError. A tensor may be a GGUF block tensor (layers.gguf.GGUFWeight)."""
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name
-            if name.endswith("rotary_emb.inv_freq"):
+            stage_name = self._stage_name(hf_name)
+            if stage_name is None or stage_name.endswith("rotary_emb.inv_freq"):
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
+            name = stage_name
             shard_id = None
             for packed, hf_proj, shard in PACKED_MODULES:
                 if f".{hf_proj}." in name:
@@ -322,7 +389,7 @@ class LlamaForCausalLM(nn.Module):
                 names.update(
                     f"{module_name}.{p}" for p, _ in module.named_parameters(recurse=False)
                 )
-        if self.tie_word_embeddings:
+        if self.lm_head is not None and self.lm_head.tied:
             names.discard("lm_head.weight")
         return names
 
@@ -333,8 +400,10 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (Attention, RMSNorm, SiluAndMul, LlamaAttention)):
                 module.backend = backend
         self.model.fused_max_rows = 0
-        # the fused forms add the residual inside row-parallel projections: one rank only
-        if backend == "triton" and self._float_linears() and self.tp.size == 1:
+        # the fused forms add the residual inside row-parallel projections and keep no separate
+        # residual to pass between stages: one rank only
+        whole = self.tp.size == 1 and self.pp.size == 1
+        if backend == "triton" and self._float_linears() and whole:
             from pagoda.kernels.fused_linear import MAX_ROWS
 
             self.model.fused_max_rows = MAX_ROWS

@@ -1,6 +1,6 @@
 """One rank's runner from an EngineConfig: the model (this rank's shard of it), its ModelConfig,
 the tokenizer, the EOS ids and the ModelRunner. EngineCore builds one in its own process; under
-tensor parallelism each worker process builds its own (distributed/worker.py)."""
+tensor or pipeline parallelism each worker process builds its own (distributed/worker.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from pagoda.config import EngineConfig, ModelConfig
-from pagoda.layers.parallel import SINGLE, TensorParallel
+from pagoda.config import EngineConfig
+from pagoda.layers.parallel import SINGLE, WHOLE_MODEL, PipelineStage, TensorParallel
 from pagoda.loading.draft import DraftModel, load_draft_model
 from pagoda.loading.loader import load_model
+from pagoda.model_config import ModelConfig
 from pagoda.runner.device import torch_dtype
 from pagoda.runner.model_runner import ModelRunner
 
@@ -29,9 +30,12 @@ class RankSetup:
     draft: DraftModel | None
 
 
-def build_runner(config: EngineConfig, tp: TensorParallel = SINGLE) -> RankSetup:
-    """Load the model (and a draft model) on config's resolved device and wrap it in a runner."""
-    model, model_config, tokenizer = load_model(config, tp)
+def build_runner(
+    config: EngineConfig, tp: TensorParallel = SINGLE, pp: PipelineStage = WHOLE_MODEL
+) -> RankSetup:
+    """Load the model (this rank's share and stage of it; and a draft model) on config's
+    resolved device and wrap it in a runner."""
+    model, model_config, tokenizer = load_model(config, tp, pp)
     eos_token_ids = eos_token_ids_of(model_config.hf_config, tokenizer)
     spec = config.speculative_config
     draft = None
@@ -52,6 +56,7 @@ def build_runner(config: EngineConfig, tp: TensorParallel = SINGLE) -> RankSetup
         compile_decode=config.compile_decode,
         speculative_config=spec,
         draft=draft,
+        pp=pp,
     )
     return RankSetup(runner, model_config, tokenizer, eos_token_ids, draft)
 

@@ -272,6 +272,24 @@ class SamplingRows:
     def slots_array(self) -> np.ndarray:
         return np.fromiter((r.slot for r in self.leaders), np.int64, len(self.leaders))
 
+    def generators(
+        self, store: dict[str, torch.Generator], device: torch.device
+    ) -> dict[int, torch.Generator]:
+        """Each seeded row's generator, by row index; a row's first sample makes it (seed +
+        its index among n) and keeps it in `store` (the runner's, by request id)."""
+        generators: dict[int, torch.Generator] = {}
+        for i, (rid, row, index) in enumerate(zip(self.row_ids, self.leaders, self.indices)):
+            seed = row.params.seed
+            if seed is None:
+                continue
+            gen = store.get(rid)
+            if gen is None:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(seed + index)
+                store[rid] = gen
+            generators[i] = gen
+        return generators
+
     def own_mask(self) -> list[bool]:
         """Whether each row is its request's own (False: a sibling sampling for the first time,
         with no outputs yet)."""

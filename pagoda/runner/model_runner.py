@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.config import ModelConfig, SpeculativeConfig
+from pagoda.config import SpeculativeConfig
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache, allocate_kv_caches
+from pagoda.layers.parallel import WHOLE_MODEL, PipelineStage
 from pagoda.layers.quant_forms import triton_weights
 from pagoda.loading.draft import DraftModel
+from pagoda.model_config import ModelConfig
 from pagoda.models.interface import CausalLM
 from pagoda.runner.cuda_graphs import (
     LOGITS_IN_GRAPH_MAX,
@@ -35,6 +37,7 @@ from pagoda.runner.draft_step import DraftModelStep
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.kernel_warmup import decode_split_counts, matmul_row_counts, prefill_lens
 from pagoda.runner.pending_output import PendingOutput
+from pagoda.runner.pipeline import pipelined_forward
 from pagoda.runner.prompt_logprobs import compute_prompt_logprobs
 from pagoda.runner.sampler import (
     LogprobsTensors,
@@ -77,13 +80,17 @@ class ModelRunner:
         compile_decode: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         draft: DraftModel | None = None,
+        pp: PipelineStage = WHOLE_MODEL,
     ) -> None:
         """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay captured
         graphs for pure-decode batches (CUDA, triton). compile_decode: run pure-decode batches
         through torch.compile (pagoda/runner/compilation.py). speculative_config: propose draft
         tokens for each decoding request and verify them (runner/speculative.py); needs sync
-        scheduling. draft: the draft model of method draft_model (runner/draft_step.py)."""
+        scheduling. draft: the draft model of method draft_model (runner/draft_step.py). pp:
+        this runner's pipeline stage, whose steps run as micro-batches (runner/pipeline.py)."""
         self.model = model
+        self.pp = pp
+        self.num_micro_batches = max(2, pp.size)
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
@@ -159,7 +166,7 @@ class ModelRunner:
                 self.buffers,
                 self.block_size,
                 self.decode_sizes,
-                self._decode_num_splits,
+                self.decode_num_splits,
             )
             self.graphs.capture()
 
@@ -203,7 +210,7 @@ class ModelRunner:
         every request overwrites before reading."""
         if self.kernel_backend != "triton":
             return
-        for splits in decode_split_counts(self.max_num_seqs, self._decode_num_splits):
+        for splits in decode_split_counts(self.max_num_seqs, self.decode_num_splits):
             self._dummy_step([1], self.kv_caches, splits)
         max_len, max_rows = self.model_config.max_model_len, self.max_num_seqs
         # Matmuls have variants only where integer weights run Triton's kernels.
@@ -212,7 +219,8 @@ class ModelRunner:
         for num_tokens in matmul_row_counts(2, max_tokens):
             hidden = self._dummy_step(prefill_lens(num_tokens, max_len, max_rows), self.kv_caches)
         for rows in matmul_row_counts(1, max_rows if quantized else 1):
-            self.model.compute_logits(hidden.new_zeros(rows, hidden.shape[1]))
+            if self.pp.is_last:
+                self.model.compute_logits(hidden.new_zeros(rows, hidden.shape[1]))
 
     def _dummy_step(
         self, query_lens: list[int], caches: list[KVCache], num_splits: int | None = None
@@ -225,7 +233,7 @@ class ModelRunner:
         num_blocks = caches[0].k.shape[0]
         tables = [[j % num_blocks for j in range(-(-n // self.block_size))] for n in seq_lens]
         if num_splits is None:
-            num_splits = self._decode_num_splits(query_lens.count(1))
+            num_splits = self.decode_num_splits(query_lens.count(1))
         ids, pos, meta = self.buffers.prepare(
             [[0] * q for q in query_lens],
             seq_lens,
@@ -246,10 +254,11 @@ class ModelRunner:
         caches = self._allocate_caches(sum(-(-n // self.block_size) for n in lens))
         hidden = self._dummy_step(lens, caches)
         rows = min(self.max_num_seqs, hidden.shape[0])
-        torch.softmax(self.model.compute_logits(hidden[:rows]), dim=-1)
+        if self.pp.is_last:
+            torch.softmax(self.model.compute_logits(hidden[:rows]), dim=-1)
         del caches
 
-    def _decode_num_splits(self, num_decodes: int) -> int:
+    def decode_num_splits(self, num_decodes: int) -> int:
         if self.kernel_backend != "triton" or num_decodes == 0:
             return 1
         from pagoda.kernels.attention import decode_num_splits
@@ -277,6 +286,11 @@ class ModelRunner:
         token_ids = [s.token_ids for s in out.scheduled]
         seq_lens = [s.start + len(s.token_ids) for s in out.scheduled]
         num_tokens = sum(len(t) for t in token_ids)
+        if self.pp.size > 1:  # the stages before the last sample nothing
+            final = pipelined_forward(self, rids, token_ids, seq_lens)
+            if final is None:
+                return PendingOutput([], [], None, None, {})
+            return self._sample(out.scheduled, final, self._prompt_logprobs(out, final))
         if (
             len(rids) < num_tokens <= self.max_num_seqs
             and (self.compiled is not None or self.decode_sizes is not None)
@@ -295,7 +309,7 @@ class ModelRunner:
             tables,
             self.block_size,
             pad_to=size,
-            decode_num_splits=self._decode_num_splits(size or num_decodes),
+            decode_num_splits=self.decode_num_splits(size or num_decodes),
             full_width=size is not None,
         )
         self._fill_placeholders(out.scheduled, ids_t)
@@ -315,10 +329,14 @@ class ModelRunner:
             hidden = decoded.hidden
         hidden = hidden[:num_tokens]
 
-        prompt_logprobs = compute_prompt_logprobs(
+        return self._sample(out.scheduled, hidden, self._prompt_logprobs(out, hidden), decoded)
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, hidden: torch.Tensor
+    ) -> dict[str, LogprobsTensors]:
+        return compute_prompt_logprobs(
             out.scheduled, hidden, self.batch, self.model, self.sampler, self.max_num_seqs
         )
-        return self._sample(out.scheduled, hidden, prompt_logprobs, decoded)
 
     def decode_body(self, input_ids: torch.Tensor, positions: torch.Tensor) -> DecodeOutput:
         """A padded pure-decode step's device work, what its CUDA graph holds: the forward, and
@@ -401,7 +419,11 @@ class ModelRunner:
             logits = self.model.compute_logits(last, float32=False)
         columns = self._columns(rows)
         meta = SamplingMetadata.from_batch(
-            columns, self.batch, rows, self._generators(rows), self.eos_token_ids
+            columns,
+            self.batch,
+            rows,
+            rows.generators(self.generators, self.device),
+            self.eos_token_ids,
         )
         result = self.sampler(logits, meta, None if greedy is None else greedy[:num_rows])
         self.batch.count_sampled(rows, result.sampled_token_ids)
@@ -430,7 +452,7 @@ class ModelRunner:
         last = hidden.index_select(0, self.buffers.row_index(positions.flat_rows))
         logits = self.model.compute_logits(last, float32=False)  # (T, vocab)
         columns = BatchColumns.gather(self.batch, positions, self.device)
-        generators = self._generators(positions)
+        generators = positions.generators(self.generators, self.device)
         meta = SamplingMetadata.from_batch(
             columns, self.batch, positions, generators, self.eos_token_ids
         )
@@ -464,21 +486,6 @@ class ModelRunner:
         if self._sampling_columns is None or self._sampling_columns[0] != key:
             self._sampling_columns = (key, BatchColumns.gather(self.batch, rows, self.device))
         return self._sampling_columns[1]
-
-    def _generators(self, rows: SamplingRows) -> dict[int, torch.Generator]:
-        """Each seeded row's generator, made on its first sample (seed + its index among n)."""
-        generators: dict[int, torch.Generator] = {}
-        for i, (rid, row, index) in enumerate(zip(rows.row_ids, rows.leaders, rows.indices)):
-            seed = row.params.seed
-            if seed is None:
-                continue
-            gen = self.generators.get(rid)
-            if gen is None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(seed + index)
-                self.generators[rid] = gen
-            generators[i] = gen
-        return generators
 
 
 def _compiled_decode(model: CausalLM) -> CompiledDecode:

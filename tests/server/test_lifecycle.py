@@ -337,7 +337,9 @@ def test_a_killed_tensor_parallel_rank_fails_streams_and_exits(
     server = start_server(tiny_llama_dir, *SMALL_POOL, "--tensor-parallel-size", "2")
     stream = Stream(server, {"prompt": "interrupted", **LONG})
     assert stream.first.wait(60)
-    found = re.search(r"tensor parallel: 2 ranks \(pids \[(\d+), (\d+)\]\)", server.log())
+    found = re.search(
+        r"2 ranks: tensor parallel 2 x pipeline 1 \(pids \[(\d+), (\d+)\]\)", server.log()
+    )
     assert found, server.log()
     os.kill(int(found.group(2)), signal.SIGKILL)
     events = stream.wait(30)

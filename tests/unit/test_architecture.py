@@ -40,6 +40,7 @@ RANKS = {
 }
 PLAIN_ROOT = {
     "pagoda.config",
+    "pagoda.model_config",
     "pagoda.sampling_params",
     "pagoda.outputs",
     "pagoda.engine_args",

@@ -1,0 +1,73 @@
+"""What the engine knows of a loaded checkpoint (ModelConfig), and the dtype sizes it counts
+bytes with. Plain data: no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# dtypes are named as torch names them (getattr(torch, name) is the dtype); bytes per element.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
+# The dtype of the per-(token, kv head) scale beside quantized K/V (config.KV_QUANT_DTYPES).
+KV_SCALE_DTYPE = "float32"
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """Attention head size: explicit `head_dim` (Qwen3) or hidden_size / num_attention_heads."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know of a checkpoint, derived once from its HF config."""
+
+    hf_config: Any
+    architecture: str
+    dtype: str  # the activations' and KV cache's dtype, e.g. "float32"
+    max_model_len: int
+    quantization: str = "none"  # the weight scheme in effect (see layers/quant.py)
+    weight_bytes: int = 0  # bytes of every parameter and buffer of the loaded model (one rank's)
+    tensor_parallel_size: int = 1  # ranks sharing each layer (layers/parallel.py)
+    # KV heads in this rank's cache (TensorParallel.heads; the engine holds the config of the
+    # rank whose cache per token is the largest); 0: all of them
+    rank_kv_heads: int = 0
+    pipeline_parallel_size: int = 1  # stages the layers are split into (PipelineStage)
+    rank_layers: int = 0  # layers in this rank's stage (PipelineStage.layers); 0: all of them
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_layers_per_rank(self) -> int:
+        """Layers (and KV caches) this rank holds: all of them without pipeline parallelism."""
+        return self.rank_layers or self.num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        """KV heads in this rank's cache: all of them at tensor_parallel_size 1."""
+        return self.rank_kv_heads or self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return head_dim_of(self.hf_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    def kv_bytes_per_token(self, kv_quant_dtype: str | None = None) -> int:
+        """K and V bytes of one token over all layers in one rank's cache: head_dim values per kv
+        head in the model dtype, or in `kv_quant_dtype` plus one KV_SCALE_DTYPE scale
+        (CacheConfig.kv_quant_dtype)."""
+        if kv_quant_dtype is None:
+            per_head = self.head_dim * DTYPE_BYTES[self.dtype]
+        else:
+            per_head = self.head_dim * DTYPE_BYTES[kv_quant_dtype] + DTYPE_BYTES[KV_SCALE_DTYPE]
+        return 2 * self.num_layers_per_rank * self.num_kv_heads_per_rank * per_head
