@@ -1,4 +1,4 @@
-"""`pagoda serve | generate | chat | bench`: engine flags are named as vLLM names them."""
+"""`pagoda serve | generate | chat | bench | proxy`: engine flags are named as vLLM names them."""
 
 from __future__ import annotations
 
@@ -132,6 +132,33 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_server(engine_config, server_config)
 
 
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from pagoda.server.proxy import ProxyConfig, run_proxy
+
+    config = ProxyConfig(args.prefill, args.decode, args.host, args.port, args.timeout)
+    return run_proxy(config)
+
+
+def _add_proxy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        help="base URL of a prefill instance, a kv_producer (repeatable)",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        help="base URL of a decode instance, a kv_consumer (repeatable)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds an instance may take to answer"
+    )
+
+
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL")
     g = parser.add_argument_group("server")
@@ -183,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     _add_serve_args(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    proxy = sub.add_parser(
+        "proxy",
+        help="prefill/decode disaggregation: route each request to a prefill instance, then to "
+        "a decode instance that continues from its KV",
+    )
+    _add_proxy_args(proxy)
+    proxy.set_defaults(func=_cmd_proxy)
 
     bench = sub.add_parser("bench", help="benchmarks (print one JSON line)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

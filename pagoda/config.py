@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagoda.kv_transfer_config import KVTransferConfig
+
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -114,6 +116,9 @@ class EngineConfig:
     # Stages the layers are split into (layers/parallel.PipelineStage), each a worker process
     # (times tensor_parallel_size) that runs micro-batches of every step (runner/pipeline.py).
     pipeline_parallel_size: int = 1
+    # vLLM's --kv-transfer-config: prefill/decode disaggregation (kv_transfer_config.py); a
+    # KVTransferConfig, its dict or its JSON text (parsed here).
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -155,6 +160,7 @@ class EngineConfig:
         spec = SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
         self._check_pipeline(spec)
+        self._check_kv_transfer()
         if spec is not None and not spec.use_ngram and self.tensor_parallel_size > 1:
             raise ValueError(
                 "a draft model with tensor_parallel_size > 1 is not supported yet; use "
@@ -177,6 +183,21 @@ class EngineConfig:
             raise ValueError(
                 "async scheduling does not work with pipeline parallelism yet: the next step's "
                 "inputs are sampled on the last stage; drop --async-scheduling"
+            )
+
+    def _check_kv_transfer(self) -> None:
+        kv = KVTransferConfig.parse(self.kv_transfer_config)
+        object.__setattr__(self, "kv_transfer_config", kv)
+        if kv is None:
+            return
+        if self.world_size > 1:
+            raise ValueError(
+                "kv_transfer_config with tensor or pipeline parallelism is not supported yet"
+            )
+        if not self.cache.enable_prefix_caching:
+            raise ValueError(
+                "kv_transfer_config needs prefix caching: transferred blocks join the prefix "
+                "cache; drop --no-enable-prefix-caching"
             )
 
     @property

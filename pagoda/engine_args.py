@@ -94,6 +94,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "size); each step runs as micro-batches that overlap across the stages",
     )
     g.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help="prefill/decode disaggregation as a JSON object with vLLM's fields, e.g. "
+        '\'{"kv_connector": "PagodaConnector", "kv_role": "kv_producer", "kv_port": 14579}\' '
+        "(kv_producer | kv_consumer | kv_both; see `pagoda proxy`)",
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         help="speculative decoding as a JSON object with vLLM's fields, e.g. "
@@ -127,6 +134,7 @@ ENGINE_ARG_NAMES = (
     "speculative_config",
     "tensor_parallel_size",
     "pipeline_parallel_size",
+    "kv_transfer_config",
 )
 
 

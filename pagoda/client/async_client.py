@@ -237,6 +237,7 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Send a request and wait until the engine accepts it (within one step). ValueError if
         the engine refuses it, EngineDeadError if the engine is gone. The caller must then read
@@ -258,6 +259,7 @@ class AsyncEngine:
             arrival_time=arrival,
             priority=priority,
             cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
         )
         self._send(msg)
         try:

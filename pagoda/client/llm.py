@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -60,8 +61,17 @@ class LLM:
         try:
             for i, (prompt, p) in enumerate(zip(prompt_list, params)):
                 text, ids = self._tokenize(prompt)
-                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                states.append(self._add(text, ids, p, priority[i] if priority else 0, salt))
+                extra = prompt if isinstance(prompt, dict) else {}
+                states.append(
+                    self._add(
+                        text,
+                        ids,
+                        p,
+                        priority[i] if priority else 0,
+                        extra.get("cache_salt"),
+                        extra.get("kv_transfer_params"),
+                    )
+                )
         except Exception:
             self.engine.abort_request([s.request_id for s in states])
             raise
@@ -117,15 +127,19 @@ class LLM:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestState:
+        """kv_transfer_params: a kv_consumer's remote prefill (kv_transfer_config.py)."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise ValueError("kv_transfer_params must be a dict")
         if params.stop:
             self._require_tokenizer("a stop string")
         rid = str(next(self._ids))
-        request = EngineRequest(rid, ids, params, priority=priority, cache_salt=cache_salt)
+        arrival = time.time()
+        request = EngineRequest(rid, ids, params, arrival, priority, cache_salt, kv_transfer_params)
         self.engine.add_request(request)
-        arrival = self.engine.scheduler.requests[rid].arrival_time
         return RequestState(rid, text, ids, params, self.tokenizer, arrival)
 
     def _run(self, states: list[RequestState], use_tqdm: bool) -> list[RequestOutput]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import socket
+import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -29,6 +30,7 @@ from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
+STATS_REFRESH_S = 1.0
 
 
 class WorkerGroup:
@@ -72,6 +74,8 @@ class WorkerGroup:
             configs, key=lambda c: c.num_layers_per_rank * c.num_kv_heads_per_rank
         )
         self.eos_token_ids: frozenset[int] = ready[0][1]
+        self._totals: tuple[list[int], list[float]] = ([], [])
+        self._totals_time = -STATS_REFRESH_S
 
     # ---- the runner's interface, as EngineCore uses it ---------------------------------
     def execute(self, out: SchedulerOutput) -> RemoteOutput:
@@ -97,6 +101,16 @@ class WorkerGroup:
     def memory(self) -> list[dict[str, int]]:
         """Each rank's weight and KV-cache bytes."""
         return self.call_all("memory")
+
+    def step_totals(self) -> tuple[list[int], list[float]]:
+        """Each rank's steps and step seconds since start, asked of the ranks at most once a
+        second (the engine's stats go out after every step)."""
+        now = time.monotonic()
+        if now - self._totals_time >= STATS_REFRESH_S:
+            stats = self.stats()
+            self._totals = ([int(s["steps"]) for s in stats], [s["step_seconds"] for s in stats])
+            self._totals_time = now
+        return self._totals
 
     def stats(self) -> list[dict[str, float]]:
         """Each rank's steps and step seconds, and its collectives' calls, bytes and seconds."""

@@ -7,12 +7,16 @@ detokenize and group outputs on their side (output_processor.py).
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
+import msgspec
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.workers import RemoteOutput, WorkerGroup
+from pagoda.engine.remote_prefill import RemotePrefill
+from pagoda.kv_transfer_config import remote_prefill_source
 from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
@@ -71,6 +75,14 @@ class EngineCore:
             config.scheduler, self.kv_cache_manager, model_config.max_model_len, lookahead
         )
         self.async_scheduling = config.use_async_scheduling
+        # Held by step() and by the KV server thread of a producer (remote_prefill.py).
+        self.lock = threading.Lock()
+        self.remote_prefill: RemotePrefill | None = None
+        if config.kv_transfer_config is not None:
+            assert isinstance(self.runner, ModelRunner)  # EngineConfig refuses parallel ranks
+            self.remote_prefill = RemotePrefill(
+                config.kv_transfer_config, self.runner.kv_caches, self.kv_cache_manager, self.lock
+            )
         # Async scheduling: the step launched by the last step() call, not yet updated.
         self.in_flight: tuple[SchedulerOutput, PendingOutput | RemoteOutput] | None = None
         num_tokens = self.num_blocks * self.block_size
@@ -138,6 +150,14 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, execute, update. With async scheduling the update is of the previous
         step, made while this one runs on the device: outputs arrive one step() later."""
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> list[EngineCoreOutput]:
+        if self.remote_prefill is not None:
+            idle = not self.scheduler.has_unfinished_requests()
+            for request in self.remote_prefill.take_ready(idle):
+                self.scheduler.add_request(request)
         scheduler_output = self.scheduler.schedule()
         pending: PendingOutput | RemoteOutput = self.runner.execute(scheduler_output)
         if scheduler_output.is_empty and self.scheduler.waiting and not self.scheduler.running:
@@ -156,34 +176,49 @@ class EngineCore:
             self.runner.check_health()
 
     def shutdown(self) -> None:
-        """Stop the worker ranks, if any (they also stop when this process exits)."""
+        """Stop the worker ranks, if any (they also stop when this process exits), and the KV
+        transfer threads."""
+        if self.remote_prefill is not None:
+            self.remote_prefill.close()
         if isinstance(self.runner, WorkerGroup):
             self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        waiting = 0 if self.remote_prefill is None else self.remote_prefill.num_waiting
+        return waiting > 0 or self.scheduler.has_unfinished_requests()
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort user requests (every sample of an n > 1 request); unknown ids are ignored."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        with self.lock:
+            if self.remote_prefill is not None:
+                self.remote_prefill.abort(request_ids)
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def abort_sample(self, engine_request_id: str) -> None:
         """Abort one sample (e.g. its stop string was found by the client)."""
-        self.scheduler.finish_requests(
-            [engine_request_id], RequestStatus.FINISHED_ABORTED, all_samples=False
-        )
+        with self.lock:
+            self.scheduler.finish_requests(
+                [engine_request_id], RequestStatus.FINISHED_ABORTED, all_samples=False
+            )
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.remote_prefill is not None:
+            stats = msgspec.structs.replace(stats, kv_transfer=self.remote_prefill.stats_dict())
+        if isinstance(self.runner, WorkerGroup):
+            steps, seconds = self.runner.step_totals()
+            stats = msgspec.structs.replace(stats, rank_steps=steps, rank_step_seconds=seconds)
+        return stats
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue; a request that can never run raises ValueError here."""
         params = req.sampling_params
         ids = req.prompt_token_ids
-        if req.request_id in self.scheduler.requests:
+        waiting = self.remote_prefill is not None and req.request_id in self.remote_prefill.waiting
+        if waiting or req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -218,7 +253,11 @@ class EngineCore:
             for i in range(params.n)
         ]
         requests[0].siblings = requests[1:]
-        self.scheduler.add_request(requests[0])
+        source = remote_prefill_source(req.kv_transfer_params)
+        if source is not None and self.remote_prefill is not None and self.remote_prefill.fetcher:
+            self.remote_prefill.add(requests[0], source)
+        else:
+            self.scheduler.add_request(requests[0])
 
     def _max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.max_model_len

@@ -48,7 +48,7 @@ class KVCacheManager:
         """The request's block ids now (callers must not mutate the list)."""
         return self.req_block_ids.get(request_id, [])
 
-    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+    def block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
         """Hashes of the request's first `num_full_blocks` blocks, extending its chain lazily."""
         hashes = self.req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
@@ -67,7 +67,7 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
-        for block_hash in self._block_hashes(request, max_blocks):
+        for block_hash in self.block_hashes(request, max_blocks):
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -152,7 +152,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         blocks = self.req_blocks[rid]
-        hashes = self._block_hashes(request, num_full)
+        hashes = self.block_hashes(request, num_full)
         for j in range(start, num_full):
             self.pool.cache_full_block(blocks[j], hashes[j])
         self.num_cached_blocks[rid] = num_full

@@ -8,6 +8,8 @@ process boundary as they are (msgpack), with no hand-written conversion.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from pagoda.sampling_params import SamplingParams
@@ -32,6 +34,9 @@ class EngineRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=Tr
     arrival_time: float | None = None
     priority: int = 0  # lower is served first (scheduling_policy="priority"; fcfs ignores it)
     cache_salt: str | None = None
+    # vLLM's: {"do_remote_prefill": true, "remote_host": ..., "remote_port": ...} on a
+    # kv_consumer fetches the prompt's KV from that producer (engine/remote_prefill.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
@@ -159,6 +164,13 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    # Disaggregation, totals since start (distributed/kv_transfer.KVTransferStats); empty
+    # without --kv-transfer-config.
+    kv_transfer: dict[str, float] = {}
+    # Tensor/pipeline-parallel ranks, totals since start: steps and seconds in them, per rank
+    # (refreshed at most every second); empty on one rank.
+    rank_steps: list[int] = []
+    rank_step_seconds: list[float] = []
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

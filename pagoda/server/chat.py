@@ -13,7 +13,15 @@ from pagoda.client.async_client import AsyncEngine, RequestStream
 from pagoda.client.tokenizer import Conversation
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.server.errors import APIError, bad_field
-from pagoda.server.generation import add_all, collect, ranked, token_text, until_disconnect, usage
+from pagoda.server.generation import (
+    add_all,
+    collect,
+    kv_transfer_response,
+    ranked,
+    token_text,
+    until_disconnect,
+    usage,
+)
 from pagoda.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -90,6 +98,7 @@ def _response(
         model=state.model_name,
         choices=choices,
         usage=usage(prompt_tokens, completion_tokens, out.num_cached_tokens),
+        kv_transfer_params=kv_transfer_response(state, body),
     )
 
 

@@ -36,7 +36,9 @@ async def add_all(
         for i, (text, ids) in enumerate(prompts):
             rid = prefix if len(prompts) == 1 else f"{prefix}-{i}"
             streams.append(
-                await state.engine.add(rid, text, ids, params, body.priority, body.cache_salt)
+                await state.engine.add(
+                    rid, text, ids, params, body.priority, body.cache_salt, body.kv_transfer_params
+                )
             )
     except BaseException as e:
         for s in streams:
@@ -117,6 +119,17 @@ async def until_disconnect(
             await task
         return Response(status_code=499)
     return task.result()
+
+
+def kv_transfer_response(state: ServerState, body: SamplingFields) -> dict[str, Any] | None:
+    """A prefill instance's answer to a request that asks for remote decode (vLLM's
+    kv_transfer_params with do_remote_decode): where a decode instance fetches its prompt's KV
+    (kv_transfer_config.py). None otherwise."""
+    kv = state.engine.config.kv_transfer_config
+    asked = body.kv_transfer_params or {}
+    if kv is None or not kv.is_producer or not asked.get("do_remote_decode"):
+        return None
+    return kv.remote_params()
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> Usage:

@@ -46,6 +46,12 @@ class EngineStats(Protocol):
     def spec_num_accepted_tokens(self) -> int: ...
     @property
     def spec_accepted_per_position(self) -> list[int]: ...
+    @property
+    def kv_transfer(self) -> dict[str, float]: ...
+    @property
+    def rank_steps(self) -> list[int]: ...
+    @property
+    def rank_step_seconds(self) -> list[float]: ...
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,23 @@ class _NoStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    kv_transfer: dict[str, float] = field(default_factory=dict)
+    rank_steps: list[int] = field(default_factory=list)
+    rank_step_seconds: list[float] = field(default_factory=list)
 
+
+# pagoda:kv_transfer_* (disaggregation): counter -> (KVTransferStats field, label value)
+_KV_TRANSFER = {
+    "kv_transfer_bytes": (("bytes_received", "received"), ("bytes_sent", "sent")),
+    "kv_transfer_blocks": (("blocks_received", "received"), ("blocks_sent", "sent")),
+    "kv_transfer_seconds": (("receive_seconds", "received"), ("send_seconds", "sent")),
+    "kv_transfer_fetches": (
+        ("fetches", "asked"),
+        ("fetch_retries", "retried"),
+        ("fetch_failures", "failed"),
+        ("fetches_served", "served"),
+    ),
+}
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -143,6 +165,22 @@ class Metrics:
             "Draft tokens accepted, by position in the draft.",
             ("position",),
         )
+        # Disaggregation: what a decode instance received and a prefill instance sent (bytes,
+        # blocks, seconds), and fetches asked / retried / failed (computed locally) / served.
+        self.kv_transfer = {
+            name: counter(name, doc, (label,))
+            for name, doc, label in (
+                ("kv_transfer_bytes", "KV bytes transferred.", "direction"),
+                ("kv_transfer_blocks", "KV blocks transferred.", "direction"),
+                ("kv_transfer_seconds", "Seconds spent transferring KV.", "direction"),
+                ("kv_transfer_fetches", "KV fetches by outcome.", "outcome"),
+            )
+        }
+        # Tensor/pipeline-parallel ranks: steps and seconds in them, per rank.
+        self.rank_steps = counter("rank_steps", "Steps a worker rank ran.", ("rank",))
+        self.rank_step_seconds = counter(
+            "rank_step_seconds", "Seconds a worker rank spent in steps.", ("rank",)
+        )
         success = counter(
             "request_success", "Finished requests (samples) by finish reason.", ("finished_reason",)
         )
@@ -171,6 +209,18 @@ class Metrics:
             new = total - (before[pos] if pos < len(before) else 0)
             if new > 0:
                 self.spec_accepted_per_pos.labels(self.model_name, str(pos)).inc(new)
+        for name, fields in _KV_TRANSFER.items():
+            for key, label in fields:
+                delta = stats.kv_transfer.get(key, 0) - last.kv_transfer.get(key, 0)
+                if delta > 0:
+                    self.kv_transfer[name].labels(self.model_name, label).inc(delta)
+        for rank, (steps, seconds) in enumerate(zip(stats.rank_steps, stats.rank_step_seconds)):
+            old = rank < len(last.rank_steps)
+            new_steps = steps - (last.rank_steps[rank] if old else 0)
+            new_seconds = seconds - (last.rank_step_seconds[rank] if old else 0.0)
+            if new_steps > 0:
+                self.rank_steps.labels(self.model_name, str(rank)).inc(new_steps)
+                self.rank_step_seconds.labels(self.model_name, str(rank)).inc(new_seconds)
         self._last_stats = stats
 
     def observe_tokens(

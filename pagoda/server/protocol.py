@@ -65,6 +65,10 @@ class SamplingFields(OpenAIModel):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    # vLLM's disaggregation field: {"do_remote_decode": true} asks a prefill instance for the
+    # address of its KV; {"do_remote_prefill": true, "remote_host", "remote_port"} has a decode
+    # instance fetch the prompt's KV from there (pagoda proxy sends both)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams of this request; ValueError names the bad field."""
@@ -192,6 +196,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -228,6 +233,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -41,6 +41,7 @@ RANKS = {
 PLAIN_ROOT = {
     "pagoda.config",
     "pagoda.model_config",
+    "pagoda.kv_transfer_config",
     "pagoda.sampling_params",
     "pagoda.outputs",
     "pagoda.engine_args",

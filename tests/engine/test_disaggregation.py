@@ -1,0 +1,185 @@
+"""Prefill/decode disaggregation at the engine level (kv_transfer_config.py,
+distributed/kv_transfer.py, engine/remote_prefill.py): a kv_producer computes each prompt (one
+token, as the proxy asks it to), a kv_consumer fetches the prompt's blocks from it into its prefix
+cache and decodes on. Outputs must equal one colocated engine's token for token; a fetch that
+fails is tried again, then the consumer computes the prompt itself, with the same outputs.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pagoda import LLM, SamplingParams
+from pagoda.outputs import RequestOutput
+from tests.engine.test_scheduling_invariance import _params, _prompts
+from tests.equivalence import assert_same_outputs
+
+PROMPTS = _prompts(8, seed=5, shared_prefix=16)
+PARAMS = _params(len(PROMPTS))
+ENGINE: dict[str, Any] = dict(
+    skip_tokenizer_init=True, max_num_batched_tokens=64, num_gpu_blocks_override=64, block_size=8
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _kv(role: str, port: int, **extra: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {"kv_connector": "PagodaConnector", "kv_role": role, "kv_port": port}
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return config
+
+
+def _prefill(producer: LLM) -> None:
+    """What the proxy asks of the prefill instance: each prompt, one token."""
+    one = SamplingParams(max_tokens=1, temperature=0)
+    producer.generate([{"prompt_token_ids": p} for p in PROMPTS], one, use_tqdm=False)
+
+
+def _decode(consumer: LLM, port: int) -> list[RequestOutput]:
+    remote = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port}
+    prompts = [{"prompt_token_ids": p, "kv_transfer_params": remote} for p in PROMPTS]
+    return consumer.generate(prompts, PARAMS, use_tqdm=False)
+
+
+@pytest.fixture
+def colocated(tiny_weights_dir: Callable[[str], str]) -> list[RequestOutput]:
+    llm = LLM(tiny_weights_dir("llama"), **ENGINE)
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+
+
+def test_decode_instance_continues_from_transferred_blocks(
+    tiny_weights_dir: Callable[[str], str], colocated: list[RequestOutput]
+) -> None:
+    folder, port = tiny_weights_dir("llama"), _free_port()
+    producer = LLM(folder, kv_transfer_config=_kv("kv_producer", port), **ENGINE)
+    consumer = LLM(folder, kv_transfer_config=_kv("kv_consumer", _free_port()), **ENGINE)
+    _prefill(producer)
+    got = _decode(consumer, port)
+    assert_same_outputs(got, colocated)
+    received = consumer.engine.stats().kv_transfer
+    sent = producer.engine.stats().kv_transfer
+    # each prompt's full blocks but those an earlier prompt's shared prefix brought
+    assert 0 < received["fetches"] <= len(PROMPTS) and received["fetch_failures"] == 0
+    assert received["blocks_received"] == sent["blocks_sent"] > 0
+    assert received["bytes_received"] == sent["bytes_sent"] > 0
+    # the consumer computed only each prompt's tail: the rest were prefix-cache hits (but for
+    # prompts with prompt logprobs, every fourth, which score every prompt token)
+    for out, prompt, params in zip(got, PROMPTS, PARAMS):
+        full = 0 if params.prompt_logprobs else (len(prompt) - 1) // 8 * 8
+        assert out.num_cached_tokens == full
+    producer.engine.shutdown()
+    consumer.engine.shutdown()
+
+
+def test_a_failed_fetch_is_retried_then_computed_locally(
+    tiny_weights_dir: Callable[[str], str], colocated: list[RequestOutput]
+) -> None:
+    """Nothing listens at the producer's address: each fetch times out twice (one retry), and
+    the consumer computes the prompts itself, with the same outputs."""
+    kv = _kv("kv_consumer", _free_port(), timeout_s=0.2, retries=1)
+    consumer = LLM(tiny_weights_dir("llama"), kv_transfer_config=kv, **ENGINE)
+    got = _decode(consumer, _free_port())
+    assert_same_outputs(got, colocated)
+    stats = consumer.engine.stats().kv_transfer
+    assert stats["fetch_failures"] == stats["fetches"] > 0
+    assert stats["fetch_retries"] == stats["fetches"]
+    assert stats["blocks_received"] == 0
+    consumer.engine.shutdown()
+
+
+def test_a_producer_that_lost_the_blocks_sends_what_it_has(
+    tiny_weights_dir: Callable[[str], str], colocated: list[RequestOutput]
+) -> None:
+    """A producer that never computed the prompts (or evicted them) answers with no blocks:
+    not a failure, and the consumer computes the prompts."""
+    folder, port = tiny_weights_dir("llama"), _free_port()
+    producer = LLM(folder, kv_transfer_config=_kv("kv_producer", port), **ENGINE)
+    consumer = LLM(folder, kv_transfer_config=_kv("kv_consumer", _free_port()), **ENGINE)
+    assert_same_outputs(_decode(consumer, port), colocated)
+    stats = consumer.engine.stats().kv_transfer
+    assert stats["fetch_failures"] == 0 and stats["blocks_received"] == 0
+    producer.engine.shutdown()
+    consumer.engine.shutdown()
+
+
+def test_mismatched_caches_are_refused_and_computed_locally(
+    tiny_weights_dir: Callable[[str], str],
+) -> None:
+    """A producer with another block size has other hashes and another layout: refused."""
+    folder, port = tiny_weights_dir("llama"), _free_port()
+    producer = LLM(
+        folder, kv_transfer_config=_kv("kv_producer", port), **{**ENGINE, "block_size": 16}
+    )
+    _prefill(producer)
+    kv = _kv("kv_consumer", _free_port(), timeout_s=2.0, retries=0)
+    consumer = LLM(folder, kv_transfer_config=kv, **ENGINE)
+    want = LLM(folder, **ENGINE).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False
+    )
+    assert_same_outputs(_decode(consumer, port), want)
+    stats = consumer.engine.stats().kv_transfer
+    assert stats["fetch_failures"] == stats["fetches"] > 0
+    producer.engine.shutdown()
+    consumer.engine.shutdown()
+
+
+def test_the_producer_serves_while_it_steps(tiny_weights_dir: Callable[[str], str]) -> None:
+    """The KV server thread reads under the engine's lock: fetches answered while the producer
+    runs other requests get whole blocks (the outputs still match)."""
+    folder, port = tiny_weights_dir("llama"), _free_port()
+    roomy = {**ENGINE, "num_gpu_blocks_override": 256}  # the other requests evict nothing
+    producer = LLM(folder, kv_transfer_config=_kv("kv_producer", port), **roomy)
+    consumer = LLM(folder, kv_transfer_config=_kv("kv_consumer", _free_port()), **ENGINE)
+    want = LLM(folder, **ENGINE).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False
+    )
+    _prefill(producer)
+    busy = SamplingParams(max_tokens=64, ignore_eos=True, temperature=0)
+    background = threading.Thread(
+        target=producer.generate,
+        args=([{"prompt_token_ids": [7] * 30}] * 4, busy),
+        kwargs={"use_tqdm": False},
+    )
+    background.start()
+    got = _decode(consumer, port)
+    background.join()
+    assert_same_outputs(got, want)
+    assert consumer.engine.stats().kv_transfer["blocks_received"] > 0
+    producer.engine.shutdown()
+    consumer.engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}, "kv_connector must be"),
+        ({"kv_connector": "PagodaConnector", "kv_role": "prefill"}, "kv_role must be"),
+        ({"kv_connector": "PagodaConnector"}, "needs kv_role"),
+        ('{"kv_connector": ', "not valid JSON"),
+        ({"kv_connector": "PagodaConnector", "kv_role": "kv_both", "x": 1}, "unknown field"),
+        (_kv("kv_consumer", 1, timeout_s=0), "timeout_s must be > 0"),
+    ],
+)
+def test_bad_kv_transfer_configs_are_value_errors(config: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LLM(kv_transfer_config=config, skip_tokenizer_init=True)
+
+
+def test_bad_kv_transfer_params_are_value_errors(tiny_weights_dir: Callable[[str], str]) -> None:
+    consumer = LLM(
+        tiny_weights_dir("llama"), kv_transfer_config=_kv("kv_consumer", _free_port()), **ENGINE
+    )
+    bad = {"do_remote_prefill": True, "remote_host": "127.0.0.1"}
+    with pytest.raises(ValueError, match="remote_port"):
+        consumer.generate([{"prompt_token_ids": [1, 2, 3], "kv_transfer_params": bad}])
+    consumer.engine.shutdown()
