@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks (print one JSON line)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from pagoda.bench import latency, throughput
+    from pagoda.bench import interference, latency, throughput
     from pagoda.bench import serve as bench_serve
 
     for module in (throughput, latency):
@@ -229,10 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_engine_args(p)
         module.add_arguments(p)
         p.set_defaults(func=module.main)
-    # `bench serve` drives a running server: it takes no engine flags.
-    p = bench_sub.add_parser(bench_serve.NAME, help=bench_serve.__doc__)
-    bench_serve.add_arguments(p)
-    p.set_defaults(func=bench_serve.main)
+    # `bench serve` and `bench interference` drive a running server: no engine flags.
+    for module in (bench_serve, interference):
+        p = bench_sub.add_parser(module.NAME, help=module.__doc__)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
     return parser
 
 

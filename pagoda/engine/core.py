@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.workers import RemoteOutput, WorkerGroup
-from pagoda.engine.remote_prefill import RemotePrefill
 from pagoda.kv_transfer_config import remote_prefill_source
 from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
@@ -35,6 +34,9 @@ from pagoda.scheduling.messages import (
 )
 from pagoda.scheduling.request import Request, RequestStatus
 from pagoda.scheduling.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from pagoda.engine.remote_prefill import RemotePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +81,10 @@ class EngineCore:
         self.lock = threading.Lock()
         self.remote_prefill: RemotePrefill | None = None
         if config.kv_transfer_config is not None:
+            # Imported here: ZeroMQ is the server's dependency, not the engine's (the GPU
+            # machine's benchmarks run the engine without it).
+            from pagoda.engine.remote_prefill import RemotePrefill
+
             assert isinstance(self.runner, ModelRunner)  # EngineConfig refuses parallel ranks
             self.remote_prefill = RemotePrefill(
                 config.kv_transfer_config, self.runner.kv_caches, self.kv_cache_manager, self.lock
