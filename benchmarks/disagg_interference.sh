@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prefill/decode interference on this machine (issue 19): a decode-heavy stream (4 closed-loop
 # clients, 64-token prompts, 128 greedy tokens) plus a 2048-token prompt (8 tokens out) every
-# 10 s, for 90 s, against
+# 30 s, for 120 s (DURATION_S, LONG_INTERVAL_S), against
 #   colocated:      one `pagoda serve` on both cores (2 threads)
 #   disaggregated:  a prefill instance (kv_producer) on core 0 and a decode instance
 #                   (kv_consumer) on core 1, one thread each, behind `pagoda proxy`
@@ -16,7 +16,8 @@ out=${1:-benchmarks/results/issue19/disaggregation}
 python=${PYTHON:-$PWD/.venv/bin/python}
 mkdir -p "$out"
 serve=(-m pagoda.cli serve --max-model-len 4096 --max-num-batched-tokens 512 --uvicorn-log-level warning --disable-log-requests)
-bench=(-m pagoda.cli bench interference --duration-s "${DURATION_S:-90}" --slo-ttft-ms 4000 --slo-tpot-ms 150)
+bench=(-m pagoda.cli bench interference --duration-s "${DURATION_S:-120}"
+       --long-interval-s "${LONG_INTERVAL_S:-30}" --slo-ttft-ms 4000 --slo-tpot-ms 150)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
