@@ -5,8 +5,10 @@
 #   colocated:      one `pagoda serve` on both cores (2 threads)
 #   disaggregated:  a prefill instance (kv_producer) on core 0 and a decode instance
 #                   (kv_consumer) on core 1, one thread each, behind `pagoda proxy`
+#   disaggregated_selective: the same, with prompts under 512 tokens sent by the proxy straight
+#                   to the decode instance (--min-prefill-tokens 512)
 # Same weights (SmolLM2, the GGUF kept quantized), same workload, same SLO. Writes
-# OUT_DIR/{colocated,disaggregated}.json and OUT_DIR/summary.json (P50/P99 TPOT and TTFT per
+# OUT_DIR/{colocated,disaggregated,disaggregated_selective}.json and OUT_DIR/summary.json (P50/P99 TPOT and TTFT per
 # class, goodput, disaggregated / colocated).
 # Usage:
 #     benchmarks/disagg_interference.sh [OUT_DIR]
@@ -37,32 +39,40 @@ wait_up 8200
     --output-json "$out/colocated.json" >/dev/null
 cleanup; pids=()
 
-# disaggregated
+# disaggregated: LABEL, then pagoda proxy's extra flags
 kv() { printf '{"kv_connector": "PagodaConnector", "kv_role": "%s", "kv_port": %d}' "$1" "$2"; }
-OMP_NUM_THREADS=1 taskset -c 0 "$python" "${serve[@]}" --port 8201 \
-    --kv-transfer-config "$(kv kv_producer 14601)" > "$out/prefill.log" 2>&1 &
-pids+=($!)
-OMP_NUM_THREADS=1 taskset -c 1 "$python" "${serve[@]}" --port 8202 \
-    --kv-transfer-config "$(kv kv_consumer 14602)" > "$out/decode.log" 2>&1 &
-pids+=($!)
-wait_up 8201
-wait_up 8202
-"$python" -m pagoda.cli proxy --prefill http://127.0.0.1:8201 --decode http://127.0.0.1:8202 \
-    --port 8203 > "$out/proxy.log" 2>&1 &
-pids+=($!)
-wait_up 8203
-"$python" "${bench[@]}" --base-url http://127.0.0.1:8203 --label disaggregated \
-    --output-json "$out/disaggregated.json" >/dev/null
-curl -s http://127.0.0.1:8202/metrics | grep '^pagoda:kv_transfer' > "$out/decode_kv_metrics.txt" || true
-curl -s http://127.0.0.1:8203/proxy/stats > "$out/proxy_stats.json" || true
-cleanup; pids=()
+run_disaggregated() {
+    local label=$1; shift
+    OMP_NUM_THREADS=1 taskset -c 0 "$python" "${serve[@]}" --port 8201 \
+        --kv-transfer-config "$(kv kv_producer 14601)" > "$out/$label.prefill.log" 2>&1 &
+    pids+=($!)
+    OMP_NUM_THREADS=1 taskset -c 1 "$python" "${serve[@]}" --port 8202 \
+        --kv-transfer-config "$(kv kv_consumer 14602)" > "$out/$label.decode.log" 2>&1 &
+    pids+=($!)
+    wait_up 8201
+    wait_up 8202
+    "$python" -m pagoda.cli proxy --prefill http://127.0.0.1:8201 --decode http://127.0.0.1:8202 \
+        --port 8203 "$@" > "$out/$label.proxy.log" 2>&1 &
+    pids+=($!)
+    wait_up 8203
+    "$python" "${bench[@]}" --base-url http://127.0.0.1:8203 --label "$label" \
+        --output-json "$out/$label.json" >/dev/null
+    curl -s http://127.0.0.1:8202/metrics | grep '^pagoda:kv_transfer' > "$out/$label.decode_kv_metrics.txt" || true
+    curl -s http://127.0.0.1:8203/proxy/stats > "$out/$label.proxy_stats.json" || true
+    cleanup; pids=()
+}
+# every prompt through the prefill instance (vLLM's proxy)
+run_disaggregated disaggregated
+# prompts under 512 tokens straight to the decode instance
+run_disaggregated disaggregated_selective --min-prefill-tokens 512
 
 "$python" - "$out" <<'PY'
 import json, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
-runs = {k: json.loads((out / f"{k}.json").read_text()) for k in ("colocated", "disaggregated")}
+names = ("colocated", "disaggregated", "disaggregated_selective")
+runs = {k: json.loads((out / f"{k}.json").read_text()) for k in names}
 keys = ("median_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "median_ttft_ms", "p99_ttft_ms",
         "request_goodput", "output_throughput", "completed")
 summary = {
@@ -70,18 +80,19 @@ summary = {
     "note": "same weights (SmolLM2-135M GGUF Q4_1 kept quantized), same workload and SLO "
     "(TTFT <= 4000 ms, TPOT <= 150 ms); colocated: one instance on 2 cores (2 threads); "
     "disaggregated: prefill instance on core 0 + decode instance on core 1 (1 thread each) "
-    "behind pagoda proxy; the proxy and the load generator share the cores",
+    "behind pagoda proxy, every prompt through the prefill instance (vLLM's proxy); "
+    "disaggregated_selective: the same with --min-prefill-tokens 512 (short prompts go to the "
+    "decode instance); the proxy and the load generator share the cores",
     "config": runs["colocated"]["config"],
 }
 for cls in ("decode", "long"):
-    summary[cls] = {
-        k: {"colocated": runs["colocated"][cls][k], "disaggregated": runs["disaggregated"][cls][k]}
-        for k in keys
-    }
+    summary[cls] = {k: {name: runs[name][cls][k] for name in names} for k in keys}
     for k, v in summary[cls].items():
-        a, b = v["colocated"], v["disaggregated"]
-        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a:
-            v["ratio_disaggregated_over_colocated"] = round(b / a, 3)
+        a = v["colocated"]
+        for name in names[1:]:
+            b = v[name]
+            if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a:
+                v[f"ratio_{name}_over_colocated"] = round(b / a, 3)
 (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 print(json.dumps(summary))
 PY

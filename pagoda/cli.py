@@ -135,7 +135,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_proxy(args: argparse.Namespace) -> int:
     from pagoda.server.proxy import ProxyConfig, run_proxy
 
-    config = ProxyConfig(args.prefill, args.decode, args.host, args.port, args.timeout)
+    config = ProxyConfig(
+        args.prefill, args.decode, args.host, args.port, args.timeout, args.min_prefill_tokens
+    )
     return run_proxy(config)
 
 
@@ -156,6 +158,13 @@ def _add_proxy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds an instance may take to answer"
+    )
+    parser.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        default=0,
+        help="prompts shorter than this go straight to a decode instance (0: every prompt "
+        "goes through a prefill instance, as vLLM's proxy does)",
     )
 
 

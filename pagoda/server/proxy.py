@@ -10,6 +10,10 @@ For each /v1/completions or /v1/chat/completions request:
    those kv_transfer_params: it fetches the prompt's blocks, computes the prompt's last token
    and decodes on; its answer, streamed or whole, is the client's.
 
+With --min-prefill-tokens N, a prompt shorter than N tokens (counted by a decode instance's
+/tokenize) skips the prefill instance: the decode instance computes it, as a colocated engine
+would; short prompts cost little there, and they no longer queue behind long prefills.
+
 A prefill instance that cannot be reached or answers 5xx is replaced by the next one, once; then
 the request goes to the decode instance without kv_transfer_params and is computed there whole.
 No request is lost and the client sees no difference but latency. A 4xx from the prefill
@@ -52,8 +56,11 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     timeout_s: float = 600.0
+    min_prefill_tokens: int = 0  # shorter prompts go straight to a decode instance
 
     def __post_init__(self) -> None:
+        if self.min_prefill_tokens < 0:
+            raise ValueError(f"--min-prefill-tokens must be >= 0, got {self.min_prefill_tokens}")
         if not self.prefill or not self.decode:
             raise ValueError("pagoda proxy needs at least one --prefill and one --decode URL")
         for url in [*self.prefill, *self.decode]:
@@ -69,6 +76,7 @@ class ProxyStats:
     prefilled: int = 0  # prefill answered with kv_transfer_params
     prefill_failures: int = 0  # tries that failed (unreachable, 5xx)
     computed_on_decode: int = 0  # no prefill instance answered: the decode computed it all
+    short_on_decode: int = 0  # under --min-prefill-tokens: sent to the decode instance
     decode_failures: int = 0
     by_instance: dict[str, int] = field(default_factory=dict)
 
@@ -85,6 +93,9 @@ class Proxy:
 
     async def route(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
         self.stats.requests += 1
+        if await self._is_short(path, body, headers):
+            self.stats.short_on_decode += 1
+            return await self._decode_request(path, body, headers)
         prefilled = await self._prefill_once(path, body, headers)
         if isinstance(prefilled, Response):
             return prefilled
@@ -122,6 +133,30 @@ class Proxy:
             self.stats.by_instance[url] = self.stats.by_instance.get(url, 0) + 1
             return dict(params)
         return None
+
+    async def _is_short(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> bool:
+        """Whether the prompt has fewer than min_prefill_tokens tokens (a decode instance's
+        /tokenize counts them); False when that is off, the prompt is a batch, or counting
+        fails (the request then takes the prefill route)."""
+        if self.config.min_prefill_tokens == 0:
+            return False
+        prompt = body.get("prompt")
+        if path.endswith("/chat/completions"):
+            ask: dict[str, Any] = {"messages": body.get("messages")}
+        elif isinstance(prompt, str):
+            ask = {"prompt": prompt}
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return len(prompt) < self.config.min_prefill_tokens
+        else:
+            return False
+        try:
+            answer = await self.client.post(
+                self.config.decode[0] + "/tokenize", json=ask, headers=headers
+            )
+            count = int(answer.json()["count"]) if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            count = None
+        return count is not None and count < self.config.min_prefill_tokens
 
     def _prefill_failed(self, url: str, why: str) -> None:
         self.stats.prefill_failures += 1

@@ -75,3 +75,37 @@ def test_request_latencies_and_tokens() -> None:
     line = m.stats_line()
     assert line is not None and "Avg generation throughput: " in line
     assert m.stats_line() is None  # idle since the last line
+
+
+def _labelled(m: Metrics, name: str, label: str) -> dict[str, float]:
+    """Samples of `name` by the value of `label`."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            if s.name == name:
+                out[s.labels[label]] = s.value
+    return out
+
+
+def test_kv_transfer_and_rank_counters_advance_by_deltas() -> None:
+    """Disaggregation's pagoda:kv_transfer_* and the parallel ranks' step counters follow the
+    engine's running totals."""
+    m = Metrics("m")
+    kv = {"fetches": 2, "fetch_failures": 1, "bytes_received": 1000, "blocks_received": 4}
+    m.set_engine_stats(
+        SchedulerStats(0, 0, 0.0, 0, 0, 0, kv_transfer=kv, rank_steps=[5, 5],
+                       rank_step_seconds=[0.5, 0.25])
+    )  # fmt: skip
+    kv2 = {**kv, "fetches": 3, "bytes_received": 1500, "bytes_sent": 700}
+    m.set_engine_stats(
+        SchedulerStats(0, 0, 0.0, 0, 0, 0, kv_transfer=kv2, rank_steps=[8, 8],
+                       rank_step_seconds=[0.75, 0.5])
+    )  # fmt: skip
+    assert _labelled(m, "pagoda:kv_transfer_bytes_total", "direction") == {
+        "received": 1500,
+        "sent": 700,
+    }
+    fetches = _labelled(m, "pagoda:kv_transfer_fetches_total", "outcome")
+    assert fetches == {"asked": 3, "failed": 1}
+    assert _labelled(m, "pagoda:rank_steps_total", "rank") == {"0": 8, "1": 8}
+    assert _labelled(m, "pagoda:rank_step_seconds_total", "rank") == {"0": 0.75, "1": 0.5}
