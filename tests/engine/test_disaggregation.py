@@ -57,15 +57,20 @@ def colocated(tiny_weights_dir: Callable[[str], str]) -> list[RequestOutput]:
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
 
 
+# Qwen2 (q/k/v biases, tied embeddings like Qwen3) is slow-marked to keep the suite's time.
+@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow), "qwen3"])
 def test_decode_instance_continues_from_transferred_blocks(
-    tiny_weights_dir: Callable[[str], str], colocated: list[RequestOutput]
+    tiny_weights_dir: Callable[[str], str], arch: str
 ) -> None:
-    folder, port = tiny_weights_dir("llama"), _free_port()
+    folder, port = tiny_weights_dir(arch), _free_port()
+    want = LLM(folder, **ENGINE).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False
+    )
     producer = LLM(folder, kv_transfer_config=_kv("kv_producer", port), **ENGINE)
     consumer = LLM(folder, kv_transfer_config=_kv("kv_consumer", _free_port()), **ENGINE)
     _prefill(producer)
     got = _decode(consumer, port)
-    assert_same_outputs(got, colocated)
+    assert_same_outputs(got, want)
     received = consumer.engine.stats().kv_transfer
     sent = producer.engine.stats().kv_transfer
     # each prompt's full blocks but those an earlier prompt's shared prefix brought
@@ -77,6 +82,49 @@ def test_decode_instance_continues_from_transferred_blocks(
     for out, prompt, params in zip(got, PROMPTS, PARAMS):
         full = 0 if params.prompt_logprobs else (len(prompt) - 1) // 8 * 8
         assert out.num_cached_tokens == full
+    producer.engine.shutdown()
+    consumer.engine.shutdown()
+
+
+def test_a_decode_instance_that_preempts(
+    tiny_weights_dir: Callable[[str], str], colocated: list[RequestOutput]
+) -> None:
+    """A decode pool of 24 blocks: requests continued from transferred blocks are preempted
+    and recomputed (from their prefix-cache hits where those survive), with the same outputs."""
+    folder, port = tiny_weights_dir("llama"), _free_port()
+    producer = LLM(folder, kv_transfer_config=_kv("kv_producer", port), **ENGINE)
+    small = {**ENGINE, "num_gpu_blocks_override": 24}
+    consumer = LLM(folder, kv_transfer_config=_kv("kv_consumer", _free_port()), **small)
+    _prefill(producer)
+    assert_same_outputs(_decode(consumer, port), colocated)
+    stats = consumer.engine.stats()
+    assert stats.num_preemptions > 0 and stats.kv_transfer["blocks_received"] > 0
+    producer.engine.shutdown()
+    consumer.engine.shutdown()
+
+
+@pytest.mark.slow
+def test_smollm2_disaggregated_equals_colocated(smollm2_path: str) -> None:
+    """The shipped GGUF, kept quantized: prompts of several blocks, greedy."""
+    prompts = [
+        "The history of the printing press begins with movable type in East Asia, long before "
+        "Gutenberg built his press in Mainz around 1440. It changed",
+        "Write a haiku about rain falling on a quiet city at night, then explain its imagery "
+        "line by line for a reader who is new to poetry.",
+    ]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    pool = {"num_gpu_blocks_override": 128, "block_size": 16}
+    want = LLM(**pool).generate(prompts, params, use_tqdm=False)
+    port = _free_port()
+    producer = LLM(kv_transfer_config=_kv("kv_producer", port), **pool)
+    consumer = LLM(kv_transfer_config=_kv("kv_consumer", _free_port()), **pool)
+    producer.generate(prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    remote = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port}
+    got = consumer.generate(
+        [{"prompt": p, "kv_transfer_params": remote} for p in prompts], params, use_tqdm=False
+    )
+    assert_same_outputs(got, want)
+    assert consumer.engine.stats().kv_transfer["blocks_received"] > 0
     producer.engine.shutdown()
     consumer.engine.shutdown()
 
