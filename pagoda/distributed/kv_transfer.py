@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -189,7 +189,6 @@ class KVFetcher:
         self.thread.start()
 
     def submit(self, request_id: str, source: tuple[str, int], hashes: list[bytes]) -> None:
-        self.stats.fetches += 1
         self.jobs.put((request_id, source, hashes))
 
     def results(self, wait_s: float = 0.0) -> list[FetchResult]:
@@ -264,3 +263,61 @@ class KVFetcher:
             for f, (dtype, shape) in zip(data_frames, self.layout)
         ]
         return count, data, sum(len(f.buffer) for f in data_frames)
+
+
+class KVConnector(Protocol):
+    """What the engine (engine/remote_prefill.py) asks of a KV connector, the implementation
+    kv_transfer_config's kv_connector names. A producer serves blocks of its prefix cache through
+    the `read_blocks` it is built with; a consumer starts fetches and collects their results."""
+
+    def start_fetch(self, request_id: str, source: tuple[str, int], hashes: list[bytes]) -> None:
+        """Fetch from `source` the longest run of these blocks it holds (asynchronously)."""
+        ...
+
+    def finished_fetches(self, wait_s: float = 0.0) -> list[FetchResult]:
+        """The fetches finished since the last call; waits up to wait_s for a first one."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class PagodaConnector:
+    """ZeroMQ, between processes on one host or across hosts: a KVServer thread on a producer,
+    a KVFetcher thread on a consumer (both on kv_both)."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        layout: Layout,
+        read_blocks: Callable[[list[bytes]], list[torch.Tensor]],
+        stats: KVTransferStats,
+    ) -> None:
+        self.server = KVServer(config, layout, read_blocks, stats) if config.is_producer else None
+        self.fetcher = KVFetcher(config, layout, stats) if config.is_consumer else None
+
+    def start_fetch(self, request_id: str, source: tuple[str, int], hashes: list[bytes]) -> None:
+        if self.fetcher is None:
+            raise RuntimeError("only a kv_consumer (or kv_both) fetches")
+        self.fetcher.submit(request_id, source, hashes)
+
+    def finished_fetches(self, wait_s: float = 0.0) -> list[FetchResult]:
+        return [] if self.fetcher is None else self.fetcher.results(wait_s)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.fetcher is not None:
+            self.fetcher.close()
+
+
+# kv_connector name -> implementation (kv_transfer_config.KV_CONNECTORS lists the names)
+CONNECTORS: dict[str, Callable[..., KVConnector]] = {"PagodaConnector": PagodaConnector}
+
+
+def make_connector(
+    config: KVTransferConfig,
+    layout: Layout,
+    read_blocks: Callable[[list[bytes]], list[torch.Tensor]],
+    stats: KVTransferStats,
+) -> KVConnector:
+    return CONNECTORS[config.kv_connector](config, layout, read_blocks, stats)

@@ -223,8 +223,8 @@ class EngineCore:
         """Validate and queue; a request that can never run raises ValueError here."""
         params = req.sampling_params
         ids = req.prompt_token_ids
-        waiting = self.remote_prefill is not None and req.request_id in self.remote_prefill.waiting
-        if waiting or req.request_id in self.scheduler.requests:
+        held = self.remote_prefill is not None and self.remote_prefill.holds(req.request_id)
+        if held or req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -260,7 +260,8 @@ class EngineCore:
         ]
         requests[0].siblings = requests[1:]
         source = remote_prefill_source(req.kv_transfer_params)
-        if source is not None and self.remote_prefill is not None and self.remote_prefill.fetcher:
+        kv = self.config.kv_transfer_config
+        if source is not None and self.remote_prefill is not None and kv and kv.is_consumer:
             self.remote_prefill.add(requests[0], source)
         else:
             self.scheduler.add_request(requests[0])

@@ -22,11 +22,10 @@ import torch
 
 from pagoda.distributed.kv_transfer import (
     FetchResult,
-    KVFetcher,
-    KVServer,
     KVTransferStats,
     cache_layout,
     gather_blocks,
+    make_connector,
     scatter_blocks,
 )
 from pagoda.kv_transfer_config import KVTransferConfig
@@ -53,18 +52,15 @@ class RemotePrefill:
         self.manager = manager
         self.lock = lock
         self.stats = KVTransferStats()
-        layout = cache_layout(kv_caches)
-        self.server = (
-            KVServer(config, layout, self._read_blocks, self.stats) if config.is_producer else None
+        self.connector = make_connector(
+            config, cache_layout(kv_caches), self._read_blocks, self.stats
         )
-        self.fetcher = KVFetcher(config, layout, self.stats) if config.is_consumer else None
         self.waiting: dict[str, Request] = {}  # fetching, by request id
         self.ready: list[Request] = []  # nothing to fetch: enter the scheduler next step
 
     # ---- consumer ------------------------------------------------------------------------------
     def add(self, request: Request, source: tuple[str, int]) -> None:
         """Fetch the request's prompt blocks from `source` before it is scheduled."""
-        assert self.fetcher is not None, "only a kv_consumer fetches"
         bs = self.manager.block_size
         # the full blocks a prefix-cache hit may cover (at least one token is left to compute)
         hashes = self.manager.block_hashes(request, (request.num_tokens - 1) // bs)
@@ -76,15 +72,16 @@ class RemotePrefill:
             self.ready.append(request)  # nothing to fetch, or it would not be read
             return
         self.waiting[request.request_id] = request
-        self.fetcher.submit(request.request_id, source, hashes[held:])
+        self.stats.fetches += 1
+        self.connector.start_fetch(request.request_id, source, hashes[held:])
 
     def take_ready(self, idle: bool) -> list[Request]:
         """Requests whose fetch is over (blocks published), to add to the scheduler; `idle`:
         nothing else runs, so wait a moment for a fetch rather than spin."""
         ready, self.ready = self.ready, []
-        if self.fetcher is None or not self.waiting:
+        if not self.waiting:
             return ready
-        for result in self.fetcher.results(IDLE_WAIT_S if idle and not ready else 0.0):
+        for result in self.connector.finished_fetches(IDLE_WAIT_S if idle and not ready else 0.0):
             request = self.waiting.pop(result.request_id, None)
             if request is None:
                 continue  # aborted while fetching
@@ -139,11 +136,12 @@ class RemotePrefill:
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.ready)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request waits here (fetching, or about to enter the scheduler)."""
+        return request_id in self.waiting or any(r.request_id == request_id for r in self.ready)
+
     def stats_dict(self) -> dict[str, float]:
         return asdict(self.stats)
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        if self.fetcher is not None:
-            self.fetcher.close()
+        self.connector.close()

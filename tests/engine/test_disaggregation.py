@@ -231,3 +231,10 @@ def test_bad_kv_transfer_params_are_value_errors(tiny_weights_dir: Callable[[str
     with pytest.raises(ValueError, match="remote_port"):
         consumer.generate([{"prompt_token_ids": [1, 2, 3], "kv_transfer_params": bad}])
     consumer.engine.shutdown()
+
+
+def test_every_configurable_connector_has_an_implementation() -> None:
+    from pagoda.distributed.kv_transfer import CONNECTORS
+    from pagoda.kv_transfer_config import KV_CONNECTORS
+
+    assert set(KV_CONNECTORS) == set(CONNECTORS)
