@@ -157,7 +157,10 @@ class EngineCore:
         """Schedule, execute, update. With async scheduling the update is of the previous
         step, made while this one runs on the device: outputs arrive one step() later."""
         with self.lock:
-            return self._step()
+            outputs = self._step()
+            if self.remote_prefill is not None:
+                self.remote_prefill.stage_finished(outputs)
+            return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
         if self.remote_prefill is not None:
@@ -263,8 +266,16 @@ class EngineCore:
         kv = self.config.kv_transfer_config
         if source is not None and self.remote_prefill is not None and kv and kv.is_consumer:
             self.remote_prefill.add(requests[0], source)
-        else:
-            self.scheduler.add_request(requests[0])
+            return
+        asked = req.kv_transfer_params or {}
+        if (
+            self.remote_prefill is not None
+            and kv
+            and kv.is_producer
+            and asked.get("do_remote_decode")
+        ):
+            self.remote_prefill.expect_remote_decode(requests[0])
+        self.scheduler.add_request(requests[0])
 
     def _max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.max_model_len

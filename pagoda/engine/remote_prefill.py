@@ -1,7 +1,11 @@
 """The engine's side of prefill/decode disaggregation (--kv-transfer-config).
 
-Producer: a KVServer thread answers decode instances with blocks of this engine's prefix cache;
-it reads the pool and the caches under the engine's lock, so never in the middle of a step.
+Producer: a KVServer thread answers decode instances with blocks of this engine's prefix cache.
+When a request that asked for remote decode (kv_transfer_params do_remote_decode) finishes, its
+prompt's blocks are copied out at once, still under the engine's lock (the staging area, at most
+STAGE_BYTES, oldest dropped first): a fetch of them is answered from there without waiting for
+the engine's current step. Other blocks are read from the pool and the caches under the engine's
+lock, so never in the middle of a step.
 
 Consumer: a request whose kv_transfer_params name a producer waits here, out of the scheduler,
 while a KVFetcher thread fetches its prompt's full blocks (those this engine's prefix cache lacks).
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import asdict
 
 import torch
@@ -31,12 +36,15 @@ from pagoda.distributed.kv_transfer import (
 from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.layers.kv_cache import KVCache
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
+from pagoda.scheduling.messages import EngineCoreOutput
 from pagoda.scheduling.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
 # How long an engine with nothing to run but fetches in flight waits for one, per step() call.
 IDLE_WAIT_S = 0.01
+# Bytes of prompt blocks a producer keeps staged for decode instances to fetch.
+STAGE_BYTES = 1 << 30
 
 
 class RemotePrefill:
@@ -57,6 +65,12 @@ class RemotePrefill:
         )
         self.waiting: dict[str, Request] = {}  # fetching, by request id
         self.ready: list[Request] = []  # nothing to fetch: enter the scheduler next step
+        # producer: the prompt block hashes of requests that asked for remote decode, until
+        # they finish; then their blocks' data (one tensor per cache tensor) by hash
+        self.remote_decode: dict[str, list[bytes]] = {}
+        self.staged: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
+        self.staged_bytes = 0
+        self.stage_lock = threading.Lock()  # the engine thread stages, the server thread reads
 
     # ---- consumer ------------------------------------------------------------------------------
     def add(self, request: Request, source: tuple[str, int]) -> None:
@@ -97,6 +111,8 @@ class RemotePrefill:
 
     def abort(self, request_ids: list[str]) -> list[Request]:
         """Drop waiting requests; returns those that were waiting."""
+        for rid in request_ids:
+            self.remote_decode.pop(rid, None)
         dropped = [self.waiting.pop(r) for r in request_ids if r in self.waiting]
         dropped += [r for r in self.ready if r.request_id in request_ids]
         self.ready = [r for r in self.ready if r.request_id not in request_ids]
@@ -119,16 +135,62 @@ class RemotePrefill:
         pool.free_blocks(reversed(blocks))  # the chain's tail is evicted first
 
     # ---- producer ------------------------------------------------------------------------------
+    def expect_remote_decode(self, request: Request) -> None:
+        """The request asked for remote decode: stage its prompt's blocks when it finishes."""
+        bs = self.manager.block_size
+        hashes = self.manager.block_hashes(request, (request.num_tokens - 1) // bs)
+        self.remote_decode[request.request_id] = list(hashes)
+
+    def stage_finished(self, outputs: list[EngineCoreOutput]) -> None:
+        """Under the engine's lock, after a step: copy out the prompt blocks of the finished
+        requests that asked for remote decode (still in the prefix cache, just freed)."""
+        for out in outputs:
+            if out.finish_reason is None:
+                continue
+            hashes = self.remote_decode.pop(out.request_id, None)
+            if not hashes:
+                continue
+            ids, held = self._cached_run(hashes)
+            if not ids:
+                continue
+            # one copy per request; each block's entries are views into it (a request's blocks
+            # are staged, and so dropped, together)
+            data = gather_blocks(self.kv_caches, ids)
+            with self.stage_lock:
+                for i, block_hash in enumerate(held):
+                    blocks = [t[i] for t in data]
+                    if self.staged.pop(block_hash, None) is None:
+                        self.staged_bytes += sum(b.numel() * b.element_size() for b in blocks)
+                    self.staged[block_hash] = blocks
+                while self.staged_bytes > STAGE_BYTES and self.staged:
+                    _, old = self.staged.popitem(last=False)
+                    self.staged_bytes -= sum(b.numel() * b.element_size() for b in old)
+
+    def _cached_run(self, hashes: list[bytes]) -> tuple[list[int], list[bytes]]:
+        """Block ids and hashes of the longest run of `hashes` the prefix cache holds."""
+        ids: list[int] = []
+        for block_hash in hashes:
+            block = self.manager.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            ids.append(block.block_id)
+        return ids, hashes[: len(ids)]
+
     def _read_blocks(self, hashes: list[bytes]) -> list[torch.Tensor]:
-        """Under the engine's lock: the longest run of `hashes` the prefix cache holds, copied
-        out of every layer's cache ([] when it holds none)."""
-        with self.lock:
-            ids: list[int] = []
+        """The longest run of `hashes` this engine holds, one tensor per cache tensor ([] when
+        it holds none): from the staging area when it starts there, else from the prefix cache
+        under the engine's lock."""
+        with self.stage_lock:
+            run = []
             for block_hash in hashes:
-                block = self.manager.pool.get_cached_block(block_hash)
-                if block is None:
+                blocks = self.staged.get(block_hash)
+                if blocks is None:
                     break
-                ids.append(block.block_id)
+                run.append(blocks)
+        if run:
+            return [torch.stack(parts) for parts in zip(*run)]
+        with self.lock:
+            ids, _ = self._cached_run(hashes)
             return gather_blocks(self.kv_caches, ids) if ids else []
 
     # ---- both ----------------------------------------------------------------------------------

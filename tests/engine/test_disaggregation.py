@@ -238,3 +238,27 @@ def test_every_configurable_connector_has_an_implementation() -> None:
     from pagoda.kv_transfer_config import KV_CONNECTORS
 
     assert set(KV_CONNECTORS) == set(CONNECTORS)
+
+
+def test_blocks_staged_at_finish_are_served_while_the_producer_is_busy(
+    tiny_weights_dir: Callable[[str], str], colocated: list[RequestOutput]
+) -> None:
+    """Prompts that asked for remote decode (do_remote_decode, as the proxy sends them) are
+    copied out when they finish: their fetches are answered even while the producer's engine
+    holds its lock (mid-step), which an unstaged fetch would wait for until it timed out."""
+    folder, port = tiny_weights_dir("llama"), _free_port()
+    producer = LLM(folder, kv_transfer_config=_kv("kv_producer", port), **ENGINE)
+    kv = _kv("kv_consumer", _free_port(), timeout_s=1.0, retries=0)
+    consumer = LLM(folder, kv_transfer_config=kv, **ENGINE)
+    one = SamplingParams(max_tokens=1, temperature=0)
+    asked = {"do_remote_decode": True}
+    producer.generate(
+        [{"prompt_token_ids": p, "kv_transfer_params": asked} for p in PROMPTS], one, use_tqdm=False
+    )
+    with producer.engine.lock:  # the producer is in the middle of a step
+        got = _decode(consumer, port)
+    assert_same_outputs(got, colocated)
+    stats = consumer.engine.stats().kv_transfer
+    assert stats["fetch_failures"] == 0 and stats["blocks_received"] > 0
+    producer.engine.shutdown()
+    consumer.engine.shutdown()
