@@ -134,7 +134,12 @@ class KVServer:
                 continue
             frames = self.socket.recv_multipart()
             start = time.perf_counter()
-            reply = self._answer(frames[-1])
+            try:
+                reply = self._answer(frames[-1])
+            except Exception as e:  # noqa: BLE001 - answered (the consumer then computes) and logged
+                logger.exception("KV server: a fetch failed")
+                error = f"{type(e).__name__}: {e}"
+                reply = [msgspec.msgpack.encode({"num_blocks": 0, "error": error})]
             self.socket.send_multipart([frames[0], b"", *reply], copy=False)
             self.stats.fetches_served += 1
             self.stats.send_seconds += time.perf_counter() - start

@@ -262,3 +262,30 @@ def test_blocks_staged_at_finish_are_served_while_the_producer_is_busy(
     assert stats["fetch_failures"] == 0 and stats["blocks_received"] > 0
     producer.engine.shutdown()
     consumer.engine.shutdown()
+
+
+def test_a_failing_producer_answers_with_its_error_and_keeps_serving(
+    tiny_weights_dir: Callable[[str], str], colocated: list[RequestOutput]
+) -> None:
+    """An exception in the producer's read is answered as an error (the consumer computes the
+    prompt) and logged; the server thread lives on and answers the next fetches."""
+    folder, port = tiny_weights_dir("llama"), _free_port()
+    producer = LLM(folder, kv_transfer_config=_kv("kv_producer", port), **ENGINE)
+    kv = _kv("kv_consumer", _free_port(), timeout_s=2.0, retries=1)
+    consumer = LLM(folder, kv_transfer_config=kv, **ENGINE)
+    _prefill(producer)
+    server: Any = producer.engine.remote_prefill.connector.server  # type: ignore[union-attr]
+
+    def broken(hashes: list[bytes]) -> list[Any]:
+        raise RuntimeError("disk on fire")
+
+    server.read_blocks = broken
+    assert_same_outputs(_decode(consumer, port), colocated)
+    stats = consumer.engine.stats().kv_transfer
+    assert stats["fetch_failures"] == stats["fetches"] > 0
+    assert stats["fetch_retries"] == stats["fetches"]
+    # every try (a first and a retry per fetch) was answered by the server, none timed out
+    assert producer.engine.stats().kv_transfer["fetches_served"] == 2 * stats["fetches"]
+    assert server.thread.is_alive()
+    producer.engine.shutdown()
+    consumer.engine.shutdown()
