@@ -125,7 +125,11 @@ class Proxy:
                 continue
             if answer.status_code != 200:
                 return _relay(answer)
-            params = answer.json().get("kv_transfer_params")
+            try:
+                params = answer.json().get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                self._prefill_failed(url, "an answer that is not a JSON object")
+                continue
             if not params:
                 logger.warning("prefill %s is not a kv_producer (no kv_transfer_params)", url)
                 return None

@@ -68,8 +68,12 @@ def test_prefill_then_decode_with_the_producers_params() -> None:
 
 @pytest.mark.parametrize(
     "failure",
-    [lambda: httpx.Response(503, json={}), lambda: (_ for _ in ()).throw(httpx.ConnectError("x"))],
-    ids=["5xx", "unreachable"],
+    [
+        lambda: httpx.Response(503, json={}),
+        lambda: (_ for _ in ()).throw(httpx.ConnectError("x")),
+        lambda: httpx.Response(200, text="not json"),
+    ],
+    ids=["5xx", "unreachable", "not-json"],
 )
 def test_a_failing_prefill_is_tried_again_then_skipped(failure: Callable[[], Any]) -> None:
     instances = Instances(prefill=failure)
