@@ -57,8 +57,13 @@ def colocated(tiny_weights_dir: Callable[[str], str]) -> list[RequestOutput]:
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
 
 
-# Qwen2 (q/k/v biases, tied embeddings like Qwen3) is slow-marked to keep the suite's time.
-@pytest.mark.parametrize("arch", ["llama", pytest.param("qwen2", marks=pytest.mark.slow), "qwen3"])
+SLOW = pytest.mark.slow
+
+
+# Qwen2 and Qwen3 are slow-marked to keep the default suite's time.
+@pytest.mark.parametrize(
+    "arch", ["llama", pytest.param("qwen2", marks=SLOW), pytest.param("qwen3", marks=SLOW)]
+)
 def test_decode_instance_continues_from_transferred_blocks(
     tiny_weights_dir: Callable[[str], str], arch: str
 ) -> None:
@@ -160,6 +165,7 @@ def test_a_producer_that_lost_the_blocks_sends_what_it_has(
     consumer.engine.shutdown()
 
 
+@pytest.mark.slow  # the default suite refuses through a failing producer (below)
 def test_mismatched_caches_are_refused_and_computed_locally(
     tiny_weights_dir: Callable[[str], str],
 ) -> None:
@@ -181,6 +187,7 @@ def test_mismatched_caches_are_refused_and_computed_locally(
     consumer.engine.shutdown()
 
 
+@pytest.mark.slow  # the default suite serves under the engine's lock (the staging test)
 def test_the_producer_serves_while_it_steps(tiny_weights_dir: Callable[[str], str]) -> None:
     """The KV server thread reads under the engine's lock: fetches answered while the producer
     runs other requests get whole blocks (the outputs still match)."""

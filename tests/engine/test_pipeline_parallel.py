@@ -96,6 +96,7 @@ def test_micro_batches_split_tokens_evenly_and_keep_order() -> None:
             assert all(len(r) > 0 for r in runs) and len(runs) == min(count, len(counts))
 
 
+@pytest.mark.slow  # the default suite checks PipelineStage.layers' ValueError directly
 def test_more_stages_than_layers_is_a_value_error(tiny_weights_dir: Callable[[str], str]) -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds"):
         LLM(tiny_weights_dir("qwen2"), pipeline_parallel_size=3, **ENGINE)

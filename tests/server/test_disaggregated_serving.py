@@ -136,6 +136,7 @@ def test_completions_through_the_proxy_equal_colocated(
     assert proxy.stats()["prefilled"] == 2 * len(PROMPTS)
 
 
+@pytest.mark.slow  # completions take the same route in the default suite
 def test_chat_through_the_proxy(
     cluster: tuple[ServerProcess, ServerProcess, Proxy], oracle: LLM
 ) -> None:
