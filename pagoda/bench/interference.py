@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from pagoda.bench.common import emit, log
+from pagoda.bench.serve import check_server
 from pagoda.bench.serve_client import (
     RequestConfig,
     RequestResult,
@@ -113,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
         (args.long_output_len, args.long_output_len),
         seed=args.seed + 1,
     )
-    warm = asyncio.run(_warm_up(cfg, decode[0]))
+    warm = check_server(decode, cfg)
     if not warm.success:
         log(f"error: the test request failed: {warm.error}")
         return 1
@@ -135,8 +136,3 @@ def main(args: argparse.Namespace) -> int:
             json.dump(record, f)
             f.write("\n")
     return 0
-
-
-async def _warm_up(cfg: RequestConfig, req: ServeRequest) -> RequestResult:
-    async with http_client() as client:
-        return await send_request(client, req, cfg, max_tokens=4)

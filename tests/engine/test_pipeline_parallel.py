@@ -12,10 +12,6 @@ thread each, over gloo, must give what one process gives.
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +24,7 @@ from pagoda.layers.quant_forms import stored_bytes
 from pagoda.outputs import RequestOutput
 from pagoda.runner.model_runner import ModelRunner
 from pagoda.runner.pipeline import micro_batches
-from tests.engine.test_tensor_parallel import ENGINE, PARAMS, PROMPTS
+from tests.engine.test_tensor_parallel import ENGINE, PARAMS, PROMPTS, kill_rank_1_mid_run
 from tests.equivalence import assert_same_outputs
 
 
@@ -145,14 +141,5 @@ def test_tp2_times_pp2_equals_one_process(tiny_weights_dir: Callable[[str], str]
 @pytest.mark.slow
 def test_a_killed_stage_fails_loudly(tiny_weights_dir: Callable[[str], str]) -> None:
     llm = LLM(tiny_weights_dir("llama"), pipeline_parallel_size=2, skip_tokenizer_init=True)
-    stage1 = llm.engine.runner.procs[1]  # type: ignore[union-attr]
-    params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
-    prompts = [{"prompt_token_ids": [5 + i] * 20} for i in range(4)]
-    killer = threading.Timer(2.0, os.kill, (stage1.pid, signal.SIGKILL))
-    start = time.monotonic()
-    killer.start()
-    with pytest.raises(RuntimeError, match="pipeline stage 1 .* died with exit code -9"):
-        for _ in range(1000):  # far longer than 2 s: the kill lands mid-run
-            llm.generate(prompts, params, use_tqdm=False)
-    assert time.monotonic() - start < 60
+    kill_rank_1_mid_run(llm, "pipeline stage 1 .* died with exit code -9")
     llm.engine.shutdown()

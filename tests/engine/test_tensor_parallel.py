@@ -140,20 +140,26 @@ def test_a_draft_model_with_tp_is_refused() -> None:
         )
 
 
-# The default suite kills a rank under `pagoda serve` instead (tests/server/test_lifecycle.py).
-@pytest.mark.slow
-def test_a_killed_rank_fails_loudly(tiny_weights_dir: Callable[[str], str]) -> None:
-    llm = LLM(tiny_weights_dir("llama"), tensor_parallel_size=2, skip_tokenizer_init=True)
+def kill_rank_1_mid_run(llm: LLM, match: str) -> None:
+    """SIGKILL worker rank 1 two seconds into a long run: generate() must raise RuntimeError
+    matching `match` within a minute (no hang)."""
     rank1 = llm.engine.runner.procs[1]  # type: ignore[union-attr]
     params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
     prompts = [{"prompt_token_ids": [5 + i] * 20} for i in range(4)]
     killer = threading.Timer(2.0, os.kill, (rank1.pid, signal.SIGKILL))
     start = time.monotonic()
     killer.start()
-    with pytest.raises(RuntimeError, match="rank 1 .* died with exit code -9"):
+    with pytest.raises(RuntimeError, match=match):
         for _ in range(1000):  # far longer than 2 s: the kill lands mid-run
             llm.generate(prompts, params, use_tqdm=False)
     assert time.monotonic() - start < 60
+
+
+# The default suite kills a rank under `pagoda serve` instead (tests/server/test_lifecycle.py).
+@pytest.mark.slow
+def test_a_killed_rank_fails_loudly(tiny_weights_dir: Callable[[str], str]) -> None:
+    llm = LLM(tiny_weights_dir("llama"), tensor_parallel_size=2, skip_tokenizer_init=True)
+    kill_rank_1_mid_run(llm, "rank 1 .* died with exit code -9")
     with pytest.raises(RuntimeError, match="rank 1"):
         llm.engine.check_health()
     llm.engine.shutdown()
