@@ -94,6 +94,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "size); each step runs as micro-batches that overlap across the stages",
     )
     g.add_argument(
+        "--prefill-context-parallel-size",
+        "-pcp",
+        type=int,
+        default=None,
+        help="split each step's prompt tokens over N ranks, one worker process each with the "
+        "whole model; each rank holds 1/N of every request's KV cache (N must divide "
+        "--block-size)",
+    )
+    g.add_argument(
         "--kv-transfer-config",
         default=None,
         help="prefill/decode disaggregation as a JSON object with vLLM's fields, e.g. "
@@ -134,6 +143,7 @@ ENGINE_ARG_NAMES = (
     "speculative_config",
     "tensor_parallel_size",
     "pipeline_parallel_size",
+    "prefill_context_parallel_size",
     "kv_transfer_config",
 )
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# Weight schemes (--quantization; layers/quant.py).
+QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
+
 # dtypes are named as torch names them (getattr(torch, name) is the dtype); bytes per element.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
 # The dtype of the per-(token, kv head) scale beside quantized K/V (config.KV_QUANT_DTYPES).
@@ -34,6 +37,8 @@ class ModelConfig:
     rank_kv_heads: int = 0
     pipeline_parallel_size: int = 1  # stages the layers are split into (PipelineStage)
     rank_layers: int = 0  # layers in this rank's stage (PipelineStage.layers); 0: all of them
+    # ranks sharing each request's KV along the sequence (layers/context_parallel.py)
+    prefill_context_parallel_size: int = 1
 
     @property
     def num_layers(self) -> int:
@@ -65,9 +70,10 @@ class ModelConfig:
     def kv_bytes_per_token(self, kv_quant_dtype: str | None = None) -> int:
         """K and V bytes of one token over all layers in one rank's cache: head_dim values per kv
         head in the model dtype, or in `kv_quant_dtype` plus one KV_SCALE_DTYPE scale
-        (CacheConfig.kv_quant_dtype)."""
+        (CacheConfig.kv_quant_dtype); a context-parallel rank holds 1/N of the tokens."""
         if kv_quant_dtype is None:
             per_head = self.head_dim * DTYPE_BYTES[self.dtype]
         else:
             per_head = self.head_dim * DTYPE_BYTES[kv_quant_dtype] + DTYPE_BYTES[KV_SCALE_DTYPE]
-        return 2 * self.num_layers_per_rank * self.num_kv_heads_per_rank * per_head
+        per_token = 2 * self.num_layers_per_rank * self.num_kv_heads_per_rank * per_head
+        return -(-per_token // self.prefill_context_parallel_size)

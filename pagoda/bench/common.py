@@ -338,7 +338,7 @@ def prompt_lookup_args(spec: Any) -> dict[str, int] | None:
     llama.cpp peer reads the same two)."""
     if spec is None:
         return None
-    from pagoda.config import SpeculativeConfig
+    from pagoda.speculative_config import SpeculativeConfig
 
     config = SpeculativeConfig.parse(spec)
     if config is None or not config.use_ngram:

@@ -3,7 +3,9 @@ CUDA), builds its share of the model and its runner (runner/builder.py), then ru
 engine sends it, in order, until the engine goes away.
 
 Global rank r is tensor-parallel rank r % T of pipeline stage r // T (T ranks a stage); each
-stage's ranks form their own tensor-parallel group.
+stage's ranks form their own tensor-parallel group. Under prefill context parallelism (alone for
+now) global rank r is context-parallel rank r, and every rank samples the same tokens from the
+same gathered hidden states (runner/context_parallel.py).
 
     engine (WorkerGroup)                      rank r (this loop)
     (method, args) to every rank       -->    the runner's method; every rank runs every step
@@ -33,7 +35,14 @@ import torch.distributed as dist
 
 from pagoda.config import EngineConfig
 from pagoda.layers.kv_cache import kv_cache_bytes
-from pagoda.layers.parallel import PipelineStage, TensorParallel
+from pagoda.layers.parallel import (
+    NO_CONTEXT_PARALLEL,
+    SINGLE,
+    WHOLE_MODEL,
+    ContextParallel,
+    PipelineStage,
+    TensorParallel,
+)
 from pagoda.runner.builder import RankSetup, build_runner, profiled_kv_budget
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
 
@@ -52,21 +61,22 @@ def run_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's to handle; it ends the workers
     torch.set_num_threads(threads)
     try:
-        tp, pp = join_group(config, rank, size, init_method)
+        tp, pp, cp = join_group(config, rank, size, init_method)
         torch.manual_seed(config.seed)
-        setup = build_runner(config, tp, pp)
+        setup = build_runner(config, tp, pp, cp)
         conn.send(("ok", (setup.model_config, setup.eos_token_ids)))
     except Exception as e:  # noqa: BLE001 - reported to the engine, which raises it
         logger.exception("rank %d failed to start", rank)
         _report(conn, e)
         os._exit(1)
-    serve(conn, setup, config, tp, pp)
+    serve(conn, setup, config, tp, pp, cp)
 
 
 def join_group(
     config: EngineConfig, rank: int, size: int, init_method: str
-) -> tuple[TensorParallel, PipelineStage]:
-    """Join the world group; return this rank's tensor-parallel group and pipeline stage."""
+) -> tuple[TensorParallel, PipelineStage, ContextParallel]:
+    """Join the world group; return this rank's tensor-parallel group, pipeline stage and
+    context-parallel rank (the world group's, which then has no other parallelism)."""
     backend = "nccl" if config.device_type == "cuda" else "gloo"
     if config.device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -81,8 +91,11 @@ def join_group(
             dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)
         ]
         group = groups[stage]
+    cp_size = config.prefill_context_parallel_size
+    if cp_size > 1:
+        return SINGLE, WHOLE_MODEL, ContextParallel(rank, cp_size, dist.group.WORLD)
     tp = TensorParallel(rank % tp_size, tp_size, group)
-    return tp, PipelineStage(stage, pp_size, rank, tp_size)
+    return tp, PipelineStage(stage, pp_size, rank, tp_size), NO_CONTEXT_PARALLEL
 
 
 def reply_rank(config: EngineConfig) -> int:
@@ -96,8 +109,9 @@ def serve(
     config: EngineConfig,
     tp: TensorParallel,
     pp: PipelineStage,
+    cp: ContextParallel,
 ) -> None:
-    runner, rank = setup.runner, pp.global_rank
+    runner, rank = setup.runner, pp.global_rank + cp.rank
     replies = rank == reply_rank(config)
     steps = StepStats()
 
@@ -119,6 +133,7 @@ def serve(
             **asdict(steps),
             **{f"collective_{k}": v for k, v in asdict(tp.stats).items()},
             **{f"pipeline_{k}": v for k, v in asdict(pp.stats).items()},
+            **{f"context_{k}": v for k, v in asdict(cp.stats).items()},
         },
     }
     while True:

@@ -37,6 +37,7 @@ class WorkerGroup:
     def __init__(self, config: EngineConfig) -> None:
         size = config.world_size
         self.tp_size = config.tensor_parallel_size
+        self.cp_size = config.prefill_context_parallel_size
         self.reply_rank = reply_rank(config)
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -56,10 +57,11 @@ class WorkerGroup:
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _shutdown, self.conns, self.procs)
         logger.info(
-            "%d ranks: tensor parallel %d x pipeline %d (pids %s)",
+            "%d ranks: tensor parallel %d x pipeline %d x prefill context parallel %d (pids %s)",
             size,
             config.tensor_parallel_size,
             config.pipeline_parallel_size,
+            config.prefill_context_parallel_size,
             [p.pid for p in self.procs],
         )
         try:
@@ -166,8 +168,11 @@ class WorkerGroup:
         raise RuntimeError(message)
 
     def _name(self, rank: int) -> str:
-        """How messages name a rank: "tensor-parallel rank 1", "pipeline stage 1", or both."""
+        """How messages name a rank: "tensor-parallel rank 1", "pipeline stage 1", or both, or
+        "context-parallel rank 1"."""
         stage, tp_rank = divmod(rank, self.tp_size)
+        if self.cp_size > 1:
+            return f"context-parallel rank {rank}"
         if len(self.procs) == self.tp_size:
             return f"tensor-parallel rank {tp_rank}"
         if self.tp_size == 1:

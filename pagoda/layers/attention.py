@@ -6,6 +6,9 @@ request's keys [0, position] read back from the cache. Any mix of chunked prefil
 allowed in one batch (see forward_context.py for the layout). Backend `triton` (the GPU default)
 runs the kernels of pagoda/kernels/ over the same cache and metadata.
 
+Under prefill context parallelism (metadata.context_parallel set) a rank's cache holds every
+N-th position of each request, and layers/context_parallel.py attends across the ranks.
+
 A quantized cache (`--kv-cache-dtype int8|fp8`) is quantized here on write and dequantized here
 on read, to the query dtype, before attention: nothing else reads the cache's values.
 """
@@ -16,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.context_parallel import context_parallel_attention
 from pagoda.layers.forward_context import AttentionMetadata, ForwardContext, get_forward_context
-from pagoda.layers.kv_cache import KVCache, dequantize_kv, quantize_kv
+from pagoda.layers.kv_cache import KVCache, read_kv, write_kv_cache
 
 
 class Attention(nn.Module):
@@ -57,68 +61,23 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.backend == "triton":
+        if meta.context_parallel is not None:
+            out = context_parallel_attention(
+                q,
+                k,
+                v,
+                cache,
+                meta.context_parallel,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+            )
+        elif self.backend == "triton":
             out = paged_attention_triton(q, k, v, cache, meta, self.scale, rotary, qk_norm)
         else:
             write_kv_cache(k, v, cache, meta.slot_mapping)
             out = paged_attention_torch(q, cache, meta, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
-
-
-def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, cache: KVCache, slot_mapping: torch.Tensor
-) -> None:
-    # k, v: (num_tokens, num_kv_heads, head_dim); slot_mapping: (num_tokens,) flat slot ids
-    if cache.k_scale is None or cache.v_scale is None:
-        k_flat = cache.k.view(-1, *cache.k.shape[2:])
-        v_flat = cache.v.view(-1, *cache.v.shape[2:])
-        k_flat.index_copy_(0, slot_mapping, k.to(cache.k.dtype))
-        v_flat.index_copy_(0, slot_mapping, v.to(cache.v.dtype))
-        return
-    _write_quantized(k, cache.k, cache.k_scale, slot_mapping)
-    _write_quantized(v, cache.v, cache.v_scale, slot_mapping)
-
-
-def _write_quantized(
-    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    q, scale = quantize_kv(x, values.dtype)
-    # Copied as bytes: CPU index_copy_ has no float8 kernel (torch 2.13); int8 copies the same.
-    flat = values.view(torch.uint8).view(-1, *values.shape[2:])
-    flat.index_copy_(0, slot_mapping, q.view(torch.uint8))
-    scales.view(-1, scales.shape[-1]).index_copy_(0, slot_mapping, scale)
-
-
-def _gather_blocks(
-    cache: torch.Tensor, block_ids: torch.Tensor, length: int | None = None
-) -> torch.Tensor:
-    """(num_blocks, block_size, *rest)[ids] -> (*ids.shape[:-1], n * block_size, *rest),
-    cut to the first `length` positions when given."""
-    dim = block_ids.dim()
-    if torch.compiler.is_compiling():
-        # Indexing keeps ids' shape (flattening ids, or the gathered blocks, makes
-        # torch.compile guard on whether the batch or the table width is 1).
-        out = cache[block_ids]
-    else:
-        # Eagerly, index_select is ~3.5x faster than advanced indexing on CPU.
-        flat = cache.index_select(0, block_ids.reshape(-1))
-        out = flat.view(*block_ids.shape, *cache.shape[1:])
-    out = out.flatten(dim - 1, dim)
-    return out if length is None else out.narrow(block_ids.dim() - 1, 0, length)
-
-
-def _read_kv(
-    cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype, seq_len: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of blocks `block_ids` in `dtype`, positions [0, seq_len) when given:
-    each (*block_ids.shape[:-1], seq_len or n * block_size, num_kv_heads, head_dim)."""
-    k = _gather_blocks(cache.k, block_ids, seq_len)
-    v = _gather_blocks(cache.v, block_ids, seq_len)
-    if cache.k_scale is None or cache.v_scale is None:
-        return k.to(dtype), v.to(dtype)
-    k_scale = _gather_blocks(cache.k_scale, block_ids, seq_len)
-    v_scale = _gather_blocks(cache.v_scale, block_ids, seq_len)
-    return dequantize_kv(k, k_scale, dtype), dequantize_kv(v, v_scale, dtype)
 
 
 def paged_attention_torch(
@@ -149,7 +108,7 @@ def _decode_attention_sdpa(
 ) -> torch.Tensor:
     """The decode rows qd (num_decodes, H, D) -> (num_decodes, H, D), by SDPA over the
     gathered keys and values with an additive mask (built once a step, kept on meta)."""
-    kd, vd = _read_kv(cache, meta.decode_block_tables, qd.dtype)  # (B, L, Hkv, D)
+    kd, vd = read_kv(cache, meta.decode_block_tables, qd.dtype)  # (B, L, Hkv, D)
     if meta.decode_mask is None:
         key_pos = torch.arange(kd.shape[1], device=qd.device)
         valid = key_pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (B, L)
@@ -182,7 +141,7 @@ def _prefill_attention_torch(
         # 4-D (1, H, len, D): SDPA's fused CPU kernel takes only 4-D inputs; 3-D ones fall
         # back to the math kernel, ~8x slower on a 3k-token prompt.
         qp = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)
-        kp, vp = _read_kv(cache, block_ids, q.dtype, p.seq_len)  # (seq_len, Hkv, D)
+        kp, vp = read_kv(cache, block_ids, q.dtype, p.seq_len)  # (seq_len, Hkv, D)
         mask: torch.Tensor | None = None
         if q_len != p.seq_len:  # chunk after cached context: query i sees keys [0, its position]
             q_pos = torch.arange(p.seq_len - q_len, p.seq_len, device=q.device).unsqueeze(1)
@@ -215,7 +174,7 @@ def decode_attention_reductions(
     q: (B, H, D); block_tables (B, max_blocks); seq_lens (B,) -> (B, H, D) in q's dtype.
     """
     batch, num_heads, head_dim = q.shape
-    k, v = _read_kv(cache, block_tables, torch.float32)  # (B, L, Hkv, D)
+    k, v = read_kv(cache, block_tables, torch.float32)  # (B, L, Hkv, D)
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     qg = q.float().view(batch, num_kv_heads, group, 1, head_dim)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from pagoda.layers.context_parallel import ContextParallelMetadata
     from pagoda.layers.kv_cache import KVCache
 
 # One KVCache per layer.
@@ -69,6 +70,9 @@ class AttentionMetadata:
     # (num_decodes, 1, 1, max_blocks * block_size) additive mask (0 = attend, -inf = not):
     # built by the torch backend's first layer of a step and reused by the others.
     decode_mask: torch.Tensor | None = None
+    # Prefill context parallelism (layers/context_parallel.py): this rank's rows and KV slots;
+    # the model then runs on those rows only. None: one rank computes every row.
+    context_parallel: ContextParallelMetadata | None = None
 
     @property
     def num_decodes(self) -> int:

@@ -170,3 +170,31 @@ class PipelineStage:
 
 
 WHOLE_MODEL = PipelineStage()
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This process's place among the prefill-context-parallel ranks (layers/context_parallel.py):
+    each holds the whole model and 1/size of every request's KV cache (the positions p with
+    p % size == rank). size 1: no group, no collective."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+    stats: CollectiveStats = field(default_factory=CollectiveStats, compare=False)
+
+    def owns(self, position: int) -> bool:
+        return position % self.size == self.rank
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x, in rank order (x has the same shape on every rank)."""
+        if self.size == 1:
+            return [x]
+        start = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.stats.add(x, start)
+        return parts
+
+
+NO_CONTEXT_PARALLEL = ContextParallel()

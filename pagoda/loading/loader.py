@@ -95,6 +95,7 @@ def load_model(
         rank_kv_heads=_rank_kv_heads(model),
         pipeline_parallel_size=pp.size,
         rank_layers=model.model.end_layer - model.model.start_layer,
+        prefill_context_parallel_size=config.prefill_context_parallel_size,
     )
     return model, model_config, tokenizer
 

@@ -11,7 +11,14 @@ from typing import Any
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.layers.parallel import SINGLE, WHOLE_MODEL, PipelineStage, TensorParallel
+from pagoda.layers.parallel import (
+    NO_CONTEXT_PARALLEL,
+    SINGLE,
+    WHOLE_MODEL,
+    ContextParallel,
+    PipelineStage,
+    TensorParallel,
+)
 from pagoda.loading.draft import DraftModel, load_draft_model
 from pagoda.loading.loader import load_model
 from pagoda.model_config import ModelConfig
@@ -31,7 +38,10 @@ class RankSetup:
 
 
 def build_runner(
-    config: EngineConfig, tp: TensorParallel = SINGLE, pp: PipelineStage = WHOLE_MODEL
+    config: EngineConfig,
+    tp: TensorParallel = SINGLE,
+    pp: PipelineStage = WHOLE_MODEL,
+    cp: ContextParallel = NO_CONTEXT_PARALLEL,
 ) -> RankSetup:
     """Load the model (this rank's share and stage of it; and a draft model) on config's
     resolved device and wrap it in a runner."""
@@ -57,6 +67,7 @@ def build_runner(
         speculative_config=spec,
         draft=draft,
         pp=pp,
+        cp=cp,
     )
     return RankSetup(runner, model_config, tokenizer, eos_token_ids, draft)
 

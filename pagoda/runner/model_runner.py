@@ -7,7 +7,7 @@ and the previous step's sampled ids.
 execute() only launches work: it returns a PendingOutput whose host copies are queued behind the
 step, and whose get() is the step's one host sync. Under async scheduling the engine launches
 the next step before that get(); a request decoding from a placeholder input then reads the
-token the previous step sampled straight from the device (_fill_placeholders).
+token the previous step sampled straight from the device (pending_output.fill_placeholders).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagoda.config import SpeculativeConfig
-from pagoda.layers.forward_context import forward_context
+from pagoda.layers.forward_context import AttentionMetadata, forward_context
 from pagoda.layers.kv_cache import KVCache, allocate_kv_caches
-from pagoda.layers.parallel import WHOLE_MODEL, PipelineStage
+from pagoda.layers.parallel import NO_CONTEXT_PARALLEL, WHOLE_MODEL, ContextParallel, PipelineStage
 from pagoda.layers.quant_forms import triton_weights
 from pagoda.loading.draft import DraftModel
 from pagoda.model_config import ModelConfig
 from pagoda.models.interface import CausalLM
+from pagoda.runner.context_parallel import context_parallel_forward
 from pagoda.runner.cuda_graphs import (
     LOGITS_IN_GRAPH_MAX,
     DecodeGraphs,
@@ -36,7 +36,7 @@ from pagoda.runner.device import to_device
 from pagoda.runner.draft_step import DraftModelStep
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.kernel_warmup import decode_split_counts, matmul_row_counts, prefill_lens
-from pagoda.runner.pending_output import PendingOutput
+from pagoda.runner.pending_output import PendingOutput, fill_placeholders
 from pagoda.runner.pipeline import pipelined_forward
 from pagoda.runner.prompt_logprobs import compute_prompt_logprobs
 from pagoda.runner.sampler import (
@@ -52,10 +52,10 @@ from pagoda.runner.speculative import (
 )
 from pagoda.runner.step_inputs import InputBuffers
 from pagoda.scheduling.messages import (
-    PLACEHOLDER_TOKEN_ID,
     ScheduledRequest,
     SchedulerOutput,
 )
+from pagoda.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from pagoda.runner.compilation import CompiledDecode
@@ -81,15 +81,18 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         draft: DraftModel | None = None,
         pp: PipelineStage = WHOLE_MODEL,
+        cp: ContextParallel = NO_CONTEXT_PARALLEL,
     ) -> None:
         """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay captured
         graphs for pure-decode batches (CUDA, triton). compile_decode: run pure-decode batches
         through torch.compile (pagoda/runner/compilation.py). speculative_config: propose draft
         tokens for each decoding request and verify them (runner/speculative.py); needs sync
         scheduling. draft: the draft model of method draft_model (runner/draft_step.py). pp:
-        this runner's pipeline stage, whose steps run as micro-batches (runner/pipeline.py)."""
+        this runner's pipeline stage, whose steps run as micro-batches (runner/pipeline.py). cp:
+        its prefill-context-parallel rank, which computes and caches its share of each step's
+        rows (runner/context_parallel.py)."""
         self.model = model
-        self.pp = pp
+        self.pp, self.cp = pp, cp
         self.num_micro_batches = max(2, pp.size)
         self.model_config = model_config
         self.block_size = block_size
@@ -148,8 +151,9 @@ class ModelRunner:
             )
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
+        block_size = self.block_size // self.cp.size  # a rank's share of each block
         return allocate_kv_caches(
-            self.model_config, num_blocks, self.block_size, self.kv_quant_dtype, self.device
+            self.model_config, num_blocks, block_size, self.kv_quant_dtype, self.device
         )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -241,6 +245,14 @@ class ModelRunner:
             self.block_size,
             decode_num_splits=num_splits,
         )
+        return self._forward(ids, pos, meta, caches)
+
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata, caches: list[KVCache]
+    ) -> torch.Tensor:
+        if self.cp.size > 1:
+            cp, size = self.cp, self.block_size
+            return context_parallel_forward(self.model, ids, pos, meta, caches, cp, size)
         with forward_context(meta, caches):
             return self.model(ids, pos)
 
@@ -312,7 +324,7 @@ class ModelRunner:
             decode_num_splits=self.decode_num_splits(size or num_decodes),
             full_width=size is not None,
         )
-        self._fill_placeholders(out.scheduled, ids_t)
+        fill_placeholders(out.scheduled, ids_t, self.prev_sampled, self.prev_rows, self.device)
         decoded: DecodeOutput | None = None
         if size is not None and self.graphs is not None:
             decoded = self.graphs.replay(size)
@@ -323,8 +335,7 @@ class ModelRunner:
             with forward_context(meta, self.kv_caches) as ctx:
                 hidden = self.compiled(ids_t, pos_t, ctx)
         else:
-            with forward_context(meta, self.kv_caches):
-                hidden = self.model(ids_t, pos_t)  # (num_tokens, hidden_size)
+            hidden = self._forward(ids_t, pos_t, meta, self.kv_caches)  # (num_tokens, hidden)
         if decoded is not None:
             hidden = decoded.hidden
         hidden = hidden[:num_tokens]
@@ -346,28 +357,6 @@ class ModelRunner:
             return DecodeOutput(hidden, None, None)
         logits = self.model.compute_logits(hidden, float32=False)  # (size, vocab)
         return DecodeOutput(hidden, logits, logits.argmax(dim=-1))
-
-    def _fill_placeholders(
-        self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor
-    ) -> None:
-        """Write each placeholder input (the last input of a request whose previous step is
-        still in flight) from the previous step's sampled ids, on the device."""
-        rows: dict[str, int] = {}
-        end = 0
-        for s in scheduled:
-            end += len(s.token_ids)
-            if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-                rows[s.request_id] = end - 1
-        if not rows:
-            return
-        assert self.prev_sampled is not None, "a placeholder input without a previous step"
-        dst = list(rows.values())
-        src = [self.prev_rows[rid] for rid in rows]
-        if dst == src == list(range(len(dst))):  # an unchanged decode batch: no index upload
-            input_ids[: len(dst)].copy_(self.prev_sampled[: len(dst)])
-        else:
-            src_t = to_device(src, torch.int64, self.device)
-            input_ids[to_device(dst, torch.int64, self.device)] = self.prev_sampled[src_t]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

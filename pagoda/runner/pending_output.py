@@ -6,8 +6,14 @@ from collections.abc import Callable
 
 import torch
 
+from pagoda.runner.device import to_device
 from pagoda.runner.sampler import LogprobsTensors
-from pagoda.scheduling.messages import LogprobEntry, RunnerOutput
+from pagoda.scheduling.messages import (
+    PLACEHOLDER_TOKEN_ID,
+    LogprobEntry,
+    RunnerOutput,
+    ScheduledRequest,
+)
 
 
 def _logprob_entries(t: LogprobsTensors) -> list[LogprobEntry]:
@@ -78,3 +84,31 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     """A pinned host tensor that a non_blocking copy from `t` fills in stream order."""
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
+
+
+def fill_placeholders(
+    scheduled: list[ScheduledRequest],
+    input_ids: torch.Tensor,
+    prev_sampled: torch.Tensor | None,
+    prev_rows: dict[str, int],
+    device: torch.device,
+) -> None:
+    """Write each placeholder input (the last input of a request whose previous step is still in
+    flight) from the previous step's sampled ids prev_sampled (prev_rows: each request's row in
+    them), on the device."""
+    rows: dict[str, int] = {}
+    end = 0
+    for s in scheduled:
+        end += len(s.token_ids)
+        if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            rows[s.request_id] = end - 1
+    if not rows:
+        return
+    assert prev_sampled is not None, "a placeholder input without a previous step"
+    dst = list(rows.values())
+    src = [prev_rows[rid] for rid in rows]
+    if dst == src == list(range(len(dst))):  # an unchanged decode batch: no index upload
+        input_ids[: len(dst)].copy_(prev_sampled[: len(dst)])
+    else:
+        src_t = to_device(src, torch.int64, device)
+        input_ids[to_device(dst, torch.int64, device)] = prev_sampled[src_t]

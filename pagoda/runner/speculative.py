@@ -27,7 +27,6 @@ from typing import Protocol, overload
 
 import torch
 
-from pagoda.config import SpeculativeConfig
 from pagoda.runner.device import to_device
 from pagoda.runner.input_batch import InputBatch, RequestRow, SamplingRows
 from pagoda.runner.rejection_sampler import (
@@ -39,6 +38,7 @@ from pagoda.runner.rejection_sampler import (
 from pagoda.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from pagoda.spec_decode.draft_model import DraftModelProposer, DraftStepFn
 from pagoda.spec_decode.ngram import NgramProposer
+from pagoda.speculative_config import SpeculativeConfig
 
 
 @dataclass

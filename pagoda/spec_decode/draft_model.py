@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode.backoff import ProposalBackoff
+from pagoda.speculative_config import SpeculativeConfig
 
 # One draft forward: rows of (request id, tokens to feed, position of the first) -> each row's
 # greedy next token after its last fed token. The runner's DraftModelStep is one.

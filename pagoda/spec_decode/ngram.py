@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pagoda.config import DEFAULT_MAX_BACKOFF_STEPS, SpeculativeConfig
 from pagoda.spec_decode.backoff import ProposalBackoff
+from pagoda.speculative_config import DEFAULT_MAX_BACKOFF_STEPS, SpeculativeConfig
 
 TokenIds = Sequence[int] | np.ndarray
 

@@ -338,7 +338,8 @@ def test_a_killed_tensor_parallel_rank_fails_streams_and_exits(
     stream = Stream(server, {"prompt": "interrupted", **LONG})
     assert stream.first.wait(60)
     found = re.search(
-        r"2 ranks: tensor parallel 2 x pipeline 1 \(pids \[(\d+), (\d+)\]\)", server.log()
+        r"2 ranks: tensor parallel 2 x pipeline 1 x prefill context parallel 1 \(pids \[(\d+), (\d+)\]\)",
+        server.log(),
     )
     assert found, server.log()
     os.kill(int(found.group(2)), signal.SIGKILL)

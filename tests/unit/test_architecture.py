@@ -42,6 +42,7 @@ PLAIN_ROOT = {
     "pagoda.config",
     "pagoda.model_config",
     "pagoda.kv_transfer_config",
+    "pagoda.speculative_config",
     "pagoda.sampling_params",
     "pagoda.outputs",
     "pagoda.engine_args",

@@ -5,8 +5,8 @@ that records its rows and predicts t + 1."""
 
 from __future__ import annotations
 
-from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode.draft_model import DraftModelProposer
+from pagoda.speculative_config import SpeculativeConfig
 
 
 class FakeDraft:

@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from pagoda.config import SpeculativeConfig
 from pagoda.spec_decode.backoff import ProposalBackoff
 from pagoda.spec_decode.ngram import NgramProposer, TokenIds, find_ngram_draft
+from pagoda.speculative_config import SpeculativeConfig
 
 
 def draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from pagoda.config import (
+from pagoda.model_config import QUANTIZATION_METHODS
+from pagoda.speculative_config import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
     DEFAULT_MAX_BACKOFF_STEPS,
     DEFAULT_PROMPT_LOOKUP,
-    QUANTIZATION_METHODS,
     SpeculativeConfig,
 )
 
