@@ -215,6 +215,10 @@ def weights_record(llm: Any, gguf_type: str | None) -> dict[str, Any]:
         "dtype": dtype,
         "weight_mib": round(mc.weight_bytes / 2**20, 2),
         "precision": pagoda_precision(mc.quantization, dtype, gguf_type, llm.engine.device.type),
+        # K/V bytes a rank holds per token of a sequence (1/N of it under context parallelism)
+        "kv_bytes_per_token_per_rank": mc.kv_bytes_per_token(
+            llm.engine.config.cache.kv_quant_dtype
+        ),
     }
     folder, gguf_file = resolve_model(llm.engine.config.model)
     if gguf_file is not None:
@@ -351,10 +355,11 @@ def prompt_lookup_args(spec: Any) -> dict[str, int] | None:
 
 
 def parallel_stats(engine: Any) -> dict[str, Any] | None:
-    """Under tensor or pipeline parallelism, per rank since start: steps, mean step time, the
-    collectives' calls, bytes and time per step (gloo: the whole exchange), the pipeline's
-    sends and receives per step (a receive's time includes the wait for the previous stage),
-    and weight / KV-cache bytes. None on one rank."""
+    """Under tensor, pipeline or context parallelism, per rank since start: steps, mean step
+    time, the collectives' calls, bytes and time per step (gloo: the whole exchange), the
+    pipeline's sends and receives per step (a receive's time includes the wait for the previous
+    stage), the context-parallel all-gathers per step, and weight / KV-cache bytes. None on one
+    rank."""
     from pagoda.distributed.workers import WorkerGroup
 
     runner = engine.runner
@@ -377,6 +382,9 @@ def parallel_stats(engine: Any) -> dict[str, Any] | None:
                 "pipeline_transfers_per_step": round(s["pipeline_calls"] / steps, 2),
                 "pipeline_bytes_per_step": round(s["pipeline_bytes"] / steps),
                 "pipeline_ms_per_step": round(1000 * s["pipeline_seconds"] / steps, 3),
+                "context_gathers_per_step": round(s["context_calls"] / steps, 2),
+                "context_bytes_per_step": round(s["context_bytes"] / steps),
+                "context_ms_per_step": round(1000 * s["context_seconds"] / steps, 3),
                 **memory,
             }
         )
@@ -384,5 +392,6 @@ def parallel_stats(engine: Any) -> dict[str, Any] | None:
     return {
         "tensor_parallel_size": config.tensor_parallel_size,
         "pipeline_parallel_size": config.pipeline_parallel_size,
+        "prefill_context_parallel_size": config.prefill_context_parallel_size,
         "ranks": ranks,
     }

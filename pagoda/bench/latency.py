@@ -16,6 +16,7 @@ LlamaPromptLookupDecoding (num_pred_tokens, max_ngram_size: the same two)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import time
 from dataclasses import dataclass
@@ -130,7 +131,9 @@ def main(args: argparse.Namespace) -> int:
         args.model, kwargs, prompts, args.output_len, gguf_type, outputs
     )
     record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
-    if kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1) > 1:
+    # what another run's greedy outputs can be compared with
+    record["pagoda"]["outputs_sha256"] = hashlib.sha256(repr(outputs).encode()).hexdigest()
+    if llm.engine.config.world_size > 1:
         record["parallel"] = parallel_stats(llm.engine)
     if spec is not None:
         record["spec_decode"] = spec_stats(llm.engine.stats())
