@@ -31,17 +31,22 @@ import torch.nn.functional as F
 from pagoda.layers.kv_cache import KVCache, read_kv, write_kv_cache
 from pagoda.layers.parallel import ContextParallel
 
+# A rank's prefill queries are attended in runs of this many rows, each over the keys up to its
+# last position only: an explicit mask (positions interleave across ranks, so SDPA's is_causal
+# does not apply) would otherwise cost the whole (queries x keys) product, twice causal's.
+QUERY_BLOCK = 128
+
 
 @dataclass
 class ContextPrefill:
     """One prefilling request as a rank sees it: its query rows [local_start, local_end) of the
-    rank's rows (contiguous, possibly none), at query_positions, over keys [0, seq_len) in the
-    logical blocks block_ids. Each rank's shard of it is shard_len rows long: row i of rank r's
-    shard is position i * N + r."""
+    rank's rows (contiguous, possibly none), at positions first_position + i * N, over keys
+    [0, seq_len) in the logical blocks block_ids. Each rank's shard of it is shard_len rows
+    long: row i of rank r's shard is position i * N + r."""
 
     local_start: int
     local_end: int
-    query_positions: torch.Tensor  # (local_end - local_start,) int64
+    first_position: int
     seq_len: int
     block_ids: torch.Tensor  # (ceil(seq_len / block_size),) int32
     shard_len: int
@@ -145,15 +150,28 @@ def _prefill_attention(
         # rank r's row i is position i * N + r: interleave the shards back into positions
         kv = kv.permute(1, 2, 0, 3, 4).reshape(2, p.shard_len * cp.size, num_kv_heads, head_dim)
         kv = kv[:, : p.seq_len].transpose(1, 2)  # (2, Hkv, seq_len, D)
-        key_positions = torch.arange(p.seq_len, device=q.device)
-        mask = key_positions.unsqueeze(0) <= p.query_positions.unsqueeze(1)
-        qp = q[p.local_start : p.local_end].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
-        op = F.scaled_dot_product_attention(
-            qp,
-            kv[0].unsqueeze(0),
-            kv[1].unsqueeze(0),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=qp.shape[1] != num_kv_heads,
-        )
-        out[p.local_start : p.local_end] = op[0].transpose(0, 1)
+        for start in range(p.local_start, p.local_end, QUERY_BLOCK):
+            end = min(start + QUERY_BLOCK, p.local_end)
+            first = p.first_position + (start - p.local_start) * cp.size
+            positions = torch.arange(first, first + (end - start) * cp.size, cp.size)
+            out[start:end] = _attend(q[start:end], kv, positions.to(q.device), scale)
+
+
+def _attend(
+    q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Queries q (n, H, D) at ascending positions over the keys of kv (2, Hkv, seq_len, D) up
+    to the last of them, each query seeing keys up to its own position -> (n, H, D)."""
+    num_keys = int(positions[-1]) + 1  # a host tensor's value
+    keys = torch.arange(num_keys, device=q.device)
+    mask = keys.unsqueeze(0) <= positions.unsqueeze(1)  # (n, num_keys)
+    qp = q.transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
+    op = F.scaled_dot_product_attention(
+        qp,
+        kv[0, :, :num_keys].unsqueeze(0),
+        kv[1, :, :num_keys].unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=qp.shape[1] != kv.shape[1],
+    )
+    return op[0].transpose(0, 1)

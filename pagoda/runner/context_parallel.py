@@ -65,12 +65,15 @@ def context_metadata(
     for i, p in enumerate(meta.prefills):
         mine = [local_of[row] for row in range(p.token_start, p.token_end) if row in local_of]
         start, end = (mine[0], mine[-1] + 1) if mine else (0, 0)
+        query_len = p.token_end - p.token_start
+        first = p.seq_len - query_len  # position of the prefill's first row
+        first += (cp.rank - first) % cp.size  # ... and of this rank's first row
         num_blocks = -(-p.seq_len // block_size)
         prefills.append(
             ContextPrefill(
                 start,
                 end,
-                positions[local_rows[start:end]],
+                first,
                 p.seq_len,
                 meta.prefill_block_tables[i, :num_blocks],
                 num_blocks * (block_size // cp.size),
