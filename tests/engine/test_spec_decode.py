@@ -229,15 +229,19 @@ COPY_TEXT = (
 )
 
 
-def test_ngram_on_smollm2_accepts_copied_text(smollm2_path: str) -> None:
-    """The real proposer: SmolLM2 asked to repeat a passage; greedy output equals the plain
-    run's, and most of it comes from accepted drafts."""
+def test_ngram_on_smollm2_accepts_copied_text(smollm2_path: str, smollm2_llm: LLM) -> None:
+    """The real proposer: SmolLM2 (float32) asked to repeat a passage; greedy output equals the
+    plain run's, and most of it comes from accepted drafts."""
     params = SamplingParams(temperature=0.0, max_tokens=48)
     messages = [{"role": "user", "content": f"Repeat this text exactly:\n\n{COPY_TEXT}"}]
-    plain = LLM(smollm2_path, max_model_len=512)
-    expected = plain.chat(messages, params, use_tqdm=False)[0].outputs[0]
-    del plain
-    spec = LLM(smollm2_path, max_model_len=512, speculative_config=NGRAM)
+    expected = smollm2_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+    spec = LLM(
+        smollm2_path,
+        quantization="none",
+        max_model_len=512,
+        num_gpu_blocks_override=64,
+        speculative_config=NGRAM,
+    )
     got = spec.chat(messages, params, use_tqdm=False)[0].outputs[0]
     assert got.token_ids == expected.token_ids
     stats = spec.engine.stats()

@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pagoda import LLM, SamplingParams
 from pagoda.layers.kv_cache import kv_cache_bytes
 from pagoda.layers.norm import RMSNorm
+from pagoda.layers.parallel import TensorParallel
 from pagoda.layers.quant_forms import stored_bytes
 from pagoda.outputs import RequestOutput
 from pagoda.runner.model_runner import ModelRunner
@@ -112,11 +113,29 @@ def test_tp2_small_configs(tmp_path: Path, heads: int, kv_heads: int) -> None:
     llm.engine.shutdown()
 
 
+# The default suite checks TensorParallel.heads' ValueError directly (below); this one shows it
+# reaches the caller from the ranks with its type and text.
+@pytest.mark.slow
 def test_a_size_the_heads_do_not_divide_is_a_value_error(
     tiny_weights_dir: Callable[[str], str],
 ) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size=3"):
         LLM(tiny_weights_dir("llama"), tensor_parallel_size=3, **ENGINE)
+
+
+def test_heads_split_by_groups_or_refuse() -> None:
+    """2 kv heads (4 query heads) over 3 ranks neither split nor replicate evenly: ValueError.
+    3 kv heads over 2 ranks are 2 + 1 GQA groups; 1 kv head over 2 ranks is replicated."""
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must be a multiple"):
+        TensorParallel(0, 3).heads(4, 2)
+    assert [TensorParallel(r, 2).heads(9, 3) for r in range(2)] == [
+        ((0, 6), (0, 2)),
+        ((6, 3), (2, 1)),
+    ]
+    assert [TensorParallel(r, 2).heads(4, 1) for r in range(2)] == [
+        ((0, 2), (0, 1)),
+        ((2, 2), (0, 1)),
+    ]
 
 
 def test_ngram_speculation_on_two_ranks(tiny_weights_dir: Callable[[str], str]) -> None:
