@@ -7,8 +7,11 @@ The whole public Python API::
     print(llm.generate("Hello", SamplingParams(max_tokens=16))[0].outputs[0].text)
 """
 
-from pagoda.client.llm import LLM
-from pagoda.engine.core import EngineCore
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from pagoda.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -19,6 +22,21 @@ from pagoda.outputs import (
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
 from pagoda.scheduling.messages import EngineRequest
 from pagoda.version import __version__
+
+if TYPE_CHECKING:
+    from pagoda.client.llm import LLM
+    from pagoda.engine.core import EngineCore
+
+# Imported on first use: they bring in torch (seconds), which processes that never run the model
+# (the API server of `pagoda serve`, the proxy, the CLI's parser) do without.
+_LAZY = {"LLM": "pagoda.client.llm", "EngineCore": "pagoda.engine.core"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagoda' has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",

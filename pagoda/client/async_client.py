@@ -35,7 +35,6 @@ from pagoda.client.tokenizer import (
     completion_prompts,
 )
 from pagoda.config import EngineConfig
-from pagoda.engine.process import run_engine_process
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -126,7 +125,7 @@ class AsyncEngine:
         mp = multiprocessing.get_context("spawn")
         parent_conn, child_conn = mp.Pipe(duplex=False)
         self._process = mp.Process(
-            target=run_engine_process,
+            target=_run_engine_process,
             args=(self.config, self._in_addr, self._out_addr, child_conn),
             name="pagoda-engine",
             # A daemonic process may not start processes: with tensor or pipeline parallelism
@@ -411,3 +410,11 @@ def _wait_ready(conn: Any, process: Any) -> tuple[str, Any]:
             break
     code = process.exitcode
     return ("error", f"the engine process exited during start-up (exit code {code})")
+
+
+def _run_engine_process(*args: Any) -> None:
+    """The engine process's entry point; the engine (and torch) is imported there only, not in
+    the client's process."""
+    from pagoda.engine.process import run_engine_process
+
+    run_engine_process(*args)
