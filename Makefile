@@ -34,9 +34,10 @@ typecheck: $(STAMP)
 	$(BIN)/mypy pagoda
 
 # One pytest-xdist worker per core (at most 4); each test file runs whole on one worker, so its
-# module-scoped engines and servers start once.
+# module-scoped engines and servers start once (files that share a session fixture run on the
+# same worker: tests/conftest.py names the groups).
 test: lint typecheck
-	$(BIN)/python -m pytest -q -x --durations=15 -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q -x --durations=15 -n auto --maxprocesses 4 --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/pagoda bench throughput --num-prompts 64 --input-len-range 16,256 --output-len-range 16,256 --peer hf

@@ -133,7 +133,8 @@ def main(args: argparse.Namespace) -> int:
     record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
     # what another run's greedy outputs can be compared with
     record["pagoda"]["outputs_sha256"] = hashlib.sha256(repr(outputs).encode()).hexdigest()
-    if llm.engine.config.world_size > 1:
+    sizes = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size")
+    if any(kwargs.get(size, 1) > 1 for size in sizes):
         record["parallel"] = parallel_stats(llm.engine)
     if spec is not None:
         record["spec_decode"] = spec_stats(llm.engine.stats())
