@@ -176,10 +176,10 @@ def gguf_weight_type(model: str | None) -> str | None:
     folder, gguf_file = resolve_model(model)
     if gguf_file is None:
         return None
-    from gguf import GGUFReader  # only here: an HF folder runs without the gguf package
+    from pagoda.loading.gguf_index import read_gguf_index
 
     types = collections.Counter(
-        t.tensor_type.name for t in GGUFReader(os.path.join(folder, gguf_file)).tensors
+        t.tensor_type.name for t in read_gguf_index(os.path.join(folder, gguf_file)).tensors
     )
     quantized = {k: v for k, v in types.items() if k not in FLOAT_GGUF_TYPES}
     return max(quantized or types, key=lambda k: (quantized or types)[k])

@@ -35,7 +35,6 @@ from pagoda.client.tokenizer import (
     completion_prompts,
 )
 from pagoda.config import EngineConfig
-from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduling.messages import (
@@ -136,11 +135,13 @@ class AsyncEngine:
         self._process.start()
         child_conn.close()
         loop = asyncio.get_running_loop()
+        # The tokenizer (and transformers, torch) loads here while the engine process starts.
+        tokenizer = loop.run_in_executor(None, _load_tokenizer, self.config)
         kind, payload = await loop.run_in_executor(None, _wait_ready, parent_conn, self._process)
         if kind != "ready":
             self._die(f"the engine failed to start: {payload}")
             return
-        self.tokenizer = await loop.run_in_executor(None, load_tokenizer_for, self.config)
+        self.tokenizer = await tokenizer
         self.info = msgspec.msgpack.decode(payload, type=EngineInfo)
         loop.add_reader(self._process.sentinel, self._on_process_exit)
         self._tasks.append(asyncio.create_task(self._output_loop()))
@@ -418,3 +419,11 @@ def _run_engine_process(*args: Any) -> None:
     from pagoda.engine.process import run_engine_process
 
     run_engine_process(*args)
+
+
+def _load_tokenizer(config: EngineConfig) -> Any:
+    # Imported here: transformers imports torch (seconds), which the server's process then
+    # imports beside the engine process's start rather than before it.
+    from pagoda.loading.tokenizer import load_tokenizer_for
+
+    return load_tokenizer_for(config)

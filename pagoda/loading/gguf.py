@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from pagoda.layers.gguf import GGUFWeight
+from pagoda.loading.gguf_index import read_gguf_index
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -68,13 +69,14 @@ def unpermute_qk(tensor: torch.Tensor, n_head: int) -> torch.Tensor:
 def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     """(HF parameter name, tensor) for every tensor of the GGUF file the models take; with
     `raw`, quantized tensors come as GGUFWeight (their blocks) instead of float32."""
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
 
-    reader = GGUFReader(path)
-    arch = _field(reader, "general.architecture")
-    n_head = _field(reader, f"{arch}.attention.head_count")
-    n_kv_head = _field(reader, f"{arch}.attention.head_count_kv") or n_head
-    for tensor in tqdm(reader.tensors, desc="Loading GGUF", unit="tensor"):
+    index = read_gguf_index(path)
+    fields: dict[str, Any] = index.fields
+    arch = fields.get("general.architecture")
+    n_head: Any = fields.get(f"{arch}.attention.head_count")
+    n_kv_head: Any = fields.get(f"{arch}.attention.head_count_kv") or n_head
+    for tensor in tqdm(index.tensors, desc="Loading GGUF", unit="tensor"):
         name = gguf_to_hf_name(tensor.name)
         if name is None:
             continue
@@ -103,21 +105,7 @@ def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWe
         yield name, dense if heads is None else unpermute_qk(dense, heads)
 
 
-def _field(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    value = field.parts[field.data[0]]
-    if field.types and field.types[0].name == "STRING":
-        return bytes(value).decode("utf-8")
-    return value[0].item()
-
-
 def gguf_string_field(gguf_path: str, key: str) -> str | None:
     """A string metadata field of a GGUF file (e.g. tokenizer.chat_template); None if absent."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf_path).fields.get(key)
-    if field is None:
-        return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    value = read_gguf_index(gguf_path).fields.get(key)
+    return value if isinstance(value, str) else None
