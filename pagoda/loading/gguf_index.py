@@ -14,26 +14,27 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import quant_shape_to_byte_shape
+
+if TYPE_CHECKING:
+    from gguf.constants import GGMLQuantizationType
 
 _MAGIC = b"GGUF"
 # metadata value types -> struct format (fixed size); 8 is STRING, 9 ARRAY
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q"}
 _SCALARS |= {11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
-# tensor types stored as items of their own dtype; every other type is bytes (blocks)
-_ITEM_DTYPES: dict[GGMLQuantizationType, Any] = {
-    GGMLQuantizationType.F16: np.float16,
-    GGMLQuantizationType.F32: np.float32,
-    GGMLQuantizationType.F64: np.float64,
-    GGMLQuantizationType.I8: np.int8,
-    GGMLQuantizationType.I16: np.int16,
-    GGMLQuantizationType.I32: np.int32,
-    GGMLQuantizationType.I64: np.int64,
+# tensor types (by name) stored as items of their own dtype; every other type is bytes (blocks)
+_ITEM_DTYPES: dict[str, Any] = {
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
 }
 
 
@@ -84,6 +85,9 @@ class _Cursor:
 
 def read_gguf_index(path: str) -> GGUFIndex:
     """The metadata and tensors of the GGUF file at `path`; ValueError if it is not one."""
+    # Imported here: the gguf package is needed for GGUF files only (an HF folder runs without).
+    from gguf.constants import GGMLQuantizationType
+
     mapped = np.memmap(path, mode="r")
     cur = _Cursor(mapped.data)
     if bytes(mapped[:4]) != _MAGIC:
@@ -120,12 +124,15 @@ def _tensor(
     ggml_type: GGMLQuantizationType,
     offset: int,
 ) -> GGUFTensor:
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import quant_shape_to_byte_shape
+
     n_elems = int(np.prod(dims))
     np_dims = tuple(reversed(dims))
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     n_bytes = n_elems * type_size // block_size
     begin = start + offset
-    item = _ITEM_DTYPES.get(ggml_type)
+    item = _ITEM_DTYPES.get(ggml_type.name)
     if item is None:
         data = mapped[begin : begin + n_bytes].reshape(
             quant_shape_to_byte_shape(np_dims, ggml_type)
