@@ -356,6 +356,9 @@ def test_draft_tokenizer_must_match(tiny_model_dir: Any, tmp_path: Path) -> None
         LLM(target, speculative_config=spec, max_model_len=64, num_gpu_blocks_override=16)
 
 
+# Slow for the default suite's time (33 s on a fresh machine): the tiny self-draft tests above are
+# its fast variant; benchmarks/README quotes SmolLM2's self-draft figures.
+@pytest.mark.slow
 def test_quantized_self_draft_on_smollm2(smollm2_path: str, smollm2_llm: LLM) -> None:
     """SmolLM2: float32 target, its GGUF kept Q4_1 as the draft. Greedy output equals the
     float engine's; most tokens come from accepted drafts."""

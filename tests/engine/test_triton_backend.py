@@ -105,6 +105,9 @@ def test_padded_decode_batches_match_hf(
     assert_outputs_match(outs, expected)
 
 
+# Slow for the default suite's time (22 s in the interpreter): the padded decode batches above
+# and the tiny self-draft tests (tests/engine/test_spec_decode.py) are its fast variants.
+@pytest.mark.slow
 def test_verification_steps_as_padded_decode_batches(
     tiny_model_dir: Any, tiny_hf_model: Any
 ) -> None:
