@@ -139,6 +139,8 @@ class AsyncEngine:
         tokenizer = loop.run_in_executor(None, _load_tokenizer, self.config)
         kind, payload = await loop.run_in_executor(None, _wait_ready, parent_conn, self._process)
         if kind != "ready":
+            # The engine's error is the one reported; the tokenizer's, if any, has its cause.
+            await asyncio.gather(tokenizer, return_exceptions=True)
             self._die(f"the engine failed to start: {payload}")
             return
         self.tokenizer = await tokenizer
