@@ -69,7 +69,7 @@ def run_worker(
         logger.exception("rank %d failed to start", rank)
         _report(conn, e)
         os._exit(1)
-    serve(conn, setup, config, tp, pp, cp)
+    serve(conn, setup, config, rank, tp, pp, cp)
 
 
 def join_group(
@@ -107,11 +107,12 @@ def serve(
     conn: Connection,
     setup: RankSetup,
     config: EngineConfig,
+    rank: int,
     tp: TensorParallel,
     pp: PipelineStage,
     cp: ContextParallel,
 ) -> None:
-    runner, rank = setup.runner, pp.global_rank + cp.rank
+    runner = setup.runner
     replies = rank == reply_rank(config)
     steps = StepStats()
 

@@ -60,7 +60,7 @@ class ContextParallelMetadata:
 
     cp: ContextParallel
     local_rows: torch.Tensor  # (R,) int64 ascending flat rows this rank computes
-    rank_rows: list[list[int]]  # every rank's local rows
+    rank_rows: list[torch.Tensor]  # every rank's local rows (local_rows is this rank's)
     write_rows: torch.Tensor  # (W,) int64 local rows whose K/V this rank stores
     write_slots: torch.Tensor  # (W,) int64 their slots in this rank's cache
     decode_rows: torch.Tensor  # (num_decodes,) int64 local row of each decode query

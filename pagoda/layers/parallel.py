@@ -183,9 +183,6 @@ class ContextParallel:
     group: Any = None
     stats: CollectiveStats = field(default_factory=CollectiveStats, compare=False)
 
-    def owns(self, position: int) -> bool:
-        return position % self.size == self.rank
-
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's x, in rank order (x has the same shape on every rank)."""
         if self.size == 1:

@@ -10,6 +10,7 @@ so that every rank samples from the same values.
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_left
 
 import torch
 
@@ -49,30 +50,29 @@ def context_metadata(
     device = positions.device
     all_rows = rank_rows(meta.query_lens, meta.seq_lens, cp)
     own = all_rows[cp.rank]
-    local_rows = torch.tensor(own, dtype=torch.int64, device=device)
-    local_of = {row: i for i, row in enumerate(own)}
+    rank_tensors = [torch.tensor(rows, dtype=torch.int64, device=device) for rows in all_rows]
+    local_rows = rank_tensors[cp.rank]
     # K/V rows this rank stores: those at its positions, at (block, row in block // N)
     slots = meta.slot_mapping[local_rows]
     write_rows = torch.nonzero(positions[local_rows] % cp.size == cp.rank).squeeze(1)
     slots = slots[write_rows]
     offset = slots % block_size
     write_slots = slots // block_size * (block_size // cp.size) + offset // cp.size
-    decode_flat = meta.decode_token_idx.tolist()
+    # own is ascending and holds every decode row: a flat row's local index is its rank in own
     decode_rows = torch.tensor(
-        [local_of[row] for row in decode_flat], dtype=torch.int64, device=device
+        [bisect_left(own, row) for row in meta.decode_token_idx.tolist()],
+        dtype=torch.int64,
+        device=device,
     )
     prefills = []
     for i, p in enumerate(meta.prefills):
-        mine = [local_of[row] for row in range(p.token_start, p.token_end) if row in local_of]
-        start, end = (mine[0], mine[-1] + 1) if mine else (0, 0)
-        query_len = p.token_end - p.token_start
-        first = p.seq_len - query_len  # position of the prefill's first row
+        first = p.seq_len - (p.token_end - p.token_start)  # position of the prefill's first row
         first += (cp.rank - first) % cp.size  # ... and of this rank's first row
         num_blocks = -(-p.seq_len // block_size)
         prefills.append(
             ContextPrefill(
-                start,
-                end,
+                bisect_left(own, p.token_start),  # this rank's rows of it are contiguous
+                bisect_left(own, p.token_end),
                 first,
                 p.seq_len,
                 meta.prefill_block_tables[i, :num_blocks],
@@ -80,7 +80,7 @@ def context_metadata(
             )
         )
     return ContextParallelMetadata(
-        cp, local_rows, all_rows, write_rows, write_slots, decode_rows, prefills
+        cp, local_rows, rank_tensors, write_rows, write_slots, decode_rows, prefills
     )
 
 
@@ -107,12 +107,11 @@ def gather_rows(
 ) -> torch.Tensor:
     """(num_tokens, hidden_size) from each rank's rows (R_r, hidden_size), padded to the longest
     for one all-gather. Ranks are written last to first, so rank 0's copy of a decode row wins."""
-    width = max(len(rows) for rows in cpm.rank_rows)
+    width = max(int(rows.shape[0]) for rows in cpm.rank_rows)
     padded = hidden.new_zeros(width, hidden.shape[1])
     padded[: hidden.shape[0]] = hidden
     parts = cpm.cp.all_gather(padded)
     full = hidden.new_empty(num_tokens, hidden.shape[1])
     for rows, part in reversed(list(zip(cpm.rank_rows, parts, strict=True))):
-        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
-        full[index] = part[: len(rows)]
+        full[rows] = part[: rows.shape[0]]
     return full

@@ -30,11 +30,13 @@ from pagoda.model_config import ModelConfig
 from pagoda.runner.context_parallel import context_metadata, rank_rows
 from pagoda.runner.model_runner import ModelRunner
 from pagoda.runner.step_inputs import build_attention_metadata
+from tests.conftest import _randomize
 from tests.engine.test_tensor_parallel import (
     ENGINE,
     GGUF_NEAR_TIE,
     PARAMS,
     PROMPTS,
+    assert_smollm2_float32_equals_one_process,
     kill_rank_1_mid_run,
 )
 from tests.equivalence import assert_same_outputs, assert_same_up_to_a_near_tie
@@ -85,10 +87,7 @@ def _long_context_llama(folder: Path) -> str:
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape)
-            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
+    _randomize(model, seed=0)
     model.save_pretrained(folder)
     return str(folder)
 
@@ -222,12 +221,7 @@ def test_a_killed_rank_fails_loudly(tiny_weights_dir: Callable[[str], str]) -> N
 
 @pytest.mark.slow
 def test_smollm2_float32_pcp2_equals_one_process(smollm2_llm: LLM) -> None:
-    prompts = ["The capital of France is", "Write a haiku about rain.", "def fib(n):"]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
-    want = smollm2_llm.generate(prompts, params, use_tqdm=False)  # float32, one process
-    llm = LLM(prefill_context_parallel_size=2, quantization="none", num_gpu_blocks_override=64)
-    assert_same_outputs(llm.generate(prompts, params, use_tqdm=False), want)
-    llm.engine.shutdown()
+    assert_smollm2_float32_equals_one_process(smollm2_llm, prefill_context_parallel_size=2)
 
 
 @pytest.mark.slow

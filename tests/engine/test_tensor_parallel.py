@@ -184,15 +184,21 @@ def test_a_killed_rank_fails_loudly(tiny_weights_dir: Callable[[str], str]) -> N
     llm.engine.shutdown()
 
 
+def assert_smollm2_float32_equals_one_process(smollm2_llm: LLM, **parallel: int) -> None:
+    """SmolLM2 in float32 with `parallel` (e.g. tensor_parallel_size=2) gives one process's
+    greedy tokens and logprobs (smollm2_llm: float32, one process)."""
+    prompts = ["The capital of France is", "Write a haiku about rain.", "def fib(n):"]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    want = smollm2_llm.generate(prompts, params, use_tqdm=False)
+    llm = LLM(quantization="none", num_gpu_blocks_override=64, **parallel)
+    assert_same_outputs(llm.generate(prompts, params, use_tqdm=False), want)
+    llm.engine.shutdown()
+
+
 @pytest.mark.slow
 def test_smollm2_float32_tp2_equals_one_rank(smollm2_llm: LLM) -> None:
     # SmolLM2: 9 query heads, 3 kv heads, so the ranks hold 2 + 1 GQA groups (6 + 3 heads).
-    prompts = ["The capital of France is", "Write a haiku about rain.", "def fib(n):"]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
-    want = smollm2_llm.generate(prompts, params, use_tqdm=False)  # float32, one rank
-    llm = LLM(tensor_parallel_size=2, quantization="none", num_gpu_blocks_override=64)
-    assert_same_outputs(llm.generate(prompts, params, use_tqdm=False), want)
-    llm.engine.shutdown()
+    assert_smollm2_float32_equals_one_process(smollm2_llm, tensor_parallel_size=2)
 
 
 # bf16 keeps 8 bits of mantissa: a logit of about 20 moves by up to 0.08 when its layer's
