@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import Any
 
 from pagoda.engine_args import add_engine_args, engine_kwargs
 from pagoda.sampling_params import SamplingParams
@@ -129,7 +130,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
         uvicorn_log_level=args.uvicorn_log_level,
     )
+    if args.ray:
+        from pagoda.distributed.ray_serve import run_on_ray
+
+        return run_on_ray(engine_config, server_config, ray_options(args), args.ray_address)
     return run_server(engine_config, server_config)
+
+
+def ray_options(args: argparse.Namespace) -> Any:
+    """RayServeOptions from `pagoda serve --ray`'s flags."""
+    from pagoda.distributed.autoscaling import SLOPolicyConfig
+    from pagoda.distributed.ray_serve import RayServeOptions
+
+    if args.num_replicas is not None and (args.min_replicas or args.max_replicas):
+        raise ValueError("give --num-replicas, or --min-replicas and --max-replicas, not both")
+    low = args.num_replicas or args.min_replicas or 1
+    high = args.num_replicas or args.max_replicas or low
+    return RayServeOptions(
+        min_replicas=low,
+        max_replicas=high,
+        router=args.ray_router,
+        replica_num_cpus=args.replica_num_cpus,
+        slo=SLOPolicyConfig(ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo),
+    )
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
@@ -194,6 +217,29 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    r = parser.add_argument_group("Ray Serve (scale-out; needs the `ray` extra)")
+    r.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve replicas of the engine on Ray Serve behind this host and port",
+    )
+    r.add_argument(
+        "--ray-address", default=None, help="Ray cluster (default: RAY_ADDRESS or local)"
+    )
+    r.add_argument("--num-replicas", type=int, default=None, help="fixed replica count")
+    r.add_argument("--min-replicas", type=int, default=None, help="autoscaling: warm minimum")
+    r.add_argument("--max-replicas", type=int, default=None, help="autoscaling: maximum")
+    r.add_argument("--ttft-slo", type=float, default=1.0, help="autoscaling: TTFT SLO, seconds")
+    r.add_argument("--tpot-slo", type=float, default=0.1, help="autoscaling: TPOT SLO, seconds")
+    r.add_argument(
+        "--ray-router",
+        default="prefix",
+        choices=["prefix", "power-of-two"],
+        help="replica choice: prompt-prefix affinity (default) or Ray's power of two choices",
+    )
+    r.add_argument(
+        "--replica-num-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica"
     )
 
 

@@ -17,15 +17,15 @@ replicas. Each control period it decides:
            down_queue_depth
     hold   otherwise, or while no replica has reported
 
-A decision must repeat for up_periods (down_periods) periods in a row before the replica count
-moves, by one replica, within [min_replicas, max_replicas]; a different decision restarts the
-count. min_replicas stay warm: an engine takes seconds to start, so capacity that must answer
-at once is never scaled away.
+and asks for one replica more or fewer than Ray's current target, within [min_replicas,
+max_replicas]. Ray moves the target only once a wish has lasted upscale_delay_s (or
+downscale_delay_s) of wall-clock time: that is the hysteresis. min_replicas stay warm: an engine
+takes seconds to start, so capacity that must answer at once is never scaled away.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +40,6 @@ class SLOPolicyConfig:
     down_violation_rate: float = 0.01
     up_queue_depth: float = 2.0
     down_queue_depth: float = 0.0
-    up_periods: int = 2
-    down_periods: int = 5
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
@@ -52,8 +50,6 @@ class SLOPolicyConfig:
             )
         if not 0 <= self.down_queue_depth < self.up_queue_depth:
             raise ValueError("queue depths need 0 <= down_queue_depth < up_queue_depth")
-        if self.up_periods < 1 or self.down_periods < 1:
-            raise ValueError("up_periods and down_periods must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -79,23 +75,14 @@ def decision(snapshot: SLOSnapshot | None, config: SLOPolicyConfig) -> str:
 
 def decide(
     snapshot: SLOSnapshot | None,
-    current: int,
+    target: int,
     min_replicas: int,
     max_replicas: int,
-    state: Mapping[str, Any],
     config: SLOPolicyConfig,
-) -> tuple[int, dict[str, Any]]:
-    """The replica count to run and the policy's state for the next period. state holds the
-    last decision and how many periods in a row it was made."""
-    made = decision(snapshot, config)
-    streak = state.get("streak", 0) + 1 if state.get("decision") == made else 1
-    target = current
-    if made == "up" and streak >= config.up_periods:
-        target, streak = current + 1, 0
-    elif made == "down" and streak >= config.down_periods:
-        target, streak = current - 1, 0
-    target = max(min_replicas, min(max_replicas, target))
-    return target, {"decision": made, "streak": streak}
+) -> int:
+    """The replica count to wish for, one step from Ray's current target."""
+    step = {"up": 1, "down": -1, "hold": 0}[decision(snapshot, config)]
+    return max(min_replicas, min(max_replicas, target + step))
 
 
 def snapshot_of(aggregated: Mapping[str, Mapping[Any, float]] | None) -> SLOSnapshot | None:
@@ -112,24 +99,26 @@ def snapshot_of(aggregated: Mapping[str, Mapping[Any, float]] | None) -> SLOSnap
     return SLOSnapshot(*means)
 
 
-def slo_autoscaling_policy(
-    config: SLOPolicyConfig,
-) -> Callable[[Any], tuple[int, dict[str, Any]]]:
-    """A policy_function for Ray Serve's AutoscalingPolicy: called with its AutoscalingContext
-    (current_num_replicas, capacity_adjusted_min_replicas / _max_replicas, aggregated_metrics,
-    policy_state), it returns (replicas, policy state)."""
+class SLOAutoscalingPolicy:
+    """Ray Serve's policy_function (`AutoscalingPolicy(policy_function=
+    "pagoda.distributed.autoscaling:SLOAutoscalingPolicy", policy_kwargs={...})`): Ray builds
+    it once with policy_kwargs (SLOPolicyConfig's fields), then calls it every control period
+    with its AutoscalingContext (target_num_replicas, capacity_adjusted_min_replicas / _max_
+    replicas, aggregated_metrics) for (replicas, policy state)."""
 
-    def policy(ctx: Any) -> tuple[int, dict[str, Any]]:
-        return decide(
-            snapshot_of(ctx.aggregated_metrics),
-            ctx.current_num_replicas,
+    def __init__(self, **policy_kwargs: float) -> None:
+        self.config = SLOPolicyConfig(**policy_kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        snapshot = snapshot_of(ctx.aggregated_metrics)
+        wish = decide(
+            snapshot,
+            ctx.target_num_replicas,
             ctx.capacity_adjusted_min_replicas,
             ctx.capacity_adjusted_max_replicas,
-            ctx.policy_state or {},
-            config,
+            self.config,
         )
-
-    return policy
+        return wish, {"decision": decision(snapshot, self.config)}
 
 
 class SLOWindow:

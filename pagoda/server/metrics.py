@@ -8,6 +8,7 @@ the server reads them through the EngineStats protocol, so it imports nothing of
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -104,6 +105,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
+        # Called with every finished request (the Ray Serve replica's SLO window listens).
+        self.finished_listeners: list[Callable[[RequestState], None]] = []
         r = self.registry
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -248,6 +251,8 @@ class Metrics:
         for sample in state.samples:
             reason = sample.finish_reason if sample.finish_reason in self.success else "abort"
             self.success[reason].inc()
+        for listener in self.finished_listeners:
+            listener(state)
 
     # ---- reading ---------------------------------------------------------------------------
     def render(self) -> bytes:

@@ -7,6 +7,10 @@ Parts, highest first; a part imports only parts below it, its own modules and th
     -> loading/
     -> models/, layers/, kernels/ (the network)
 
+One module sits apart from its folder: distributed/ray_serve.py, the Ray Serve app, runs pagoda's
+server in each replica, so it ranks above the server (shared/architecture.json's Scale -> Server
+arrow); only the face imports it.
+
 The ground is plain data that every part may read: config.py, sampling_params.py, outputs.py,
 engine_args.py, version.py and scheduling/messages.py (the contract). Besides the direction:
 - no import cycles between modules (TYPE_CHECKING and function-level imports count too);
@@ -26,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2] / "pagoda"
 
 RANKS = {
     "face": 7,
+    "scale_out": 6.5,  # the Ray Serve app (SCALE_OUT): replicas of the server
     "server": 6,
     "bench": 6,
     "client": 5,
@@ -48,6 +53,7 @@ PLAIN_ROOT = {
     "pagoda.engine_args",
     "pagoda.version",
 }
+SCALE_OUT = {"pagoda.distributed.ray_serve"}
 CONTRACT = "pagoda.scheduling.messages"
 TENSOR_LIBS = {"torch", "triton", "numpy"}
 
@@ -58,6 +64,8 @@ def part_of(module: str) -> str:
         return "ground"
     if module in ("pagoda", "pagoda.cli"):
         return "face"
+    if module in SCALE_OUT:
+        return "scale_out"
     top = parts[1]
     if top in ("models", "layers", "kernels"):
         return "network"

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from pagoda.distributed.autoscaling import (
+    SLOAutoscalingPolicy,
     SLOPolicyConfig,
     SLOSnapshot,
     SLOWindow,
     decide,
     decision,
-    slo_autoscaling_policy,
     snapshot_of,
 )
 
@@ -25,8 +25,6 @@ CONFIG = SLOPolicyConfig(
     down_violation_rate=0.01,
     up_queue_depth=2.0,
     down_queue_depth=0.0,
-    up_periods=2,
-    down_periods=3,
 )
 CALM = SLOSnapshot(0.0, 0.0, 0.0)
 LATE_TTFT = SLOSnapshot(0.2, 0.0, 0.0)
@@ -44,60 +42,51 @@ def test_each_period_s_decision() -> None:
 
 
 def test_a_load_ramp_scales_up_then_back_down_to_the_warm_minimum() -> None:
-    """min 1, max 3: violations scale up one replica per two periods, up to the maximum; a
-    middling period restarts the count; calm scales down one replica per three periods, never
-    below the minimum."""
+    """min 1, max 3: each period wishes one replica more than Ray's target on a violation or a
+    queue, one fewer when calm, the same in between; never past the bounds (Ray's delays, not
+    the policy, decide how long a wish must last)."""
     periods = [
-        (LATE_TTFT, 1),  # first "up": not yet
-        (LATE_TTFT, 2),  # second in a row: +1
-        (QUEUED, 2),  # "up" again, the count restarted after the move
-        (LATE_TPOT, 3),  # +1
-        (LATE_TTFT, 3),
-        (LATE_TTFT, 3),  # at the maximum
-        (CALM, 3),
-        (CALM, 3),
-        (BETWEEN, 3),  # "hold" restarts the count
-        (CALM, 3),
-        (CALM, 3),
-        (CALM, 2),  # three calm periods in a row: -1
-        (CALM, 2),
-        (CALM, 2),
-        (CALM, 1),
-        (CALM, 1),
-        (CALM, 1),
-        (CALM, 1),  # the warm minimum stays
+        (LATE_TTFT, 1, 2),
+        (QUEUED, 2, 3),
+        (LATE_TPOT, 3, 3),  # at the maximum
+        (BETWEEN, 3, 3),  # hold
+        (CALM, 3, 2),
+        (CALM, 2, 1),
+        (CALM, 1, 1),  # the warm minimum stays
+        (None, 2, 2),  # nothing reported yet: hold
     ]
-    replicas, state = 1, {}
-    for i, (snapshot, want) in enumerate(periods):
-        replicas, state = decide(snapshot, replicas, 1, 3, state, CONFIG)
-        assert replicas == want, (i, snapshot, state)
+    for target, (snapshot, current, want) in enumerate(periods):
+        assert decide(snapshot, current, 1, 3, CONFIG) == want, (target, snapshot)
 
 
 def test_ray_serve_context() -> None:
-    """policy_function's contract: Ray's AutoscalingContext in, (replicas, policy state) out;
-    aggregated_metrics is {metric: {replica: value}}, averaged over the replicas."""
-    policy = slo_autoscaling_policy(CONFIG)
+    """policy_function's contract: Ray builds the class with policy_kwargs, then calls it with
+    its AutoscalingContext for (replicas, policy state); aggregated_metrics is {metric: {replica:
+    value}}, averaged over the replicas."""
+    policy = SLOAutoscalingPolicy(ttft_slo_s=1.0, tpot_slo_s=0.1, up_violation_rate=0.05)
+    assert policy.config == SLOPolicyConfig(ttft_slo_s=1.0, tpot_slo_s=0.1)
     metrics = {
         "ttft_violations": {"r1": 0.0, "r2": 0.3},  # mean 0.15 > 0.05
         "tpot_violations": {"r1": 0.0, "r2": 0.0},
         "queue_depth": {"r1": 0.0, "r2": 1.0},
     }
 
-    def ctx(current: int, state: dict[str, Any], aggregated: Any = metrics) -> Any:
+    def ctx(target: int, aggregated: Any = metrics) -> Any:
         return SimpleNamespace(
-            current_num_replicas=current,
+            current_num_replicas=1,
+            target_num_replicas=target,
             capacity_adjusted_min_replicas=1,
             capacity_adjusted_max_replicas=4,
             aggregated_metrics=aggregated,
-            policy_state=state,
+            policy_state={},
         )
 
-    replicas, state = policy(ctx(2, {}))
-    assert (replicas, state) == (2, {"decision": "up", "streak": 1})
-    assert policy(ctx(2, state)) == (3, {"decision": "up", "streak": 0})
+    assert policy(ctx(2)) == (3, {"decision": "up"})  # from the target, not the running count
     assert snapshot_of(metrics) == SLOSnapshot(0.15, 0.0, 0.5)
     assert snapshot_of({"ttft_violations": {"r1": 0.0}}) is None  # a metric missing: hold
-    assert policy(ctx(2, {}, aggregated={})) == (2, {"decision": "hold", "streak": 1})
+    assert policy(ctx(2, aggregated={})) == (2, {"decision": "hold"})
+    with pytest.raises(TypeError):
+        SLOAutoscalingPolicy(ttft_slo=1.0)  # a misspelt kwarg is refused, not ignored
 
 
 def test_a_replica_s_window_reports_and_restarts() -> None:
@@ -125,7 +114,6 @@ def test_a_replica_s_window_reports_and_restarts() -> None:
         ({"ttft_slo_s": 0}, "must be > 0"),
         ({"down_violation_rate": 0.1, "up_violation_rate": 0.05}, "violation rates"),
         ({"down_queue_depth": 3.0, "up_queue_depth": 2.0}, "queue depths"),
-        ({"up_periods": 0}, "periods must be >= 1"),
     ],
 )
 def test_bad_config_is_a_value_error(kwargs: dict[str, Any], match: str) -> None:

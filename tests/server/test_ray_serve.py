@@ -1,0 +1,237 @@
+"""pagoda on Ray Serve (pagoda/distributed/ray_serve.py) on a local Ray cluster started and
+stopped here (loopback only): two replicas of the tiny Llama behind one route.
+
+- The OpenAI client's completions, streaming and errors come back as from `pagoda serve`, and
+  greedy outputs equal a `pagoda serve` process's on the same weights and flags.
+- Prefix-aware routing: a shared-prefix load keeps every group of prompts on one replica, so the
+  cached tokens equal the single server's exactly, and both replicas get groups.
+- Slow: the SLO autoscaler drives a deployment from 1 to 2 replicas under load and back to 1;
+  a replica killed under load fails or finishes every request (none hangs) and Ray replaces it.
+  Their fast variants are unit tests: tests/unit/test_slo_autoscaling.py drives the policy with
+  synthetic metrics, tests/unit/test_forwarding.py the ingress's retry and error answers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from pagoda.config import EngineConfig
+from pagoda.distributed.autoscaling import SLOPolicyConfig
+from pagoda.distributed.ray_serve import RayServeOptions, build_application
+from pagoda.server.state import ServerConfig
+from tests.server.conftest import SMALL_POOL, ServerProcess, free_port
+
+BLOCKS = int(SMALL_POOL[1])
+APP = "pagoda"
+
+
+class RayApp:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def post(self, path: str, payload: Any) -> httpx.Response:
+        return httpx.post(self.url + path, json=payload, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    # Replicas push their autoscaling metrics every half second (Ray's default: 10 s).
+    os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(url: str, model: str, options: RayServeOptions, name: str = APP) -> RayApp:
+    """Deploy an application; one not named APP is served under /<name>."""
+    engine = EngineConfig.from_kwargs(model, num_gpu_blocks_override=BLOCKS)
+    app = build_application(engine, ServerConfig(log_requests=False), options)
+    prefix = "/" if name == APP else f"/{name}"
+    serve.run(app, name=name, route_prefix=prefix)
+    return RayApp(url.rstrip("/") + prefix.rstrip("/"))
+
+
+@pytest.fixture(scope="module")
+def two_replicas(ray_cluster: str, tiny_llama_dir: str) -> RayApp:
+    return deploy(ray_cluster, tiny_llama_dir, RayServeOptions(min_replicas=2, max_replicas=2))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: str) -> Iterator[ServerProcess]:
+    server = ServerProcess(tiny_llama_dir, SMALL_POOL).wait_ready()
+    yield server
+    server.stop()
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+def test_completions_and_streams_equal_pagoda_serve_s(
+    two_replicas: RayApp, reference: ServerProcess
+) -> None:
+    ray_client, ref_client = two_replicas.client(), reference.client()
+    for prompt in PROMPTS:
+        kwargs = {"model": reference_model(ref_client), "prompt": prompt, "max_tokens": 12}
+        got = ray_client.completions.create(temperature=0, logprobs=1, **kwargs)
+        want = ref_client.completions.create(temperature=0, logprobs=1, **kwargs)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens  # type: ignore[union-attr]
+        assert got.usage == want.usage
+        streamed = ray_client.completions.create(temperature=0, stream=True, **kwargs)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == want.choices[0].text
+    messages = [{"role": "user", "content": "Say hello."}]
+    chat_kwargs: Any = {"model": reference_model(ref_client), "messages": messages}
+    got_chat = ray_client.chat.completions.create(temperature=0, max_tokens=10, **chat_kwargs)
+    want_chat = ref_client.chat.completions.create(temperature=0, max_tokens=10, **chat_kwargs)
+    assert got_chat.choices[0].message.content == want_chat.choices[0].message.content
+
+
+def reference_model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_errors_come_back_in_openai_s_shape(two_replicas: RayApp, reference: ServerProcess) -> None:
+    for payload in ({"prompt": "hi", "max_tokens": -1}, {"prompt": "hi", "temperature": "hot"}):
+        got, want = (
+            two_replicas.post("/v1/completions", payload),
+            reference.post("/v1/completions", payload),
+        )
+        assert got.status_code == want.status_code == 400
+        assert got.json() == want.json()
+    assert two_replicas.post("/v1/nothing", {}).status_code == 404
+    client = two_replicas.client()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=reference_model(client), prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi")
+
+
+def test_prefix_aware_routing_keeps_the_single_server_s_cache_hits(
+    two_replicas: RayApp, reference: ServerProcess
+) -> None:
+    """Eight groups of four prompts, each group sharing a 300-character prefix, sent in turn:
+    every group stays on one replica, so each replica holds its groups' prefixes and the cached
+    tokens equal one server's exactly; the groups spread over both replicas."""
+    groups = [
+        f"Group {g}: " + f"shared system text number {g} with context. " * 8 for g in range(8)
+    ]
+    order = [(g, r) for r in range(4) for g in range(8)]
+
+    def cached(post: Any, g: int, r: int) -> tuple[int, str]:
+        reply = post("/v1/completions", {"prompt": groups[g] + f" Question {r}?", "max_tokens": 1})
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"], reply.headers.get(
+            "x-pagoda-replica", ""
+        )
+
+    got = [cached(two_replicas.post, g, r) for g, r in order]
+    want = [cached(reference.post, g, r)[0] for g, r in order]
+    assert [c for c, _ in got] == want
+    assert sum(want) > 0
+    replica_of = {}
+    for (g, _), (_, replica) in zip(order, got):
+        assert replica_of.setdefault(g, replica) == replica, f"group {g} moved replicas"
+    assert len(set(replica_of.values())) == 2
+
+
+# ---- slow: autoscaling and a killed replica ----------------------------------------------------
+def engine_replicas(app: str = APP, state: str = "RUNNING") -> int:
+    status = serve.status().applications[app].deployments["PagodaEngine"]
+    return int(status.replica_states.get(state, 0))
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+@pytest.mark.slow
+def test_slo_violations_scale_up_and_calm_scales_back_down(
+    ray_cluster: str, tiny_llama_dir: str
+) -> None:
+    """A TTFT SLO every request misses: load scales 1 -> 2 replicas; no load (no violations,
+    no queue) scales back to the warm minimum of 1."""
+    options = RayServeOptions(
+        min_replicas=1,
+        max_replicas=2,
+        slo=SLOPolicyConfig(ttft_slo_s=1e-4, tpot_slo_s=10.0),
+        upscale_delay_s=1.0,
+        downscale_delay_s=3.0,
+        look_back_period_s=2.0,
+    )
+    app = deploy(ray_cluster, tiny_llama_dir, options, name="autoscaled")
+    try:
+        assert engine_replicas("autoscaled") == 1
+        stop = time.monotonic() + 60
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+
+            def load() -> None:
+                while engine_replicas("autoscaled") < 2 and time.monotonic() < stop:
+                    app.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4})
+
+            list(pool.map(lambda _: load(), range(4)))
+        assert engine_replicas("autoscaled") == 2
+        wait_for(lambda: engine_replicas("autoscaled") == 1, 60, "the scale-down to 1 replica")
+    finally:
+        serve.delete("autoscaled")
+
+
+@pytest.mark.slow
+def test_a_killed_replica_fails_or_finishes_each_request_and_is_replaced(
+    two_replicas: RayApp,
+) -> None:
+    def one(i: int) -> str:
+        try:
+            stream = (
+                two_replicas.client()
+                .with_options(timeout=60)
+                .completions.create(
+                    model=reference_model(two_replicas.client()),
+                    prompt=f"Request {i} says",
+                    max_tokens=64,
+                    temperature=0,
+                    stream=i % 2 == 0,
+                )
+            )
+            if i % 2 == 0:
+                list(stream)  # type: ignore[arg-type]
+            return "ok"
+        except openai.APIError as e:
+            return f"error: {e}"
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(16)]
+        time.sleep(1.0)
+        victim = next(
+            a
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if "PagodaEngine" in a["name"]
+        )
+        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+        outcomes = [f.result(timeout=90) for f in futures]  # none hangs
+    assert len(outcomes) == 16
+    assert any(o == "ok" for o in outcomes)
+    wait_for(lambda: engine_replicas() == 2, 90, "Ray to replace the killed replica")
+    after = two_replicas.client().completions.create(
+        model=reference_model(two_replicas.client()), prompt="After", max_tokens=4
+    )
+    assert after.choices[0].text
