@@ -289,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
         p = bench_sub.add_parser(module.NAME, help=module.__doc__)
         module.add_arguments(p)
         p.set_defaults(func=module.main)
+
+    from pagoda.bench import plan
+
+    planner = sub.add_parser("plan", help="capacity plan: batch size, max rate, cost per 1K tokens")
+    plan.add_arguments(planner)
+    planner.set_defaults(func=plan.main)
     return parser
 
 

@@ -82,3 +82,46 @@ def plot_sweep(series: Mapping[str, Sequence[dict[str, Any]]], path: str, title:
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def plot_plan(result: Mapping[str, Any], path: str) -> None:
+    """`pagoda plan`'s goodput curve: throughput and goodput against the offered rate (the rate
+    chosen marked), P99 TTFT against rate with its SLO, and P99 TPOT against the batch size
+    with its SLO (the batch chosen marked)."""
+    plt = _pyplot()
+    slo = result["slo"]
+    rates = [r for r in result["rate_sweep"] if r["request_rate"] != "inf"]
+    xs = [float(r["request_rate"]) for r in rates]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    ax = axes[0]
+    ax.plot(xs, [r["request_throughput"] for r in rates], marker="o", label="throughput")
+    ax.plot(xs, [r["request_goodput"] for r in rates], marker="s", label="goodput (within SLOs)")
+    ax.plot(xs, xs, ls=":", color="gray", label="offered")
+    ax.set_xlabel("offered rate (req/s)")
+    ax.set_ylabel("req/s")
+    ax = axes[1]
+    ax.plot(xs, [r["p99_ttft_ms"] for r in rates], marker="o")
+    ax.axhline(slo["p99_ttft_ms"], color="red", ls="--", label="SLO")
+    ax.set_xlabel("offered rate (req/s)")
+    ax.set_ylabel("P99 TTFT (ms)")
+    if result["max_request_rate"] is not None:
+        for a in axes[:2]:
+            a.axvline(float(result["max_request_rate"]), color="green", ls="--", label="chosen")
+    ax = axes[2]
+    batches = result["batch_sweep"]
+    ax.plot(
+        [b["max_concurrency"] for b in batches], [b["p99_tpot_ms"] for b in batches], marker="o"
+    )
+    ax.axhline(slo["p99_tpot_ms"], color="red", ls="--", label="SLO")
+    if result["max_num_seqs"] is not None:
+        ax.axvline(result["max_num_seqs"], color="green", ls="--", label="chosen")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (requests in flight)")
+    ax.set_ylabel("P99 TPOT (ms)")
+    for a in axes:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.suptitle(f"{result.get('label') or result['model']}: capacity plan")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
