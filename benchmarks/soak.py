@@ -19,10 +19,7 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -30,6 +27,8 @@ from typing import Any
 
 import httpx
 import psutil
+
+from pagoda.bench.common import started_server
 
 KINDS = {"stream": 4, "plain": 2, "cancel": 1, "bad": 1, "long": 1, "n2": 1}
 BAD_BODIES = [
@@ -42,33 +41,9 @@ BAD_BODIES = [
 WORDS = "the of and to in is was for on that with as by at from it an be this are or".split()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start(target: str, model: str | None, port: int, extra: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "pagoda.cli", "serve"]
-    cmd += [model] if model else []
-    cmd += ["--port", str(port), "--disable-log-requests", *extra]
-    if target == "ray":
-        cmd += ["--ray", "--num-replicas", "1"]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> float:
-    began = time.monotonic()
-    while time.monotonic() - began < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return time.monotonic() - began
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("the server was not ready")
+def serve_args(target: str, model: str | None, extra: list[str]) -> list[str]:
+    args = [*([model] if model else []), *extra]
+    return [*args, "--ray", "--num-replicas", "1"] if target == "ray" else args
 
 
 def tree_rss(pid: int) -> int:
@@ -251,20 +226,12 @@ def main() -> int:
         if plan_rate is None:
             p.error("give --rate or --plan-json")
         args.rate = round(0.8 * float(plan_rate), 4)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start(args.target, args.model, port, args.serve_arg)
-    try:
-        ready_s = wait_ready(url, proc)
-        result = asyncio.run(soak(args, url, proc.pid))
+    began = time.monotonic()
+    with started_server(serve_args(args.target, args.model, args.serve_arg)) as server:
+        ready_s = time.monotonic() - began
+        result = asyncio.run(soak(args, server.url, server.pid))
         time.sleep(2.0)  # cancelled streams are aborted as their connections close
-        result["in_flight_after"] = in_flight(url)
-    finally:
-        proc.send_signal(signal.SIGINT if args.target == "ray" else signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        result["in_flight_after"] = in_flight(server.url)
     passed = (
         result["unexpected_errors"] == 0
         and result["lost"] == 0

@@ -5,11 +5,12 @@ loaded from the same weights as pagoda."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -395,3 +396,48 @@ def parallel_stats(engine: Any) -> dict[str, Any] | None:
         "prefill_context_parallel_size": config.prefill_context_parallel_size,
         "ranks": ranks,
     }
+
+
+@dataclass(frozen=True)
+class StartedServer:
+    url: str
+    pid: int
+
+
+@contextlib.contextmanager
+def started_server(serve_args: Sequence[str], timeout_s: float = 300.0) -> Iterator[StartedServer]:
+    """`pagoda serve SERVE_ARGS` on a free loopback port, ready (GET /health 200), until the
+    block ends; then SIGTERM (it drains), SIGKILL after a minute."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    cmd = [sys.executable, "-m", "pagoda.cli", "serve", *serve_args]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pagoda serve {' '.join(serve_args)} exited: {proc.returncode}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pagoda serve was not ready in {timeout_s:.0f} s")
+            time.sleep(0.1)
+        yield StartedServer(url, proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

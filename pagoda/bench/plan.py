@@ -23,15 +23,11 @@ import contextlib
 import math
 import os
 import shlex
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from pagoda.bench import serve
-from pagoda.bench.common import emit, log
+from pagoda.bench.common import emit, log, started_server
 from pagoda.bench.serve_client import count_output_tokens, first_model_id
 from pagoda.bench.serve_prompts import ServeRequest, build_requests, load_bench_tokenizer
 from pagoda.bench.serve_stats import summarize
@@ -210,48 +206,12 @@ def plan(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     return result
 
 
-# ---- a server of its own -------------------------------------------------------------------
-@contextlib.contextmanager
-def started_server(serve_args: str, timeout_s: float = 300.0) -> Iterator[str]:
-    """`pagoda serve ARGS` on a free loopback port until the block ends; yields its URL."""
-    import socket
-
-    import httpx
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    cmd = [sys.executable, "-m", "pagoda.cli", "serve", *shlex.split(serve_args)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
-    proc = subprocess.Popen(cmd)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pagoda serve exited with {proc.returncode}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"pagoda serve was not ready in {timeout_s:.0f} s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def main(args: argparse.Namespace) -> int:
     serve.check_args(args)
     with contextlib.ExitStack() as stack:
         url = args.base_url
         if args.serve_args is not None:
-            url = stack.enter_context(started_server(args.serve_args))
+            url = stack.enter_context(started_server(shlex.split(args.serve_args))).url
         result = plan(args, url)
     emit(headline(result), None)
     if args.output_json:

@@ -54,7 +54,7 @@ def ray_cluster() -> Iterator[str]:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    # Stopping Ray stops the replicas; their engine processes exit with their parents.
     ray.shutdown()
 
 
@@ -68,15 +68,17 @@ def deploy(url: str, model: str, options: RayServeOptions, name: str = APP) -> R
 
 
 @pytest.fixture(scope="module")
-def two_replicas(ray_cluster: str, tiny_llama_dir: str) -> RayApp:
-    return deploy(ray_cluster, tiny_llama_dir, RayServeOptions(min_replicas=2, max_replicas=2))
+def reference(tiny_llama_dir: str) -> Iterator[ServerProcess]:
+    server = ServerProcess(tiny_llama_dir, SMALL_POOL)  # starts while Ray deploys (two_replicas)
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir: str) -> Iterator[ServerProcess]:
-    server = ServerProcess(tiny_llama_dir, SMALL_POOL).wait_ready()
-    yield server
-    server.stop()
+def two_replicas(ray_cluster: str, tiny_llama_dir: str, reference: ServerProcess) -> RayApp:
+    app = deploy(ray_cluster, tiny_llama_dir, RayServeOptions(min_replicas=2, max_replicas=2))
+    reference.wait_ready()
+    return app
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
