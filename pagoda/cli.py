@@ -104,8 +104,6 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pagoda.config import EngineConfig
-    from pagoda.server.app import run_server
-    from pagoda.server.state import ServerConfig
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError("give the model once: as the positional MODEL or as --model")
@@ -119,7 +117,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "latency)"
         )
     engine_config = EngineConfig.from_kwargs(args.model_tag or args.model, **engine_kwargs(args))
-    server_config = ServerConfig(
+    if args.ray:
+        from pagoda.distributed.ray_serve import run_on_ray
+
+        return run_on_ray(engine_config, server_config(args), ray_options(args), args.ray_address)
+    # The engine process starts loading the model (and a thread the tokenizer) now, while this
+    # process imports the server (FastAPI, uvicorn: most of a second).
+    from pagoda.client.async_client import launch_engine
+
+    launch = launch_engine(engine_config)
+    try:
+        from pagoda.server.app import run_server
+
+        return run_server(engine_config, server_config(args), launch)
+    finally:
+        launch.kill()
+
+
+def server_config(args: argparse.Namespace) -> Any:
+    """ServerConfig from `pagoda serve`'s flags."""
+    from pagoda.server.state import ServerConfig
+
+    return ServerConfig(
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -130,11 +149,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
         uvicorn_log_level=args.uvicorn_log_level,
     )
-    if args.ray:
-        from pagoda.distributed.ray_serve import run_on_ray
-
-        return run_on_ray(engine_config, server_config, ray_options(args), args.ray_address)
-    return run_server(engine_config, server_config)
 
 
 def ray_options(args: argparse.Namespace) -> Any:
@@ -151,6 +165,7 @@ def ray_options(args: argparse.Namespace) -> Any:
         max_replicas=high,
         router=args.ray_router,
         replica_num_cpus=args.replica_num_cpus,
+        replica_num_gpus=args.replica_num_gpus,
         slo=SLOPolicyConfig(ttft_slo_s=args.ttft_slo, tpot_slo_s=args.tpot_slo),
     )
 
@@ -241,6 +256,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--replica-num-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica"
     )
+    r.add_argument(
+        "--replica-num-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request (bench, plan)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -11,10 +11,12 @@ coalesce instead of queueing.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import multiprocessing
 import os
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -77,6 +79,49 @@ class RequestStream:
     error: Exception | None = None
 
 
+@dataclass
+class EngineLaunch:
+    """An engine process being started (launch_engine) and the tokenizer loading beside it."""
+
+    process: Any
+    ready: Any  # the read end of the pipe the engine reports ready (or its error) on
+    in_addr: str
+    out_addr: str
+    tokenizer: concurrent.futures.Future[Any]
+
+    def kill(self) -> None:
+        """End the engine process if it still runs. It ignores SIGTERM, which multiprocessing's
+        exit handler sends, so a server that stops before its AsyncEngine shuts the engine
+        down (Ctrl-C while it imports) must kill it, or that handler waits for it forever."""
+        if self.process.exitcode is None:
+            self.process.kill()
+
+
+def launch_engine(config: EngineConfig, addresses: tuple[str, str] | None = None) -> EngineLaunch:
+    """Spawn the engine process (it connects to the client's sockets at `addresses`, bound by
+    the AsyncEngine that takes the launch) and load the tokenizer in a thread meanwhile.
+
+    `pagoda serve` launches before importing the server (FastAPI, uvicorn), so the engine loads
+    the model while this process imports them; AsyncEngine.start launches when nothing did."""
+    if addresses is None:
+        base = os.path.join(tempfile.gettempdir(), f"pagoda-{uuid.uuid4().hex[:12]}")
+        addresses = f"ipc://{base}-in", f"ipc://{base}-out"
+    mp = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = mp.Pipe(duplex=False)
+    process = mp.Process(
+        target=_run_engine_process,
+        args=(config, *addresses, child_conn),
+        name="pagoda-engine",
+        # A daemonic process may not start processes: with tensor or pipeline parallelism
+        # the engine starts its ranks, so it is not daemonic then (shutdown() still ends it, and it
+        # ends itself within a second of this process going away: engine/process.py).
+        daemon=config.world_size == 1,
+    )
+    process.start()
+    child_conn.close()
+    return EngineLaunch(process, parent_conn, *addresses, _in_thread(_load_tokenizer, config))
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -84,7 +129,9 @@ class AsyncEngine:
         metrics: EngineObserver,
         on_dead: Callable[[str], None],
         log_requests: bool = True,
+        launch: EngineLaunch | None = None,
     ) -> None:
+        """`launch`: the engine process already started for `config` (launch_engine)."""
         self.config = config
         self.metrics = metrics
         self.on_dead = on_dead
@@ -95,7 +142,8 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self.streams: dict[str, RequestStream] = {}
         self._unacked: set[str] = set()
-        self._process: Any = None
+        self._launch = launch
+        self._process: Any = None if launch is None else launch.process
         self._tasks: list[asyncio.Task[None]] = []
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
@@ -103,8 +151,11 @@ class AsyncEngine:
         # abort can go out from a `finally` of a cancelled task.
         self._sync_ctx = zmq.Context()
         self._ctx = zmq.asyncio.Context()
-        base = os.path.join(tempfile.gettempdir(), f"pagoda-{uuid.uuid4().hex[:12]}")
-        self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        if launch is not None:
+            self._in_addr, self._out_addr = launch.in_addr, launch.out_addr
+        else:
+            base = os.path.join(tempfile.gettempdir(), f"pagoda-{uuid.uuid4().hex[:12]}")
+            self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
         self._to_engine = self._sync_ctx.socket(zmq.PUSH)
         self._to_engine.bind(self._in_addr)
         self._from_engine = self._ctx.socket(zmq.PULL)
@@ -120,24 +171,15 @@ class AsyncEngine:
         return self.info.pid if self.info is not None else None
 
     async def start(self) -> None:
-        """Spawn the engine process and wait until it has loaded the model."""
-        mp = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = mp.Pipe(duplex=False)
-        self._process = mp.Process(
-            target=_run_engine_process,
-            args=(self.config, self._in_addr, self._out_addr, child_conn),
-            name="pagoda-engine",
-            # A daemonic process may not start processes: with tensor or pipeline parallelism
-            # the engine starts its ranks, so it is not daemonic then (shutdown() still ends it, and it
-            # ends itself within a second of this process going away: engine/process.py).
-            daemon=self.config.world_size == 1,
-        )
-        self._process.start()
-        child_conn.close()
+        """Spawn the engine process (unless launched already) and wait until it has loaded the
+        model and the tokenizer has loaded here."""
+        launch = self._launch
+        if launch is None:
+            launch = launch_engine(self.config, (self._in_addr, self._out_addr))
+            self._process = launch.process
         loop = asyncio.get_running_loop()
-        # The tokenizer (and transformers, torch) loads here while the engine process starts.
-        tokenizer = loop.run_in_executor(None, _load_tokenizer, self.config)
-        kind, payload = await loop.run_in_executor(None, _wait_ready, parent_conn, self._process)
+        tokenizer = asyncio.wrap_future(launch.tokenizer)
+        kind, payload = await loop.run_in_executor(None, _wait_ready, launch.ready, self._process)
         if kind != "ready":
             # The engine's error is the one reported; the tokenizer's, if any, has its cause.
             await asyncio.gather(tokenizer, return_exceptions=True)
@@ -424,8 +466,24 @@ def _run_engine_process(*args: Any) -> None:
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
-    # Imported here: transformers imports torch (seconds), which the server's process then
-    # imports beside the engine process's start rather than before it.
+    # Imported here: transformers takes a second or more to import, which the server's process
+    # then spends beside the engine process's start rather than before it.
     from pagoda.loading.tokenizer import load_tokenizer_for
 
     return load_tokenizer_for(config)
+
+
+def _in_thread(
+    fn: Callable[[EngineConfig], Any], config: EngineConfig
+) -> concurrent.futures.Future[Any]:
+    """fn(config) in a daemon thread (a process that stops early does not wait for it)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(config))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever awaits the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="pagoda-tokenizer", daemon=True).start()
+    return future

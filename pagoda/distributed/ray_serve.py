@@ -69,6 +69,7 @@ class RayServeOptions:
     prefix_tokens: int = 64
     max_ongoing_requests: int = 256
     replica_num_cpus: float = 1.0
+    replica_num_gpus: float = 0.0  # 1 on GPU nodes: Ray places one replica per GPU
     slo: SLOPolicyConfig = field(default_factory=SLOPolicyConfig)
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 60.0
@@ -220,6 +221,13 @@ class PagodaIngress:
                 if sent:
                     await _send_lost_midway(send, start)
                     return
+            except Exception:  # a bug in a replica: an answer in OpenAI's shape, not Ray's
+                logger.exception("the engine replica failed a request")
+                if sent:
+                    await _send_lost_midway(send, start)
+                else:
+                    await _send_error(send, 500, "the engine replica failed this request")
+                return
         await _send_error(send, 503, "the replica serving this request died; retry later")
 
 
@@ -245,8 +253,9 @@ async def _send_error(
 async def _send_lost_midway(
     send: Callable[[Message], Awaitable[None]], start: ResponseStart | None
 ) -> None:
-    """The replica died after part of the response was sent: a stream gets OpenAI's error event
-    and [DONE], as pagoda serve ends a stream whose engine died; any other body just ends."""
+    """The replica died (or failed) after part of the response was sent: a stream gets OpenAI's
+    error event and [DONE], as pagoda serve ends a stream whose engine died; any other body just
+    ends."""
     from pagoda.server.errors import error_body
 
     tail = b""
@@ -263,7 +272,10 @@ def build_application(
     """The Ray Serve application: the ingress bound to the engine deployment."""
     engine = cast(Deployment, serve.deployment(PagodaEngine)).options(
         name="PagodaEngine",
-        ray_actor_options={"num_cpus": options.replica_num_cpus},
+        ray_actor_options={
+            "num_cpus": options.replica_num_cpus,
+            "num_gpus": options.replica_num_gpus,
+        },
         max_ongoing_requests=options.max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTERS[options.router],  # type: ignore[arg-type]
@@ -272,6 +284,8 @@ def build_application(
             ),
         ),
         health_check_period_s=2.0,
+        # A replica scaled away finishes its requests first, as SIGTERM drains pagoda serve.
+        graceful_shutdown_timeout_s=server_config.shutdown_timeout,
         **_scaling(options),
     )
     ingress = cast(Deployment, serve.deployment(serve.ingress()(PagodaIngress))).options(

@@ -44,7 +44,9 @@ CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, load_tokenizer: bool = True) -> None:
+        """Without `load_tokenizer` (the engine process: its client tokenizes) `tokenizer` is
+        None and only the tokenizer's EOS id is read (runner/builder.py)."""
         config = resolve_device(config)
         self.config = config
         torch.manual_seed(config.seed)
@@ -58,11 +60,13 @@ class EngineCore:
         if config.world_size > 1:
             if config.optimization_level:
                 logger.warning("parallel ranks run every step eagerly: -O is ignored")
-            tokenizer = None if config.skip_tokenizer_init else load_tokenizer_for(config)
+            tokenizer = None
+            if load_tokenizer and not config.skip_tokenizer_init:
+                tokenizer = load_tokenizer_for(config)
             self.runner = WorkerGroup(config)
             model_config, self.eos_token_ids = self.runner.model_config, self.runner.eos_token_ids
         else:
-            setup = build_runner(config)
+            setup = build_runner(config, load_tokenizer=load_tokenizer)
             self.runner, model_config, tokenizer = setup.runner, setup.model_config, setup.tokenizer
             self.eos_token_ids, self.draft = setup.eos_token_ids, setup.draft
         self.model_config: ModelConfig = model_config

@@ -109,7 +109,8 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str, ready:
     try:
         from pagoda.engine.core import EngineCore
 
-        engine = EngineCore(config)
+        # The client holds the tokenizer: the engine reads only its EOS id.
+        engine = EngineCore(config, load_tokenizer=False)
         info = EngineInfo(
             pid=os.getpid(),
             max_model_len=engine.max_model_len,

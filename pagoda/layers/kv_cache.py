@@ -6,6 +6,8 @@ flat slot, read_kv by blocks (the torch backend's reference reads and writes).
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +50,11 @@ class KVCache:
         """Zeroed cache in `dtype`, or in `quant_dtype` with scales when that is not None."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         if quant_dtype is None:
-            k = torch.zeros(shape, dtype=dtype, device=device)
-            v = torch.zeros(shape, dtype=dtype, device=device)
-            return cls(k, v)
-        k = torch.zeros(shape, dtype=quant_dtype, device=device)
-        v = torch.zeros(shape, dtype=quant_dtype, device=device)
-        k_scale = torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device)
-        v_scale = torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device)
+            return cls(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+        k = _zeros(shape, quant_dtype, device)
+        v = _zeros(shape, quant_dtype, device)
+        k_scale = _zeros(shape[:3], KV_SCALE_DTYPE, device)
+        v_scale = _zeros(shape[:3], KV_SCALE_DTYPE, device)
         return cls(k, v, k_scale, v_scale)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -68,6 +68,17 @@ class KVCache:
         """Block dst[i] becomes a copy of block src[i] (copy-on-write), scales included."""
         for t in self.tensors():
             t[dst] = t[src]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros; on CPU over an anonymous memory map, whose pages the OS hands out zeroed on
+    first touch: a cache of gigabytes is allocated at once (torch.zeros writes every byte, about
+    a second for the default 2 GiB), and blocks never used take no memory."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # The tensor holds a reference to the map, which lives as long as the tensor.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,9 +103,3 @@ def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWe
             array = np.array(array, copy=True)  # a view of the read-only memory map
         dense = torch.from_numpy(array.astype(np.float32, copy=False))
         yield name, dense if heads is None else unpermute_qk(dense, heads)
-
-
-def gguf_string_field(gguf_path: str, key: str) -> str | None:
-    """A string metadata field of a GGUF file (e.g. tokenizer.chat_template); None if absent."""
-    value = read_gguf_index(gguf_path).fields.get(key)
-    return value if isinstance(value, str) else None

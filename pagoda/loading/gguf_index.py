@@ -116,6 +116,12 @@ def read_gguf_index(path: str) -> GGUFIndex:
     return GGUFIndex(fields, [_tensor(mapped, start, *info) for info in infos])
 
 
+def gguf_string_field(gguf_path: str, key: str) -> str | None:
+    """A string metadata field of a GGUF file (e.g. tokenizer.chat_template); None if absent."""
+    value = read_gguf_index(gguf_path).fields.get(key)
+    return value if isinstance(value, str) else None
+
+
 def _tensor(
     mapped: np.ndarray,
     start: int,

@@ -1,13 +1,13 @@
-"""The transformers config of a checkpoint (an HF folder's config.json, or derived from a GGUF
-file's metadata and cached, see pagoda/loading/model_files.py) and what is read from it:
-the architecture names and the longest sequence it supports."""
+"""The config of a checkpoint (an HF folder's config.json through transformers, or derived from a
+GGUF file's metadata once and cached, see pagoda/loading/model_files.py) and what is read from
+it: the architecture names and the longest sequence it supports."""
 
 from __future__ import annotations
 
+import json
 import os
+from types import SimpleNamespace
 from typing import Any
-
-from transformers import AutoConfig
 
 from pagoda.loading.model_files import gguf_cache_dir, save_to_cache
 
@@ -20,16 +20,37 @@ _ARCH_BY_MODEL_TYPE = {
 }
 
 
+class GGUFConfig(SimpleNamespace):
+    """The config of a GGUF file: every field of the transformers config it converts to (class
+    defaults included), as attributes. Read back from the cache without importing transformers,
+    whose config classes take a second or two to import."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
 def load_hf_config(folder: str, gguf_file: str | None, trust_remote_code: bool = False) -> Any:
-    """The transformers config of an HF folder, or of a GGUF file (cached, see model_files)."""
+    """The transformers config of an HF folder, or the GGUFConfig of a GGUF file (cached)."""
     if gguf_file is None:
+        from transformers import AutoConfig
+
         return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     cached = gguf_cache_dir("configs", os.path.join(folder, gguf_file))
-    if os.path.isfile(os.path.join(cached, "config.json")):
-        return AutoConfig.from_pretrained(cached)
-    hf_config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-    save_to_cache(hf_config.save_pretrained, cached)
-    return hf_config
+    path = None if cached is None else os.path.join(cached, "config.json")
+    if path is not None and os.path.isfile(path):
+        with open(path) as f:
+            return GGUFConfig(**json.load(f))
+    from transformers import AutoConfig
+
+    # Every field (use_diff=False): absent ones would read as None here, not as class defaults.
+    text = AutoConfig.from_pretrained(folder, gguf_file=gguf_file).to_json_string(use_diff=False)
+    save_to_cache(lambda tmp: _write(os.path.join(tmp, "config.json"), text), cached)
+    return GGUFConfig(**json.loads(text))
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def architecture_of(hf_config: Any) -> list[str]:

@@ -9,6 +9,7 @@ weights loaded (or drawn at random for load_format="dummy").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -47,14 +48,17 @@ def iter_weights(
 
 
 def load_model(
-    config: EngineConfig, tp: TensorParallel = SINGLE, pp: PipelineStage = WHOLE_MODEL
+    config: EngineConfig,
+    tp: TensorParallel = SINGLE,
+    pp: PipelineStage = WHOLE_MODEL,
+    load_tokenizer: bool = True,
 ) -> tuple[CausalLM, ModelConfig, Any]:
     """Build the model on config.device (resolved) in config.dtype_name with its weights loaded
     (random for load_format="dummy"), in eval mode; return it with its ModelConfig and tokenizer
-    (None with skip_tokenizer_init). With `tp` of size N the model holds this rank's 1/N of each
-    layer: every checkpoint tensor is cut to its slice as it is read (layers/parallel.py); dummy
-    weights are drawn per rank. With `pp` it holds only its stage's layers, and reads only their
-    tensors."""
+    (None with skip_tokenizer_init or without `load_tokenizer`). With `tp` of size N the model
+    holds this rank's 1/N of each layer: every checkpoint tensor is cut to its slice as it is
+    read (layers/parallel.py); dummy weights are drawn per rank. With `pp` it holds only its
+    stage's layers, and reads only their tensors."""
     folder, gguf_file = resolve_model(config.model)
     if config.load_format == "gguf" and gguf_file is None:
         raise ValueError(f"load_format='gguf' but {folder} is an HF folder; pass a .gguf file")
@@ -63,7 +67,9 @@ def load_model(
 
     hf_config = load_hf_config(folder, gguf_file, config.trust_remote_code)
     # Before the weights, so that a missing tokenizer fails in seconds, not after loading.
-    tokenizer = None if config.skip_tokenizer_init else load_tokenizer_for(config)
+    tokenizer = None
+    if load_tokenizer and not config.skip_tokenizer_init:
+        tokenizer = load_tokenizer_for(config)
     architectures = architecture_of(hf_config)
     model_cls = get_model_class(architectures)
     architecture = next(a for a in architectures if a in MODEL_REGISTRY)
@@ -137,18 +143,39 @@ def _load_weights(
         _init_dummy(model, config.seed, float(getattr(hf_config, "initializer_range", 0.02)))
     else:
         raw_gguf = quantization == "gguf"
-        loaded = model.load_weights(iter_weights(folder, gguf_file, raw_gguf))
+        with _loading_threads():
+            loaded = model.load_weights(iter_weights(folder, gguf_file, raw_gguf))
         missing = model.expected_weights() - loaded
         if missing:
             raise ValueError(
                 f"the checkpoint in {folder} lacks {len(missing)} tensors the model needs, "
                 f"e.g. {sorted(missing)[:5]}"
             )
-    model.finalize_weights()
+    with _loading_threads():
+        model.finalize_weights()
     if quantization in QUANTIZED_EMBEDDING_METHODS:
+        # a few large operators: every thread helps
         for vocab in (model.model.embed_tokens, model.lm_head):  # None off their stage
             if vocab is not None:
                 vocab.quantize_int8()
+
+
+@contextlib.contextmanager
+def _loading_threads() -> Iterator[None]:
+    """One CPU thread fewer than torch's (at least one) while the weights load tensor by tensor.
+
+    That runs many small operators (a few per tensor: decode, concatenate, pack), each a parallel
+    region whose threads wait for the slowest. With a thread per core and a core busy elsewhere
+    (pagoda serve's API process starts beside the engine; other work on the machine), each
+    region waits for a time slice: on two loaded cores SmolLM2's weights took 1.5-5 s instead
+    of about 1 s. Idle, the thread fewer costs about 0.2 s there. The weights are the same bit
+    for bit whatever the thread count (tests/models/test_loading_threads.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def resolve_quantization(

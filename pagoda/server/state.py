@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from pagoda.client.async_client import AsyncEngine
+from pagoda.client.async_client import AsyncEngine, EngineLaunch
 from pagoda.config import EngineConfig
 from pagoda.server.errors import APIError
 from pagoda.server.metrics import Metrics
@@ -34,13 +34,23 @@ class ServerConfig:
 class ServerState:
     """What the routes share: the engine client, the model names, draining and exit status."""
 
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        config: ServerConfig,
+        launch: EngineLaunch | None = None,
+    ) -> None:
+        """`launch`: the engine process already started (launch_engine), if it was."""
         self.config = config
         self.engine_config = engine_config
         self.model_name = config.served_model_name or engine_config.model or "SmolLM2-135M-Instruct"
         self.metrics = Metrics(self.model_name)
         self.engine = AsyncEngine(
-            engine_config, self.metrics, self._on_engine_dead, log_requests=config.log_requests
+            engine_config,
+            self.metrics,
+            self._on_engine_dead,
+            log_requests=config.log_requests,
+            launch=launch,
         )
         self.draining = False
         self.exit_code = 0

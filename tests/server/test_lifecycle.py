@@ -351,3 +351,31 @@ def test_a_killed_tensor_parallel_rank_fails_streams_and_exits(
     assert error["code"] == 503 and "engine" in error["message"]
     assert server.proc.wait(30) != 0
     assert "rank 1" in server.log()
+
+
+def test_a_server_stopped_while_starting_ends_its_engine(
+    tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pagoda serve` starts the engine process before importing the server; stopped before its
+    AsyncEngine exists (Ctrl-C during those imports), it kills the engine, which ignores the
+    SIGTERM of multiprocessing's exit handler (that handler would wait for it forever)."""
+    from pagoda.cli import main
+    from pagoda.client import async_client
+
+    launched: list[async_client.EngineLaunch] = []
+    launch_engine = async_client.launch_engine
+
+    def launch(config: Any) -> async_client.EngineLaunch:
+        launched.append(launch_engine(config))
+        return launched[-1]
+
+    def interrupted(*args: Any) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(async_client, "launch_engine", launch)
+    monkeypatch.setattr(app, "run_server", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["serve", tiny_llama_dir, *SMALL_POOL, "--port", "1"])
+    (engine,) = launched
+    engine.process.join(10)
+    assert engine.process.exitcode == -signal.SIGKILL

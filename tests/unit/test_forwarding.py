@@ -188,6 +188,13 @@ def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error_event() -> None
     assert sent[-1]["more_body"] is False
 
 
+def test_a_replica_s_own_failure_is_a_500_in_openai_s_shape_not_retried() -> None:
+    sent, calls = _ingress_reply([[RuntimeError("a bug")]])
+    assert calls == 1
+    assert sent[0]["status"] == 500
+    assert json.loads(sent[1]["body"])["error"]["code"] == 500
+
+
 def test_bad_ray_serve_options_are_value_errors() -> None:
     with pytest.raises(ValueError, match="min_replicas"):
         RayServeOptions(min_replicas=3, max_replicas=2)

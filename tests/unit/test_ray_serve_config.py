@@ -57,6 +57,7 @@ def test_serve_ray_flags() -> None:
     assert (auto.min_replicas, auto.max_replicas, auto.autoscaling) == (1, 4, True)
     assert auto.slo.ttft_slo_s == 0.5 and auto.slo.tpot_slo_s == 0.1
     assert parse("--ray-router", "power-of-two").router == "power-of-two"
+    assert parse("--replica-num-gpus", "1").replica_num_gpus == 1.0
     assert "num_replicas" in _scaling(fixed) and "autoscaling_config" in _scaling(auto)
     with pytest.raises(ValueError, match="not both"):
         parse("--num-replicas", "2", "--max-replicas", "4")
