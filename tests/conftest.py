@@ -39,25 +39,6 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# `make test` distributes whole groups of tests (pytest-xdist --dist loadgroup): each file is its
-# own group, as under --dist loadfile, except the files that share an expensive session fixture,
-# which run on one worker so that it is built once: HF's SmolLM2 dequantized from the GGUF (about
-# 20 s) and the float32 SmolLM2 engine.
-_SHARED_FIXTURE_GROUPS = {
-    "tests/models/test_models.py": "smollm2",
-    "tests/engine/test_greedy_oracle.py": "smollm2",
-    "tests/engine/test_scheduling_invariance.py": "smollm2",
-    "tests/engine/test_spec_decode.py": "smollm2",
-}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(_SHARED_FIXTURE_GROUPS.get(path, path)))
-
-
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 _COMMON = dict(

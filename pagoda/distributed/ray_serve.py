@@ -116,7 +116,8 @@ class PagodaEngine:
         m = state.metrics
         if m.first_token_time is None:
             return
-        tokens = sum(len(s.token_ids) for s in state.samples)
+        # With n > 1 the samples decode side by side: time per token of the longest one.
+        tokens = max((len(s.token_ids) for s in state.samples), default=0)
         tpot = None
         if tokens > 1 and m.last_token_time is not None:
             tpot = (m.last_token_time - m.first_token_time) / (tokens - 1)
