@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 import time
 from typing import Any
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from pagoda.bench.common import free_port, write_json
 
 
 def first_token_s(url: str) -> float:
@@ -85,10 +79,7 @@ def main() -> int:
     }
     print(json.dumps(result), flush=True)
     if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        write_json(result, args.output_json)
     return 0
 
 

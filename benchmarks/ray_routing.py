@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
 import sys
 import time
 from collections import Counter
@@ -25,13 +23,7 @@ from typing import Any
 
 import httpx
 
-from pagoda.bench.common import started_server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from pagoda.bench.common import free_port, started_server, write_json
 
 
 def workload(groups: int, per_group: int, prefix_words: int, seed: int) -> list[str]:
@@ -137,10 +129,7 @@ def main() -> int:
         run["hit_rate_vs_single"] = round(run["hit_rate"] / single, 4)
     print(json.dumps(result), flush=True)
     if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        write_json(result, args.output_json)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 import httpx
 import psutil
 
-from pagoda.bench.common import started_server
+from pagoda.bench.common import started_server, write_json
 
 KINDS = {"stream": 4, "plain": 2, "cancel": 1, "bad": 1, "long": 1, "n2": 1}
 BAD_BODIES = [
@@ -258,10 +257,7 @@ def main() -> int:
     line = json.dumps({k: v for k, v in record.items() if k != "rss_samples_mb"})
     print(line, flush=True)
     if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(record, f, indent=1)
-            f.write("\n")
+        write_json(record, args.output_json)
     return 0 if passed else 1
 
 

@@ -398,6 +398,25 @@ def parallel_stats(engine: Any) -> dict[str, Any] | None:
     }
 
 
+def write_json(record: dict[str, Any], path: str) -> None:
+    """A benchmark's full result, indented, in `path` (its folder made if missing)."""
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @dataclass(frozen=True)
 class StartedServer:
     url: str
@@ -409,15 +428,12 @@ def started_server(serve_args: Sequence[str], timeout_s: float = 300.0) -> Itera
     """`pagoda serve SERVE_ARGS` on a free loopback port, ready (GET /health 200), until the
     block ends; then SIGTERM (it drains), SIGKILL after a minute."""
     import signal
-    import socket
     import subprocess
     import time
 
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = free_port()
     cmd = [sys.executable, "-m", "pagoda.cli", "serve", *serve_args]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -21,13 +21,12 @@ import argparse
 import asyncio
 import contextlib
 import math
-import os
 import shlex
 from collections.abc import Sequence
 from typing import Any
 
 from pagoda.bench import serve
-from pagoda.bench.common import emit, log, started_server
+from pagoda.bench.common import emit, log, started_server, write_json
 from pagoda.bench.serve_client import count_output_tokens, first_model_id
 from pagoda.bench.serve_prompts import ServeRequest, build_requests, load_bench_tokenizer
 from pagoda.bench.serve_stats import summarize
@@ -215,8 +214,7 @@ def main(args: argparse.Namespace) -> int:
         result = plan(args, url)
     emit(headline(result), None)
     if args.output_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
-        emit_file(result, args.output_json)
+        write_json(result, args.output_json)
     if args.plot:
         from pagoda.bench.serve_plots import plot_plan
 
@@ -230,11 +228,3 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     line = {k: v for k, v in result.items() if k not in ("batch_sweep", "rate_sweep", "workload")}
     line["check"] = [{k: run[k] for k in keys} for run in result["check"]]
     return line
-
-
-def emit_file(result: dict[str, Any], path: str) -> None:
-    import json
-
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")

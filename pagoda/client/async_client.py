@@ -104,8 +104,7 @@ def launch_engine(config: EngineConfig, addresses: tuple[str, str] | None = None
     `pagoda serve` launches before importing the server (FastAPI, uvicorn), so the engine loads
     the model while this process imports them; AsyncEngine.start launches when nothing did."""
     if addresses is None:
-        base = os.path.join(tempfile.gettempdir(), f"pagoda-{uuid.uuid4().hex[:12]}")
-        addresses = f"ipc://{base}-in", f"ipc://{base}-out"
+        addresses = _ipc_addresses()
     mp = multiprocessing.get_context("spawn")
     parent_conn, child_conn = mp.Pipe(duplex=False)
     process = mp.Process(
@@ -154,8 +153,7 @@ class AsyncEngine:
         if launch is not None:
             self._in_addr, self._out_addr = launch.in_addr, launch.out_addr
         else:
-            base = os.path.join(tempfile.gettempdir(), f"pagoda-{uuid.uuid4().hex[:12]}")
-            self._in_addr, self._out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+            self._in_addr, self._out_addr = _ipc_addresses()
         self._to_engine = self._sync_ctx.socket(zmq.PUSH)
         self._to_engine.bind(self._in_addr)
         self._from_engine = self._ctx.socket(zmq.PULL)
@@ -463,6 +461,12 @@ def _run_engine_process(*args: Any) -> None:
     from pagoda.engine.process import run_engine_process
 
     run_engine_process(*args)
+
+
+def _ipc_addresses() -> tuple[str, str]:
+    """Fresh socket addresses for the client's (in, out) ZeroMQ sockets."""
+    base = os.path.join(tempfile.gettempdir(), f"pagoda-{uuid.uuid4().hex[:12]}")
+    return f"ipc://{base}-in", f"ipc://{base}-out"
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
