@@ -1,6 +1,11 @@
 """Soak: minutes of mixed load on `pagoda serve` or on the Ray Serve app (`pagoda serve --ray`),
 started here, at a fixed Poisson rate (default 80% of a `pagoda plan` JSON's max rate).
 
+Its prompt and output lengths are the plan's workload's (--input-len-range, --output-len-range
+default to the plan JSON's; a word of the soak's prompts is about one token), and the server
+runs the plan's --max-num-seqs, so 80% of the plan's rate is the load the plan measured, plus
+the soak's own kinds: a long prompt is --long-factor x the longest input.
+
 Each request is one of (weights in KINDS): a streamed completion, a plain one, a streamed chat
 cancelled after its first events (the client closes the connection), a bad request (an OpenAI
 400/404 is its expected answer), a long prompt, and n = 2. Every request sent must end with its
@@ -22,12 +27,13 @@ import statistics
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import psutil
 
-from pagoda.bench.common import started_server, write_json
+from pagoda.bench.common import parse_range, started_server, write_json
 
 KINDS = {"stream": 4, "plain": 2, "cancel": 1, "bad": 1, "long": 1, "n2": 1}
 BAD_BODIES = [
@@ -65,14 +71,21 @@ def prompt(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-LONG_WORDS = 1200  # a long prompt's words (about as many tokens); --long-words
+@dataclass(frozen=True)
+class Mix:
+    input_words: tuple[int, int]
+    output_tokens: tuple[int, int]
+    long_words: int
 
 
 async def one(
-    client: httpx.AsyncClient, kind: str, rng: random.Random, long_words: int
+    client: httpx.AsyncClient, kind: str, rng: random.Random, mix: Mix
 ) -> tuple[str, str]:
     """(outcome, detail): outcome "ok" or "unexpected"."""
-    short = {"prompt": prompt(rng, rng.randint(8, 64)), "max_tokens": rng.randint(8, 48)}
+    short = {
+        "prompt": prompt(rng, rng.randint(*mix.input_words)),
+        "max_tokens": rng.randint(*mix.output_tokens),
+    }
     if kind == "bad":
         body, status = rng.choice(BAD_BODIES)
         r = await client.post("/v1/completions", json=body)
@@ -85,13 +98,13 @@ async def one(
         r = await client.post("/v1/completions", json={**short, "n": 2, "temperature": 0.8})
         return _check_plain(r, 2)
     if kind == "long":
-        body = {"prompt": prompt(rng, long_words), "max_tokens": 16}
+        body = {"prompt": prompt(rng, mix.long_words), "max_tokens": 16}
         r = await client.post("/v1/completions", json=body)
         return _check_plain(r, 1)
     if kind == "stream":
         return await _stream(client, "/v1/completions", {**short, "stream": True}, None)
-    messages = [{"role": "user", "content": prompt(rng, 32)}]
-    body = {"messages": messages, "max_tokens": 64, "stream": True}
+    messages = [{"role": "user", "content": prompt(rng, rng.randint(*mix.input_words))}]
+    body = {"messages": messages, "max_tokens": mix.output_tokens[1], "stream": True}
     return await _stream(client, "/v1/chat/completions", body, 2)
 
 
@@ -122,9 +135,7 @@ async def _stream(
     return "unexpected", f"stream ended without [DONE] after {events} events"
 
 
-async def load(
-    url: str, rate: float, duration_s: float, seed: int, long_words: int
-) -> dict[str, Any]:
+async def load(url: str, rate: float, duration_s: float, seed: int, mix: Mix) -> dict[str, Any]:
     rng = random.Random(seed)
     kinds = [k for k, w in KINDS.items() for _ in range(w)]
     outcomes: Counter[str] = Counter()
@@ -136,7 +147,7 @@ async def load(
 
         async def run(kind: str, r: random.Random) -> None:
             try:
-                outcome, detail = await one(client, kind, r, long_words)
+                outcome, detail = await one(client, kind, r, mix)
             except Exception as e:  # a transport error is an unexpected outcome, not a crash
                 outcome, detail = "unexpected", f"{kind}: {type(e).__name__}: {e}"
             outcomes[outcome] += 1
@@ -184,7 +195,8 @@ async def sample_rss(pid: int, every_s: float, samples: list[tuple[float, int]])
 async def soak(args: argparse.Namespace, url: str, pid: int) -> dict[str, Any]:
     samples: list[tuple[float, int]] = []
     sampler = asyncio.create_task(sample_rss(pid, args.rss_every_s, samples))
-    result = await load(url, args.rate, args.duration_s, args.seed, args.long_words)
+    mix = Mix(args.input_len_range, args.output_len_range, args.long_words)
+    result = await load(url, args.rate, args.duration_s, args.seed, mix)
     sampler.cancel()
     after = [rss for t, rss in samples if t >= args.warmup_s]
     if len(after) < 2:
@@ -213,20 +225,34 @@ def main() -> int:
     p.add_argument("--warmup-s", type=float, default=60.0)
     p.add_argument("--rss-every-s", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--long-words", type=int, default=LONG_WORDS, help="a long prompt's words")
+    p.add_argument("--input-len-range", type=parse_range, default=None, metavar="A,B")
+    p.add_argument("--output-len-range", type=parse_range, default=None, metavar="A,B")
+    p.add_argument("--long-factor", type=int, default=4, help="a long prompt: x the longest input")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the plan's")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `pagoda serve` flag")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
-    plan_rate = None
+    plan: dict[str, Any] = {}
     if args.plan_json:
         with open(args.plan_json) as f:
-            plan_rate = json.load(f)["max_request_rate"]
+            plan = json.load(f)
+    workload = plan.get("workload", {})
+    args.input_len_range = args.input_len_range or tuple(workload.get("input_len_range", (8, 64)))
+    args.output_len_range = args.output_len_range or tuple(
+        workload.get("output_len_range", (8, 48))
+    )
+    args.long_words = args.long_factor * args.input_len_range[1]
+    args.max_num_seqs = args.max_num_seqs or plan.get("max_num_seqs")
+    plan_rate = plan.get("max_request_rate")
     if args.rate is None:
         if plan_rate is None:
-            p.error("give --rate or --plan-json")
+            p.error("give --rate or a --plan-json with a max_request_rate")
         args.rate = round(0.8 * float(plan_rate), 4)
+    extra = [*args.serve_arg]
+    if args.max_num_seqs is not None:
+        extra += ["--max-num-seqs", str(args.max_num_seqs)]
     began = time.monotonic()
-    with started_server(serve_args(args.target, args.model, args.serve_arg)) as server:
+    with started_server(serve_args(args.target, args.model, extra)) as server:
         ready_s = time.monotonic() - began
         result = asyncio.run(soak(args, server.url, server.pid))
         time.sleep(2.0)  # cancelled streams are aborted as their connections close
@@ -249,7 +275,10 @@ def main() -> int:
         "duration_s": args.duration_s,
         "warmup_s": args.warmup_s,
         "kinds": KINDS,
+        "input_words_range": args.input_len_range,
+        "output_tokens_range": args.output_len_range,
         "long_prompt_words": args.long_words,
+        "max_num_seqs": args.max_num_seqs,
         "ready_s": round(ready_s, 2),
         **result,
         "passed": passed,

@@ -3,10 +3,15 @@ server (or one it starts with --serve-args), with `bench serve`'s load generator
 
 1. Batch size: the same prompts at saturation with at most c requests in flight, for each c of
    --concurrencies. The server then runs batches of at most c, so the largest c whose P99 TPOT
-   meets its SLO is the largest `--max-num-seqs` that keeps decode inside it.
+   meets its SLO (and every smaller c's) is the largest `--max-num-seqs` that keeps decode
+   inside it.
 2. Rate: Poisson arrivals at each rate of --rates (default: fractions of the request throughput
-   measured at that batch size). The highest rate whose P99 TTFT and P99 TPOT both meet their
-   SLOs, with no failed request, is the rate one server sustains.
+   measured at that batch size), against the server running that `--max-num-seqs` (with
+   --serve-args it is restarted with it; a server at --base-url is used as it runs). Each run
+   sends at least --min-run-seconds of arrivals, so P99 is measured in a steady state. While the
+   highest rate is still inside the SLOs the sweep goes on by 1.25x steps (--max-extra-rates).
+   The highest rate whose P99 TTFT and P99 TPOT, and every lower rate's, meet their SLOs with no
+   failed request is the rate one server sustains.
 3. Cost per 1K output tokens = --price-per-hour / 3600 / (output tokens/s at that rate) * 1000;
    replicas for --target-rate = ceil(target / that rate).
 4. Check (unless --no-check): fresh prompts at that rate and at 1.5x it, the first expected
@@ -22,7 +27,7 @@ import asyncio
 import contextlib
 import math
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from pagoda.bench import serve
@@ -35,6 +40,7 @@ NAME = "plan"
 DEFAULT_CONCURRENCIES = (1, 2, 4, 8, 16, 32)
 DEFAULT_RATE_FRACTIONS = (0.25, 0.5, 0.7, 0.85, 1.0, 1.2)
 CHECK_FACTOR = 1.5
+EXTRA_RATE_STEP = 1.25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +64,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="R1,R2,...",
         help="request rates to sweep (default: fractions of the measured throughput)",
+    )
+    p.add_argument(
+        "--min-run-seconds",
+        type=float,
+        default=30.0,
+        help="each rate run sends at least rate x this many requests (and --num-prompts)",
+    )
+    p.add_argument(
+        "--max-extra-rates",
+        type=int,
+        default=4,
+        help="rates added by 1.25x steps while the highest one is still inside the SLOs",
     )
     p.add_argument("--no-check", action="store_true", help="skip the run at the rate and 1.5x")
     p.add_argument(
@@ -97,9 +115,14 @@ def within_slo(summary: dict[str, Any], slo_ttft_ms: float | None, slo_tpot_ms: 
 def largest_within(
     runs: Sequence[dict[str, Any]], key: str, slo_ttft_ms: float | None, slo_tpot_ms: float
 ) -> dict[str, Any] | None:
-    """The run with the largest `key` among those within the SLOs; None if none is."""
-    ok = [r for r in runs if within_slo(r, slo_ttft_ms, slo_tpot_ms)]
-    return max(ok, key=lambda r: float(r[key])) if ok else None
+    """The run with the largest `key` such that it and every run with a smaller `key` are within
+    the SLOs (a lucky pass above a miss is noise, not capacity); None if the smallest misses."""
+    best = None
+    for r in sorted(runs, key=lambda r: float(r[key])):
+        if not within_slo(r, slo_ttft_ms, slo_tpot_ms):
+            break
+        best = r
+    return best
 
 
 def cost_per_1k_tokens(price_per_hour: float, tokens_per_s: float) -> float:
@@ -131,49 +154,102 @@ def _run(
     return {"request_rate": serve.rate_key(rate), "max_concurrency": concurrency, **summary}
 
 
-def plan(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
-    tokenizer = load_bench_tokenizer(args.tokenizer)
-    args.base_url = base_url
-    model = args.model or first_model_id(base_url, serve.auth_headers(args.api_key))
-    cfg = serve.request_config(args, model, tokenizer)
+def prompts_for_rate(num_prompts: int, rate: float, min_run_seconds: float) -> int:
+    """Requests a rate run sends: --num-prompts, and at least rate x --min-run-seconds."""
+    return max(num_prompts, math.ceil(rate * min_run_seconds - 1e-9))
 
-    def prompts(seed: int) -> list[ServeRequest]:
+
+def next_rate(runs: Sequence[dict[str, Any]], slo: tuple[float, float]) -> float | None:
+    """The rate to add to a sweep whose highest rate is still within the SLOs (1.25x it), or
+    None once the highest rate misses."""
+    top = max(runs, key=lambda r: float(r["request_rate"]))
+    if not within_slo(top, *slo):
+        return None
+    return round(float(top["request_rate"]) * EXTRA_RATE_STEP, 4)
+
+
+ServerAt = Callable[[int | None], contextlib.AbstractContextManager[str]]
+
+
+def server_at(args: argparse.Namespace) -> ServerAt:
+    """For a phase of the plan: the URL of a server running `--max-num-seqs n` (None: as
+    configured). With --serve-args a server is started for the phase; a --base-url server is
+    used as it runs, whatever its --max-num-seqs."""
+
+    @contextlib.contextmanager
+    def at(max_num_seqs: int | None) -> Iterator[str]:
+        if args.serve_args is None:
+            if max_num_seqs is not None:
+                log(f"plan: the server at {args.base_url} should run --max-num-seqs {max_num_seqs}")
+            yield args.base_url
+            return
+        extra = [] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]
+        with started_server([*shlex.split(args.serve_args), *extra]) as server:
+            yield server.url
+
+    return at
+
+
+def plan(args: argparse.Namespace, server: ServerAt) -> dict[str, Any]:
+    tokenizer = load_bench_tokenizer(args.tokenizer)
+    slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+
+    def prompts(seed: int, n: int = args.num_prompts) -> list[ServeRequest]:
         return build_requests(
             tokenizer,
-            args.num_prompts,
+            n,
             args.input_len_range,
             args.output_len_range,
             seed=seed,
             shared_prefix_len=args.shared_prefix_len,
         )
 
+    def at_rate(rate: float, seed: int, cfg: Any) -> dict[str, Any]:
+        n = prompts_for_rate(args.num_prompts, rate, args.min_run_seconds)
+        log(f"plan: rate {rate:g} req/s, {n} requests")
+        return _run(args, prompts(seed, n), cfg, tokenizer, rate, None)
+
     requests = prompts(args.seed)
-    check = serve.check_server(requests, cfg)
-    if not check.success:
-        raise RuntimeError(f"the test request to {cfg.url} failed: {check.error}")
-    slo = (args.slo_ttft_ms, args.slo_tpot_ms)
-    batch_runs = []
-    for c in args.concurrencies:
-        log(f"plan: batch {c}")
-        batch_runs.append(_run(args, requests, cfg, tokenizer, math.inf, c))
+    with server(None) as url:
+        cfg, model = _connect(args, url, tokenizer, requests)
+        batch_runs = []
+        for c in args.concurrencies:
+            log(f"plan: batch {c}")
+            batch_runs.append(_run(args, requests, cfg, tokenizer, math.inf, c))
     # The batch choice bounds TPOT only: at saturation TTFT is queueing, which the rate sets.
     batch = largest_within(batch_runs, "max_concurrency", None, args.slo_tpot_ms)
     saturated = batch or batch_runs[0]
     rates = args.rates or [
         round(f * saturated["request_throughput"], 4) for f in DEFAULT_RATE_FRACTIONS
     ]
-    rate_runs = []
-    for rate in rates:
-        log(f"plan: rate {rate:g} req/s")
-        rate_runs.append(_run(args, requests, cfg, tokenizer, rate, None))
-    best = largest_within(rate_runs, "request_rate", *slo)
+    batch_size = batch["max_concurrency"] if batch else None
+    with server(batch_size) as url:
+        cfg, _ = _connect(args, url, tokenizer, requests)
+        rate_runs = [at_rate(rate, args.seed, cfg) for rate in rates]
+        for _ in range(args.max_extra_rates):
+            extra = next_rate(rate_runs, slo)
+            if extra is None:
+                break
+            rate_runs.append(at_rate(extra, args.seed, cfg))
+        best = largest_within(rate_runs, "request_rate", *slo)
+        checks = []
+        if best is not None and not args.no_check:
+            for factor in (1.0, CHECK_FACTOR):
+                run = at_rate(best["request_rate"] * factor, args.seed + 1, cfg)  # fresh prompts
+                run["factor"] = factor
+                run["within_slo"] = within_slo(run, *slo)
+                checks.append(run)
     result: dict[str, Any] = {
         "bench": NAME,
         "label": args.label,
         "model": model,
         "slo": {"p99_ttft_ms": args.slo_ttft_ms, "p99_tpot_ms": args.slo_tpot_ms},
         "workload": serve.run_config(args, cfg, requests),
-        "max_num_seqs": batch["max_concurrency"] if batch else None,
+        "min_run_seconds": args.min_run_seconds,
+        "rate_sweep_server": "restarted with --max-num-seqs max_num_seqs"
+        if args.serve_args is not None
+        else "the --base-url server as it runs",
+        "max_num_seqs": batch_size,
         "max_request_rate": best["request_rate"] if best else None,
         "output_tokens_per_s_at_max_rate": best["output_throughput"] if best else None,
         "price_per_hour": args.price_per_hour,
@@ -182,7 +258,7 @@ def plan(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
         "replicas_for_target_rate": None,
         "batch_sweep": batch_runs,
         "rate_sweep": rate_runs,
-        "check": [],
+        "check": checks,
     }
     if best is not None:
         if args.price_per_hour is not None:
@@ -193,25 +269,27 @@ def plan(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
             result["replicas_for_target_rate"] = replicas_for(
                 args.target_rate, best["request_rate"]
             )
-        if not args.no_check:
-            fresh = prompts(args.seed + 1)
-            for factor in (1.0, CHECK_FACTOR):
-                rate = best["request_rate"] * factor
-                log(f"plan: check at {rate:g} req/s")
-                run = _run(args, fresh, cfg, tokenizer, rate, None)
-                run["factor"] = factor
-                run["within_slo"] = within_slo(run, *slo)
-                result["check"].append(run)
     return result
+
+
+def _connect(
+    args: argparse.Namespace, url: str, tokenizer: Any, requests: list[ServeRequest]
+) -> tuple[Any, str]:
+    """The request config for the server at `url`, after one test request succeeded."""
+    args.base_url = url
+    model = args.model or first_model_id(url, serve.auth_headers(args.api_key))
+    cfg = serve.request_config(args, model, tokenizer)
+    check = serve.check_server(requests, cfg)
+    if not check.success:
+        raise RuntimeError(f"the test request to {cfg.url} failed: {check.error}")
+    return cfg, model
 
 
 def main(args: argparse.Namespace) -> int:
     serve.check_args(args)
-    with contextlib.ExitStack() as stack:
-        url = args.base_url
-        if args.serve_args is not None:
-            url = stack.enter_context(started_server(shlex.split(args.serve_args))).url
-        result = plan(args, url)
+    if args.min_run_seconds < 0 or args.max_extra_rates < 0:
+        raise ValueError("--min-run-seconds and --max-extra-rates must be >= 0")
+    result = plan(args, server_at(args))
     emit(headline(result), None)
     if args.output_json:
         write_json(result, args.output_json)

@@ -3,14 +3,21 @@ inside the SLOs, the batch size and rate it picks, cost per 1K tokens and replic
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from pagoda.bench import plan as plan_module
 from pagoda.bench.plan import (
     cost_per_1k_tokens,
     largest_within,
+    next_rate,
+    prompts_for_rate,
     replicas_for,
+    server_at,
     within_slo,
 )
 
@@ -48,6 +55,52 @@ def test_the_largest_rate_and_batch_within_the_slos() -> None:
     ]
     chosen = largest_within(batches, "max_concurrency", None, 20)
     assert chosen is not None and chosen["max_concurrency"] == 4
+
+
+def test_a_pass_above_a_miss_is_not_capacity() -> None:
+    # 3 req/s passed by luck after 2 req/s missed: the plan stops at the first miss.
+    rates = [run(3, 150, 15), run(1, 50, 8), run(2, 250, 12), run(4, 100, 10)]
+    best = largest_within(rates, "request_rate", 200, 20)
+    assert best is not None and best["request_rate"] == 1
+
+
+def test_the_sweep_goes_on_while_its_top_rate_passes() -> None:
+    slo = (200.0, 20.0)
+    assert next_rate([run(1, 50, 8), run(2, 90, 12)], slo) == 2.5
+    assert next_rate([run(2, 90, 12), run(1, 50, 8)], slo) == 2.5  # the top, not the last
+    assert next_rate([run(1, 50, 8), run(2, 250, 12)], slo) is None
+    assert next_rate([run(1, 50, 8), run(2, 90, 12, failed=1)], slo) is None
+
+
+def test_requests_per_rate_run() -> None:
+    assert prompts_for_rate(64, 1.0, 30.0) == 64  # --num-prompts is the floor
+    assert prompts_for_rate(64, 3.2, 30.0) == 96
+    assert prompts_for_rate(4, 2.5, 1.0) == 4
+    assert prompts_for_rate(4, 8.0, 1.0) == 8
+
+
+def test_the_rate_phase_server_runs_the_chosen_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def fake(args: list[str]) -> Iterator[Any]:
+        started.append(args)
+        yield argparse.Namespace(url=f"http://s{len(started)}", pid=0)
+
+    monkeypatch.setattr(plan_module, "started_server", fake)
+    at = server_at(argparse.Namespace(serve_args="m --dtype float32", base_url=None))
+    with at(None) as url:
+        assert url == "http://s1"
+    with at(4) as url:
+        assert url == "http://s2"
+    assert started == [
+        ["m", "--dtype", "float32"],
+        ["m", "--dtype", "float32", "--max-num-seqs", "4"],
+    ]
+    running = server_at(argparse.Namespace(serve_args=None, base_url="http://there"))
+    with running(4) as url:
+        assert url == "http://there"  # a running server is not restarted
+    assert len(started) == 2
 
 
 def test_cost_and_replicas() -> None:
