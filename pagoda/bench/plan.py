@@ -1,14 +1,16 @@
 """`pagoda plan`: capacity planning from the goodput curve, against a running OpenAI-compatible
 server (or one it starts with --serve-args), with `bench serve`'s load generator.
 
-1. Batch size: the same prompts at saturation with at most c requests in flight, for each c of
+1. Batch size: prompts at saturation with at most c requests in flight, for each c of
    --concurrencies. The server then runs batches of at most c, so the largest c whose P99 TPOT
    meets its SLO (and every smaller c's) is the largest `--max-num-seqs` that keeps decode
    inside it.
 2. Rate: Poisson arrivals at each rate of --rates (default: fractions of the request throughput
    measured at that batch size), against the server running that `--max-num-seqs` (with
    --serve-args it is restarted with it; a server at --base-url is used as it runs). Each run
-   sends at least --min-run-seconds of arrivals, so P99 is measured in a steady state. While the
+   sends at least --min-run-seconds of arrivals, so P99 is measured in a steady state. Every run
+   (and each test request) sends prompts of a seed of its own, never prompts the server has
+   cached. While the
    highest rate is still inside the SLOs the sweep goes on by 1.25x steps (--max-extra-rates).
    The highest rate whose P99 TTFT and P99 TPOT, and every lower rate's, meet their SLOs with no
    failed request is the rate one server sustains.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import math
 import shlex
 from collections.abc import Callable, Iterator, Sequence
@@ -204,18 +207,24 @@ def plan(args: argparse.Namespace, server: ServerAt) -> dict[str, Any]:
             shared_prefix_len=args.shared_prefix_len,
         )
 
-    def at_rate(rate: float, seed: int, cfg: Any) -> dict[str, Any]:
+    # Every run sends prompts of its own seed: a run of prompts the server has seen before
+    # would measure its prefix cache, not its capacity.
+    seeds = itertools.count(args.seed)
+
+    def fresh(n: int = args.num_prompts) -> list[ServeRequest]:
+        return prompts(next(seeds), n)
+
+    def at_rate(rate: float, cfg: Any) -> dict[str, Any]:
         n = prompts_for_rate(args.num_prompts, rate, args.min_run_seconds)
         log(f"plan: rate {rate:g} req/s, {n} requests")
-        return _run(args, prompts(seed, n), cfg, tokenizer, rate, None)
+        return _run(args, fresh(n), cfg, tokenizer, rate, None)
 
-    requests = prompts(args.seed)
     with server(None) as url:
-        cfg, model = _connect(args, url, tokenizer, requests)
+        cfg, model = _connect(args, url, tokenizer, fresh(1))
         batch_runs = []
         for c in args.concurrencies:
             log(f"plan: batch {c}")
-            batch_runs.append(_run(args, requests, cfg, tokenizer, math.inf, c))
+            batch_runs.append(_run(args, fresh(), cfg, tokenizer, math.inf, c))
     # The batch choice bounds TPOT only: at saturation TTFT is queueing, which the rate sets.
     batch = largest_within(batch_runs, "max_concurrency", None, args.slo_tpot_ms)
     saturated = batch or batch_runs[0]
@@ -224,18 +233,18 @@ def plan(args: argparse.Namespace, server: ServerAt) -> dict[str, Any]:
     ]
     batch_size = batch["max_concurrency"] if batch else None
     with server(batch_size) as url:
-        cfg, _ = _connect(args, url, tokenizer, requests)
-        rate_runs = [at_rate(rate, args.seed, cfg) for rate in rates]
+        cfg, _ = _connect(args, url, tokenizer, fresh(1))
+        rate_runs = [at_rate(rate, cfg) for rate in rates]
         for _ in range(args.max_extra_rates):
             extra = next_rate(rate_runs, slo)
             if extra is None:
                 break
-            rate_runs.append(at_rate(extra, args.seed, cfg))
+            rate_runs.append(at_rate(extra, cfg))
         best = largest_within(rate_runs, "request_rate", *slo)
         checks = []
         if best is not None and not args.no_check:
             for factor in (1.0, CHECK_FACTOR):
-                run = at_rate(best["request_rate"] * factor, args.seed + 1, cfg)  # fresh prompts
+                run = at_rate(best["request_rate"] * factor, cfg)
                 run["factor"] = factor
                 run["within_slo"] = within_slo(run, *slo)
                 checks.append(run)
@@ -244,7 +253,7 @@ def plan(args: argparse.Namespace, server: ServerAt) -> dict[str, Any]:
         "label": args.label,
         "model": model,
         "slo": {"p99_ttft_ms": args.slo_ttft_ms, "p99_tpot_ms": args.slo_tpot_ms},
-        "workload": serve.run_config(args, cfg, requests),
+        "workload": serve.run_config(args, cfg, prompts(args.seed)),
         "min_run_seconds": args.min_run_seconds,
         "rate_sweep_server": "restarted with --max-num-seqs max_num_seqs"
         if args.serve_args is not None
@@ -275,7 +284,8 @@ def plan(args: argparse.Namespace, server: ServerAt) -> dict[str, Any]:
 def _connect(
     args: argparse.Namespace, url: str, tokenizer: Any, requests: list[ServeRequest]
 ) -> tuple[Any, str]:
-    """The request config for the server at `url`, after one test request succeeded."""
+    """The request config for the server at `url`, after a test request (requests[0])
+    succeeded."""
     args.base_url = url
     model = args.model or first_model_id(url, serve.auth_headers(args.api_key))
     cfg = serve.request_config(args, model, tokenizer)

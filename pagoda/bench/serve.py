@@ -293,23 +293,29 @@ def main(args: argparse.Namespace) -> int:
         log(f"error: cannot list models at {args.base_url} ({e}); is the server up?")
         return 1
     cfg = request_config(args, model, tokenizer)
-    requests = build_requests(
-        tokenizer,
-        args.num_prompts,
-        args.input_len_range,
-        args.output_len_range,
-        seed=args.seed,
-        shared_prefix_len=args.shared_prefix_len,
-    )
-    check = check_server(requests, cfg)
+
+    def prompts(seed: int, n: int = args.num_prompts) -> list[ServeRequest]:
+        return build_requests(
+            tokenizer,
+            n,
+            args.input_len_range,
+            args.output_len_range,
+            seed=seed,
+            shared_prefix_len=args.shared_prefix_len,
+        )
+
+    # The test request's prompt is none of the runs' (it would be a prefix cache hit), and the
+    # i-th rate of a sweep sends the prompts of seed + i: prompts a run before it sent would be
+    # served from the prefix cache, flattering every rate after the first.
+    check = check_server(prompts(args.seed - 1, 1), cfg)
     if not check.success:
         log(f"error: the test request to {cfg.url} failed: {check.error}")
         return 1
+    rates = args.sweep_rates or [args.request_rate]
     runs = [
-        run_rate(args, tokenizer, requests, cfg, rate)
-        for rate in (args.sweep_rates or [args.request_rate])
+        run_rate(args, tokenizer, prompts(args.seed + i), cfg, rate) for i, rate in enumerate(rates)
     ]
-    config = run_config(args, cfg, requests)
+    config = run_config(args, cfg, prompts(args.seed))
     head: dict[str, Any] = {
         "bench": NAME,
         "label": args.label,
