@@ -15,6 +15,7 @@ from pagoda.bench.plan import (
     cost_per_1k_tokens,
     largest_within,
     next_rate,
+    planned_slo,
     prompts_for_rate,
     replicas_for,
     server_at,
@@ -70,6 +71,18 @@ def test_the_sweep_goes_on_while_its_top_rate_passes() -> None:
     assert next_rate([run(2, 90, 12), run(1, 50, 8)], slo) == 2.5  # the top, not the last
     assert next_rate([run(1, 50, 8), run(2, 250, 12)], slo) is None
     assert next_rate([run(1, 50, 8), run(2, 90, 12, failed=1)], slo) is None
+
+
+def test_the_choices_keep_a_margin_inside_the_slos() -> None:
+    planned = planned_slo((1000.0, 100.0), 0.1)
+    assert planned == pytest.approx((900.0, 90.0))
+    runs = [run(1, 500, 50), run(2, 950, 60), run(3, 990, 99)]  # all inside the SLOs
+    best = largest_within(runs, "request_rate", *planned)
+    assert best is not None and best["request_rate"] == 1  # 950 ms is within 5% of 1000 ms
+    assert planned_slo((1000.0, 100.0), 0.0) == (1000.0, 100.0)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="slo-margin"):
+            planned_slo((1000.0, 100.0), bad)
 
 
 def test_requests_per_rate_run() -> None:
