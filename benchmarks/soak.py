@@ -22,9 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -198,9 +200,11 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict[str, Any]:
     mix = Mix(args.input_len_range, args.output_len_range, args.long_words)
     result = await load(url, args.rate, args.duration_s, args.seed, mix)
     sampler.cancel()
-    after = [rss for t, rss in samples if t >= args.warmup_s]
-    if len(after) < 2:
-        raise ValueError("no RSS samples after the warm-up: lengthen --duration-s")
+    after = [rss for t, rss in samples if t >= args.warmup_s and rss > 0]  # 0: it exited
+    result["rss_samples_mb"] = [(t, round(r / 2**20, 1)) for t, r in samples]
+    if len(after) < 2:  # the server exited, or the run was shorter than the warm-up
+        result["rss_mb"] = None
+        return result
     first = statistics.mean(after[: max(1, len(after) // 10)])
     last = statistics.mean(after[-max(1, len(after) // 10) :])
     result["rss_mb"] = {
@@ -211,7 +215,6 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict[str, Any]:
         "drift": round(last / first - 1, 4),
         "range": round(max(after) / min(after) - 1, 4),
     }
-    result["rss_samples_mb"] = [(t, round(r / 2**20, 1)) for t, r in samples]
     return result
 
 
@@ -231,7 +234,10 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the plan's")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `pagoda serve` flag")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--server-log", default=None, help="default: TMPDIR/pagoda-soak-TARGET.log")
     args = p.parse_args()
+    if args.server_log is None:
+        args.server_log = os.path.join(tempfile.gettempdir(), f"pagoda-soak-{args.target}.log")
     plan: dict[str, Any] = {}
     if args.plan_json:
         with open(args.plan_json) as f:
@@ -252,15 +258,22 @@ def main() -> int:
     if args.max_num_seqs is not None:
         extra += ["--max-num-seqs", str(args.max_num_seqs)]
     began = time.monotonic()
-    with started_server(serve_args(args.target, args.model, extra)) as server:
+    cmd = serve_args(args.target, args.model, extra)
+    with started_server(cmd, log_path=args.server_log) as server:
         ready_s = time.monotonic() - began
         result = asyncio.run(soak(args, server.url, server.pid))
+        exited = server.returncode()
+        if exited is not None:
+            print(f"the server exited ({exited}) during the soak; see {args.server_log}")
+            print(json.dumps({k: v for k, v in result.items() if k != "rss_samples_mb"}))
+            return 1
         time.sleep(2.0)  # cancelled streams are aborted as their connections close
         result["in_flight_after"] = in_flight(server.url)
     passed = (
         result["unexpected_errors"] == 0
         and result["lost"] == 0
         and result["in_flight_after"] == 0
+        and result["rss_mb"] is not None
         and result["rss_mb"]["range"] <= 0.05
     )
     record = {

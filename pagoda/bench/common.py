@@ -10,7 +10,7 @@ import json
 import random
 import statistics
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -421,12 +421,16 @@ def free_port() -> int:
 class StartedServer:
     url: str
     pid: int
+    returncode: Callable[[], int | None]  # None while it runs
 
 
 @contextlib.contextmanager
-def started_server(serve_args: Sequence[str], timeout_s: float = 300.0) -> Iterator[StartedServer]:
+def started_server(
+    serve_args: Sequence[str], timeout_s: float = 300.0, log_path: str | None = None
+) -> Iterator[StartedServer]:
     """`pagoda serve SERVE_ARGS` on a free loopback port, ready (GET /health 200), until the
-    block ends; then SIGTERM (it drains), SIGKILL after a minute."""
+    block ends; then SIGTERM (it drains), SIGKILL after a minute. Its output goes to log_path
+    (nowhere without one)."""
     import signal
     import subprocess
     import time
@@ -436,7 +440,8 @@ def started_server(serve_args: Sequence[str], timeout_s: float = 300.0) -> Itera
     port = free_port()
     cmd = [sys.executable, "-m", "pagoda.cli", "serve", *serve_args]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
@@ -449,7 +454,7 @@ def started_server(serve_args: Sequence[str], timeout_s: float = 300.0) -> Itera
             if time.monotonic() > deadline:
                 raise RuntimeError(f"pagoda serve was not ready in {timeout_s:.0f} s")
             time.sleep(0.1)
-        yield StartedServer(url, proc.pid)
+        yield StartedServer(url, proc.pid, proc.poll)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -457,3 +462,5 @@ def started_server(serve_args: Sequence[str], timeout_s: float = 300.0) -> Itera
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if log_path:
+            log.close()  # type: ignore[union-attr]
