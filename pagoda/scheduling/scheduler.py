@@ -197,15 +197,15 @@ class Scheduler:
         """Admit waiting requests in policy order while seats, budget and blocks last (prefix
         cache hits first advance a new request's num_computed_tokens)."""
         budget = self.config.max_num_batched_tokens - sum(num_new.values())
+        # Seats: the running requests and the n > 1 siblings their prompts will fork.
+        seats = len(self.running) + sum(len(self._waiting_siblings(r)) for r in self.running)
         while self.waiting and budget > 0:
             request = self.waiting[0]
             # A placeholder is updated before the next schedule(); a request preempted with one
             # is not admitted in the schedule() that preempted it.
             assert request.num_output_placeholders == 0, request
-            if (
-                len(self.running) + 1 + len(self._waiting_siblings(request))
-                > self.config.max_num_seqs
-            ):
+            need = 1 + len(self._waiting_siblings(request))
+            if seats + need > self.config.max_num_seqs:
                 break
             hits: list[KVCacheBlock] = []
             num_hit_tokens = 0
@@ -224,6 +224,7 @@ class Scheduler:
             self.running.append(request)
             num_new[request.request_id] = n
             budget -= n
+            seats += need
 
     def _lookahead(self, request: Request, n: int) -> int:
         """The lookahead slots of a request given n tokens now: only a step that samples it

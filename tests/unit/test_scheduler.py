@@ -979,3 +979,42 @@ def test_lookahead_slots_follow_sampling_steps(
     # 7 + 3 slots, 3 blocks (the last step finishes the request and frees them). At max_model_len
     # 8: min(3, 8 - 6) = 2 slots, 2 blocks, and the next step reaches the length cap.
     assert blocks == expected_blocks
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_never_more_requests_in_a_step_than_max_num_seqs(seed: int) -> None:
+    """Random arrivals (n = 1 and 2), lengths, EOS and aborts in a small pool: every step runs at
+    most max_num_seqs requests and max_num_batched_tokens tokens. (A request admitted while a
+    running leader's sibling still waited to fork once made three requests in a step of two,
+    which the runner's buffers refuse: the soak of issue 20 killed the engine with it.)"""
+    import random
+
+    rng = random.Random(seed)
+    budget = rng.choice([16, 64])
+    sched = make_scheduler(
+        num_blocks=rng.choice([12, 24, 64]), max_num_seqs=2, max_num_batched_tokens=budget
+    )
+    for t in range(300):
+        if rng.random() < 0.3:
+            sched.add_request(
+                make_request(
+                    f"r{t}",
+                    prompt(t, rng.randint(1, 30)),
+                    arrival=t,
+                    n=rng.choice([1, 1, 2]),
+                    max_tokens=rng.randint(1, 12),
+                    temperature=1.0,
+                )
+            )
+        if rng.random() < 0.05 and sched.requests:
+            victim = rng.choice(list(sched.requests.values()))
+            whole = rng.random() < 0.5
+            rid = victim.parent_id if whole else victim.request_id
+            sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED, all_samples=whole)
+        out = sched.schedule()
+        assert len(out.scheduled) <= 2, [s.request_id for s in out.scheduled]
+        assert out.num_scheduled_tokens <= budget
+        sampled = {
+            rid: [EOS if rng.random() < 0.1 else TOK] for s in out.scheduled for rid in s.sample_ids
+        }
+        sched.update(out, RunnerOutput(sampled, logprobs={}, prompt_logprobs={}))
