@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+from pagoda.structured_outputs import StructuredOutputsParams
+
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's SAMPLING_EPS)
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -97,6 +98,8 @@ class SamplingParams:
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     detokenize: bool
+    # The output must match this grammar (JSON schema, regex, choice list, Lark/GBNF grammar).
+    structured_outputs: StructuredOutputsParams | None
 
     def __init__(
         self,
@@ -121,9 +124,11 @@ class SamplingParams:
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
         detokenize: bool = True,
+        structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None,
     ) -> None:
         values: dict[str, Any] = dict(locals())
         del values["self"]
+        values["structured_outputs"] = StructuredOutputsParams.from_value(structured_outputs)
         values["stop"] = _normalize_stop(stop)
         values["stop_token_ids"] = _normalize_stop_token_ids(stop_token_ids)
         values["logit_bias"] = _normalize_logit_bias(logit_bias)

@@ -286,6 +286,11 @@ class AsyncEngine:
         `outputs(stream)` or `release(stream)`."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if params.structured_outputs is not None:
+            from pagoda.engine.grammar import check_structured_outputs
+
+            # Off the event loop: a large schema takes a while to check.
+            await asyncio.to_thread(check_structured_outputs, params.structured_outputs)
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self._check_before_state(prompt_token_ids, params)

@@ -136,6 +136,10 @@ class LLM:
             raise ValueError("kv_transfer_params must be a dict")
         if params.stop:
             self._require_tokenizer("a stop string")
+        if params.structured_outputs is not None:
+            from pagoda.engine.grammar import check_structured_outputs
+
+            check_structured_outputs(params.structured_outputs)
         rid = str(next(self._ids))
         arrival = time.time()
         request = EngineRequest(rid, ids, params, arrival, priority, cache_salt, kv_transfer_params)

@@ -111,7 +111,8 @@ class RequestState:
         abort = None
         if sample.detok is not None and out.new_token_ids:
             stop = sample.detok.update(
-                out.new_token_ids, stop_terminated=out.finish_reason == "stop"
+                out.new_token_ids,
+                stop_terminated=out.finish_reason == "stop" and not out.grammar_ended,
             )
             if stop is not None:
                 if out.finish_reason is None:

@@ -16,6 +16,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.distributed.workers import RemoteOutput, WorkerGroup
 from pagoda.kv_transfer_config import remote_prefill_source
+from pagoda.layers.kv_cache import prefault_in_background
 from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
@@ -36,6 +37,7 @@ from pagoda.scheduling.request import Request, RequestStatus
 from pagoda.scheduling.scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from pagoda.engine.grammar import StructuredOutputs
     from pagoda.engine.remote_prefill import RemotePrefill
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,8 @@ class EngineCore:
         self.tokenizer: Any = tokenizer
         self.num_blocks = self._num_blocks()
         self.runner.allocate_kv_cache(self.num_blocks)
+        if isinstance(self.runner, ModelRunner):
+            prefault_in_background(self.runner.kv_caches)  # CPU: resident from the start
         pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(pool, self.block_size)
         # A draft model writes its KV up to k positions past a step's tokens (draft_model.py).
@@ -93,6 +97,8 @@ class EngineCore:
             self.remote_prefill = RemotePrefill(
                 config.kv_transfer_config, self.runner.kv_caches, self.kv_cache_manager, self.lock
             )
+        # Requests with structured outputs (engine/grammar.py), made on the first one.
+        self.structured: StructuredOutputs | None = None
         # Async scheduling: the step launched by the last step() call, not yet updated.
         self.in_flight: tuple[SchedulerOutput, PendingOutput | RemoteOutput] | None = None
         num_tokens = self.num_blocks * self.block_size
@@ -171,17 +177,82 @@ class EngineCore:
             idle = not self.scheduler.has_unfinished_requests()
             for request in self.remote_prefill.take_ready(idle):
                 self.scheduler.add_request(request)
+        structured = self.structured
+        grammar = structured is not None and structured.active
+        failed: list[EngineCoreOutput] = []
+        if structured is not None and grammar:
+            failed = self._admit_structured(structured)
+            if self.in_flight is not None:
+                # A grammar's mask needs the step before it updated: async scheduling pauses.
+                flushed, pending_output = self.in_flight
+                self.in_flight = None
+                return failed + self._update(flushed, pending_output.get())
         scheduler_output = self.scheduler.schedule()
+        if structured is not None and structured.matchers:
+            scheduler_output.grammar_bitmask = structured.bitmasks(scheduler_output.scheduled)
         pending: PendingOutput | RemoteOutput = self.runner.execute(scheduler_output)
         if scheduler_output.is_empty and self.scheduler.waiting and not self.scheduler.running:
             # add_request admits only requests that fit the whole pool, so this is a bug.
             raise RuntimeError("the scheduler made no progress with an idle KV cache")
-        if not self.async_scheduling:
-            return self.scheduler.update(scheduler_output, pending.get())
+        if not self.async_scheduling or grammar:
+            return failed + self._update(scheduler_output, pending.get())
         previous, self.in_flight = self.in_flight, (scheduler_output, pending)
         if previous is None:
             return []
-        return self.scheduler.update(previous[0], previous[1].get())
+        return self._update(previous[0], previous[1].get())
+
+    def _update(self, out: SchedulerOutput, runner_output: Any) -> list[EngineCoreOutput]:
+        """The scheduler's update, and the grammars advanced: a sample whose grammar has ended
+        finishes here, with finish_reason "stop"."""
+        outputs = self.scheduler.update(out, runner_output)
+        structured = self.structured
+        if structured is None or not structured.matchers:
+            return outputs
+        ended = set(structured.accept(outputs))
+        if ended:
+            self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED, all_samples=False)
+            for o in outputs:
+                if o.request_id in ended:
+                    o.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
+                    o.grammar_ended = True
+        structured.sweep()
+        return outputs
+
+    def _admit_structured(self, structured: StructuredOutputs) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammar is compiled; those whose grammar failed end as
+        aborted (logged). With nothing else to run, wait a little for a grammar."""
+        idle = not self.scheduler.has_unfinished_requests()
+        ready, failed = structured.take_ready(wait_s=0.05 if idle else 0.0)
+        for leader in ready:
+            self.scheduler.add_request(leader)
+        outputs = []
+        for leader, why in failed:
+            logger.error("request %s: its grammar failed to compile: %s", leader.parent_id, why)
+            for sample in (leader, *leader.siblings):
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=sample.request_id,
+                        new_token_ids=[],
+                        new_logprobs=[],
+                        new_prompt_logprobs=[],
+                        finish_reason=RequestStatus.FINISHED_ABORTED.finish_reason,
+                        parent_id=sample.parent_id,
+                        sample_index=sample.sample_index,
+                    )
+                )
+        return outputs
+
+    def _structured_outputs(self) -> StructuredOutputs:
+        if self.structured is None:
+            from pagoda.engine.grammar import GrammarCompiler, StructuredOutputs
+
+            def tokenizer() -> Any:
+                return self.tokenizer or load_tokenizer_for(self.config)
+
+            vocab = self.model_config.vocab_size
+            compiler = GrammarCompiler(tokenizer, vocab, self.eos_token_ids)
+            self.structured = StructuredOutputs(compiler, vocab)
+        return self.structured
 
     def check_health(self) -> None:
         """RuntimeError if a worker rank has died (the engine cannot step on)."""
@@ -193,11 +264,15 @@ class EngineCore:
         transfer threads."""
         if self.remote_prefill is not None:
             self.remote_prefill.close()
+        if self.structured is not None:
+            self.structured.compiler.shutdown()
         if isinstance(self.runner, WorkerGroup):
             self.runner.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         waiting = 0 if self.remote_prefill is None else self.remote_prefill.num_waiting
+        if self.structured is not None:
+            waiting += len(self.structured.pending)
         return waiting > 0 or self.scheduler.has_unfinished_requests()
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -207,6 +282,8 @@ class EngineCore:
         with self.lock:
             if self.remote_prefill is not None:
                 self.remote_prefill.abort(request_ids)
+            if self.structured is not None:
+                self.structured.abort(request_ids)
             self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def abort_sample(self, engine_request_id: str) -> None:
@@ -231,6 +308,7 @@ class EngineCore:
         params = req.sampling_params
         ids = req.prompt_token_ids
         held = self.remote_prefill is not None and self.remote_prefill.holds(req.request_id)
+        held = held or (self.structured is not None and self.structured.holds(req.request_id))
         if held or req.request_id in self.scheduler.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if not ids:
@@ -266,6 +344,12 @@ class EngineCore:
             for i in range(params.n)
         ]
         requests[0].siblings = requests[1:]
+        if params.structured_outputs is not None:
+            if req.kv_transfer_params:
+                raise ValueError("structured outputs do not combine with kv_transfer_params")
+            # Queued once its grammar is compiled (a worker thread compiles it).
+            self._structured_outputs().add(requests[0])
+            return
         source = remote_prefill_source(req.kv_transfer_params)
         kv = self.config.kv_transfer_config
         if source is not None and self.remote_prefill is not None and kv and kv.is_consumer:

@@ -6,8 +6,12 @@ flat slot, read_kv by blocks (the torch backend's reference reads and writes).
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import mmap
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +72,40 @@ class KVCache:
         """Block dst[i] becomes a copy of block src[i] (copy-on-write), scales included."""
         for t in self.tensors():
             t[dst] = t[src]
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (not in Python's mmap module before 3.13)
+
+
+def prefault_in_background(caches: Sequence[KVCache]) -> threading.Thread | None:
+    """Fault in the pages of CPU caches made by _zeros, in a daemon thread, without changing
+    their contents (MADV_POPULATE_WRITE), so it may run while steps write them. The cache's
+    memory is then resident from the start, as a torch.zeros cache was (an out-of-memory shows
+    at once, not hours later, and RSS stays flat), while the server is ready as soon as the map
+    exists. None on another device or where the kernel lacks it."""
+    tensors = [t for c in caches for t in c.tensors() if t.device.type == "cpu" and t.numel()]
+    if not tensors:
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def run() -> None:
+        page = mmap.PAGESIZE
+        for t in tensors:  # ctypes releases the GIL for the call
+            start = t.data_ptr() // page * page
+            nbytes = t.data_ptr() + t.numel() * t.element_size() - start
+            if madvise(start, nbytes, _MADV_POPULATE_WRITE) != 0:
+                logging.getLogger(__name__).debug(
+                    "MADV_POPULATE_WRITE: errno %d", ctypes.get_errno()
+                )
+                return
+
+    thread = threading.Thread(target=run, name="pagoda-kv-prefault", daemon=True)
+    thread.start()
+    return thread
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

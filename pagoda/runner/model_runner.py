@@ -34,6 +34,7 @@ from pagoda.runner.cuda_graphs import (
 )
 from pagoda.runner.device import to_device
 from pagoda.runner.draft_step import DraftModelStep
+from pagoda.runner.grammar_mask import apply_grammar_bitmask
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.kernel_warmup import decode_split_counts, matmul_row_counts, prefill_lens
 from pagoda.runner.pending_output import PendingOutput, fill_placeholders
@@ -128,6 +129,7 @@ class ModelRunner:
         # row in them: the inputs of the next step's placeholders.
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[str, int] = {}
+        self.grammar_bitmask: dict[str, bytes] = {}  # this step's (runner/grammar_mask.py)
         self.proposer: DraftProposer | None = None
         self.draft_step: DraftModelStep | None = None
         if draft is not None:
@@ -290,6 +292,7 @@ class ModelRunner:
                 self.proposer.remove(rid)
         self.batch.apply(out)
         self._copy_blocks(out.block_copies)
+        self.grammar_bitmask = out.grammar_bitmask
         if out.is_empty:
             self.prev_sampled, self.prev_rows = None, {}
             return PendingOutput([], [], None, None, {})
@@ -406,6 +409,8 @@ class ModelRunner:
         else:
             # (num_rows, vocab) in the model's dtype: the sampler widens them in its first pass
             logits = self.model.compute_logits(last, float32=False)
+        if apply_grammar_bitmask(logits, rows.row_ids, self.grammar_bitmask):
+            greedy = None
         columns = self._columns(rows)
         meta = SamplingMetadata.from_batch(
             columns,
@@ -440,6 +445,8 @@ class ModelRunner:
         positions = draft_positions(rows, drafts)
         last = hidden.index_select(0, self.buffers.row_index(positions.flat_rows))
         logits = self.model.compute_logits(last, float32=False)  # (T, vocab)
+        # A grammar's row verifies no drafts (scheduler._drafts): one position, one mask.
+        apply_grammar_bitmask(logits, positions.row_ids, self.grammar_bitmask)
         columns = BatchColumns.gather(self.batch, positions, self.device)
         generators = positions.generators(self.generators, self.device)
         meta = SamplingMetadata.from_batch(

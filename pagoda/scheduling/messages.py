@@ -113,6 +113,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, before the forward
     finished_request_ids: list[str] = []  # since the last step: the runner drops their state
     preempted_request_ids: list[str] = []  # the runner drops their state; they come back new
+    # Structured outputs: sample id -> its allowed tokens this step, an int32 bitmask row as
+    # bytes (bit t % 32 of word t // 32 set: token t allowed); samples without a grammar absent.
+    grammar_bitmask: dict[str, bytes] = {}
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -149,6 +152,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_time: float | None = None
     parent_id: str = ""
     sample_index: int = 0
+    # finish_reason "stop" because the sample's grammar ended (structured outputs), not on a
+    # stop token: the last token is text like any other.
+    grammar_ended: bool = False
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -70,7 +70,7 @@ def bad_field(e: ValueError) -> APIError:
     """A 400 for a SamplingParams / engine ValueError; `param` is the field its message names
     first (their messages start with the field's name)."""
     message = str(e)
-    first = message.split(" ", 1)[0]
+    first = message.split(" ", 1)[0].split(".", 1)[0].rstrip(":")
     return APIError(400, message, first if first in _REQUEST_FIELDS else None)
 
 

@@ -43,6 +43,8 @@ async def add_all(
     except BaseException as e:
         for s in streams:
             state.engine.release(s)
+        if isinstance(e, ValueError) and str(e).startswith("structured_outputs"):
+            raise APIError(400, str(e), body.grammar_field) from e  # the grammar's check
         if isinstance(e, ValueError):
             raise bad_field(e) from e
         if isinstance(e, EngineDeadError):

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_outputs import StructuredOutputsParams
 
 
 class OpenAIModel(BaseModel):
@@ -69,6 +70,23 @@ class SamplingFields(OpenAIModel):
     # address of its KV; {"do_remote_prefill": true, "remote_host", "remote_port"} has a decode
     # instance fetch the prompt's KV from there (pagoda proxy sends both)
     kv_transfer_params: dict[str, Any] | None = None
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}
+    response_format: dict[str, Any] | None = None
+    # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict[str, Any] | None = None
+
+    @property
+    def grammar_field(self) -> str:
+        """The request field a grammar error names."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The grammar this request asks for (structured_outputs or response_format)."""
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.get("type") != "text":
+                raise ValueError("structured_outputs and response_format: give one of them")
+            return StructuredOutputsParams.from_value(self.structured_outputs)
+        return _response_format(self.response_format)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams of this request; ValueError names the bad field."""
@@ -92,11 +110,36 @@ class SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ValueError(
+                'response_format of type "json_schema" needs json_schema: {"name": ..., '
+                '"schema": {...}}'
+            )
+        try:
+            return StructuredOutputsParams(json=spec["schema"])
+        except ValueError as e:
+            raise ValueError(f"response_format.json_schema.schema: {e}") from None
+    raise ValueError(
+        f'response_format type must be "text", "json_object" or "json_schema", got {kind!r}'
+    )
 
 
 def _token_keyed(bias: dict[str, float] | None) -> dict[int, float] | None:

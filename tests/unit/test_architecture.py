@@ -49,6 +49,7 @@ PLAIN_ROOT = {
     "pagoda.kv_transfer_config",
     "pagoda.speculative_config",
     "pagoda.sampling_params",
+    "pagoda.structured_outputs",
     "pagoda.outputs",
     "pagoda.engine_args",
     "pagoda.version",

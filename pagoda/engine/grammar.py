@@ -1,0 +1,226 @@
+"""Structured outputs in the engine: each request's grammar as an llguidance matcher, applied to
+its logits as a token bitmask every step it samples.
+
+- `check_structured_outputs` (the client, before a request is queued): the grammar must compile
+  (without the tokenizer); ValueError naming the field otherwise.
+- `GrammarCompiler` compiles a grammar against the tokenizer in a worker thread, once per
+  `StructuredOutputsParams.key`; every sample of every request with that key starts from a copy.
+- `StructuredOutputs` (EngineCore's): requests wait outside the scheduler until their grammar is
+  compiled, so a slow schema stalls nobody else; then each sample has its own matcher. Before a
+  step runs, `bitmasks` gives each sampling row its allowed tokens; after it, `accept` advances
+  the matchers with the sampled tokens and names the samples whose grammar has ended, which the
+  engine finishes with finish_reason "stop".
+
+A matcher only ever sees tokens that were sampled under its mask, so it never has to roll back:
+a preempted request keeps its output tokens, and speculative drafts are not proposed for
+requests with a grammar (scheduling/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import numpy as np
+
+from pagoda.scheduling.messages import ScheduledRequest
+from pagoda.scheduling.request import Request
+from pagoda.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of the params (not yet checked: LLMatcher or validation does)."""
+    kind = params.kind
+    if kind in ("json", "json_object"):
+        schema = params.json if params.json is not None else ANY_JSON_OBJECT
+        options: JsonCompileOptions = {"whitespace_flexible": not params.disable_any_whitespace}
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json: {e}") from None
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex or "")
+    if kind == "choice":
+        lark = "start: " + " | ".join(json.dumps(c) for c in params.choice or ())
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    try:
+        return llguidance.grammar_from("grammar", params.grammar or "")
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.grammar: {e}") from None
+
+
+def check_structured_outputs(params: StructuredOutputsParams | None) -> None:
+    """ValueError naming the field unless the grammar compiles."""
+    if params is None:
+        return
+    text = grammar_text(params)
+    error = llguidance.LLMatcher.validate_grammar(text)
+    if error:
+        raise ValueError(f"structured_outputs.{params.kind} is invalid: {error}")
+
+
+class GrammarCompiler:
+    """Compiled grammars by key, built in one worker thread (llguidance drops the GIL while it
+    compiles). The tokenizer is loaded there too, on the first grammar."""
+
+    def __init__(
+        self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Iterable[int]
+    ) -> None:
+        self._load_tokenizer = load_tokenizer
+        self._vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
+        self._cache: OrderedDict[tuple[str, str, bool], Future[llguidance.LLMatcher]] = (
+            OrderedDict()
+        )
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams) -> Future[llguidance.LLMatcher]:
+        """A future pristine matcher for params (copy it: never advance this one)."""
+        key = params.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is None or (future.done() and future.exception() is not None):
+                future = self._pool.submit(self._build, params)
+                self._cache[key] = future
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
+            return future
+
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._load_tokenizer(), n_vocab=self._vocab_size, eos_token=self._eos
+            )
+        return self._tokenizer
+
+    def _build(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self.tokenizer(), grammar_text(params), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {matcher.get_error()}")
+        return matcher
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StructuredOutputs:
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int) -> None:
+        self.compiler = compiler
+        self.words = (vocab_size + 31) // 32  # int32 words of one bitmask row
+        # Requests whose grammar is compiling: the leader (its n > 1 siblings hang off it).
+        self.pending: list[tuple[Request, Future[llguidance.LLMatcher]]] = []
+        self.matchers: dict[str, tuple[Request, llguidance.LLMatcher]] = {}
+        self._executor: llguidance.LLExecutor | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.pending or self.matchers)
+
+    def add(self, leader: Request) -> None:
+        params = leader.sampling_params.structured_outputs
+        assert params is not None
+        self.pending.append((leader, self.compiler.compile(params)))
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a user request of this id is waiting for its grammar."""
+        return any(r.parent_id == request_id for r, _ in self.pending)
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Drop pending requests with these (user) ids; the dropped leaders."""
+        ids = set(request_ids)
+        dropped = [r for r, _ in self.pending if r.parent_id in ids or r.request_id in ids]
+        self.pending = [(r, f) for r, f in self.pending if r not in dropped]
+        return dropped
+
+    def take_ready(self, wait_s: float = 0.0) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Leaders whose grammar is compiled (their samples get matchers), and those whose
+        grammar failed with why. wait_s: how long to wait for the first pending one."""
+        if self.pending and wait_s > 0:
+            try:
+                self.pending[0][1].result(timeout=wait_s)
+            except Exception:  # noqa: BLE001 - reported below, with its request
+                pass
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        still: list[tuple[Request, Future[llguidance.LLMatcher]]] = []
+        for leader, future in self.pending:
+            if not future.done():
+                still.append((leader, future))
+                continue
+            error = future.exception()
+            if error is not None:
+                failed.append((leader, str(error)))
+                continue
+            template = future.result()
+            for sample in (leader, *leader.siblings):
+                self.matchers[sample.request_id] = (sample, template.deep_copy())
+            ready.append(leader)
+        self.pending = still
+        return ready, failed
+
+    def bitmasks(self, scheduled: Sequence[ScheduledRequest]) -> dict[str, bytes]:
+        """Each sampling row's allowed tokens this step (its bitmask row as bytes, bit t of word
+        t // 32 set when token t is allowed), for the samples that have a matcher."""
+        rows: list[tuple[str, llguidance.LLMatcher]] = [
+            (sid, self.matchers[sid][1])
+            for s in scheduled
+            for sid in s.sample_ids
+            if sid in self.matchers
+        ]
+        if not rows:
+            return {}
+        masks = np.full((len(rows), self.words), -1, dtype=np.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, (_, m) in enumerate(rows)],
+            masks.ctypes.data,
+            self.words * 4,
+            len(rows),
+        )
+        return {sid: masks[i].tobytes() for i, (sid, _) in enumerate(rows)}
+
+    def accept(self, outputs: Iterable[Any]) -> list[str]:
+        """Advance each sample's matcher with its new tokens; the unfinished samples whose
+        grammar has now ended (or failed: logged), which the engine finishes."""
+        ended: list[str] = []
+        for out in outputs:
+            entry = self.matchers.get(out.request_id)
+            if entry is None or not out.new_token_ids or out.finish_reason is not None:
+                continue  # a finished sample's matcher is swept (its last token may be EOS)
+            matcher = entry[1]
+            if not matcher.consume_tokens(out.new_token_ids):
+                logger.error(
+                    "request %s: tokens %s do not match its grammar: %s",
+                    out.request_id,
+                    out.new_token_ids,
+                    matcher.get_error(),
+                )
+            if matcher.is_stopped() or matcher.is_error():
+                ended.append(out.request_id)
+        return ended
+
+    def sweep(self) -> None:
+        """Forget the matchers of finished samples."""
+        done = [sid for sid, (r, _) in self.matchers.items() if r.status.is_finished]
+        for sid in done:
+            del self.matchers[sid]

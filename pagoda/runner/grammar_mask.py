@@ -1,0 +1,37 @@
+"""Structured outputs in the runner: the engine's grammar bitmasks applied to a step's logits.
+
+The engine computes each grammar sample's allowed tokens for the step (engine/grammar.py) and
+sends them in SchedulerOutput.grammar_bitmask: an int32 row per sample, bit t % 32 of word
+t // 32 set when token t is allowed. Disallowed tokens' logits become -inf before sampling, so
+every sampling method (greedy, temperature, top-k/p, min-p, penalties, seeds) draws only allowed
+tokens, and the rows without a grammar are untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor, row_ids: Sequence[str], bitmasks: dict[str, bytes]
+) -> bool:
+    """Mask logits (R, vocab) in place: row i by bitmasks[row_ids[i]] if it has one. Whether any
+    row was masked (a precomputed argmax is then stale)."""
+    rows = [i for i, rid in enumerate(row_ids) if rid in bitmasks]
+    if not rows:
+        return False
+    words = np.frombuffer(b"".join(bitmasks[row_ids[i]] for i in rows), dtype=np.int32)
+    words_t = torch.from_numpy(words.reshape(len(rows), -1).copy()).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (words_t.unsqueeze(-1) >> shifts) & 1  # (k, words, 32): token 32 w + b
+    vocab = logits.shape[1]
+    if bits.shape[1] * 32 < vocab:
+        raise ValueError(f"a grammar bitmask of {bits.shape[1] * 32} tokens for {vocab} logits")
+    banned = bits.reshape(len(rows), -1)[:, :vocab] == 0
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index).masked_fill_(banned, float("-inf"))
+    logits.index_copy_(0, index, masked)
+    return True

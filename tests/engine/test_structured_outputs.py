@@ -1,0 +1,242 @@
+"""Structured outputs in the engine (engine/grammar.py, runner/grammar_mask.py): every output
+under a JSON schema parses and validates against it (jsonschema), a regex and a choice list
+hold, a grammar that allows one string produces exactly it; sampled at temperature 1.0 on the
+tiny Llama (random weights: the mask alone keeps it inside) and on SmolLM2, with n > 1, seeds,
+penalties, stop strings and async scheduling."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+import pytest
+
+from pagoda import LLM
+from pagoda.sampling_params import SamplingParams
+from pagoda.structured_outputs import StructuredOutputsParams
+
+PROMPTS = ["Give me a record:", "JSON please.", "The answer is", "Once upon a time"]
+
+# Bounded strings, arrays and numbers: sampled at temperature 1.0 from a random model, every
+# output must end inside max_tokens.
+SCHEMAS: list[dict[str, Any]] = [
+    {  # nested objects, required and optional fields
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 6},
+                    "zip": {"type": "integer", "minimum": 1000, "maximum": 9999},
+                },
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "address"],
+        "additionalProperties": False,
+    },
+    {  # arrays and enums
+        "type": "object",
+        "properties": {
+            "tags": {
+                "type": "array",
+                "items": {"enum": ["red", "green", "blue"]},
+                "minItems": 1,
+                "maxItems": 3,
+            },
+            "mode": {"enum": ["fast", "slow", 3]},
+        },
+        "required": ["tags", "mode"],
+        "additionalProperties": False,
+    },
+    {  # numbers with bounds, booleans, null
+        "type": "object",
+        "properties": {
+            "score": {"type": "integer", "minimum": -5, "maximum": 120},
+            "ok": {"type": "boolean"},
+            "note": {"type": "null"},
+        },
+        "required": ["score", "ok", "note"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 4},
+]
+
+
+def _structured(**kw: Any) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir: Callable[[str], str]) -> LLM:
+    return LLM(tiny_model_dir("llama"), num_gpu_blocks_override=512)
+
+
+def _texts(llm: LLM, params: SamplingParams, prompts: list[str] = PROMPTS) -> list[Any]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [c for o in outs for c in o.outputs]
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_every_output_validates_against_its_schema(tiny_llm: LLM, index: int) -> None:
+    schema = SCHEMAS[index]
+    params = SamplingParams(
+        temperature=1.0,
+        seed=index,
+        n=2,
+        max_tokens=200,
+        structured_outputs=_structured(json=schema, disable_any_whitespace=True),
+    )
+    for c in _texts(tiny_llm, params):
+        assert c.finish_reason == "stop", (c.text, c.finish_reason)
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_json_object_with_flexible_whitespace(tiny_llm: LLM) -> None:
+    params = SamplingParams(
+        temperature=1.0, seed=7, max_tokens=300, structured_outputs={"json_object": True}
+    )
+    outs = _texts(tiny_llm, params)
+    finished = [c for c in outs if c.finish_reason == "stop"]
+    for c in finished:
+        assert isinstance(json.loads(c.text), dict)
+    for c in outs:  # a random model may still be inside a string at max_tokens
+        assert c.finish_reason in ("stop", "length")
+        assert c.text.lstrip().startswith("{")
+
+
+def test_regex_and_choice_hold(tiny_llm: LLM) -> None:
+    pattern = r"[a-c]{3}-[0-9]{2}(!|\?)"
+    params = SamplingParams(
+        temperature=1.0, seed=1, n=3, max_tokens=32, structured_outputs={"regex": pattern}
+    )
+    for c in _texts(tiny_llm, params):
+        assert re.fullmatch(pattern, c.text), c.text
+        assert c.finish_reason == "stop"
+    choices = ["Paris", "London", "New York City"]
+    params = SamplingParams(
+        temperature=1.0, seed=2, n=4, max_tokens=16, structured_outputs={"choice": choices}
+    )
+    seen = {c.text for c in _texts(tiny_llm, params)}
+    assert seen <= set(choices) and len(seen) >= 2
+
+
+def test_a_grammar_of_one_string_gives_exactly_it(tiny_llm: LLM) -> None:
+    grammar = 'start: "pagoda " NAME\nNAME: "serves" " " "fast"'
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            temperature=temperature, seed=3, max_tokens=32, structured_outputs={"grammar": grammar}
+        )
+        for c in _texts(tiny_llm, params):
+            assert c.text == "pagoda serves fast" and c.finish_reason == "stop"
+    gbnf = 'root ::= "yes" | "no"'  # llama.cpp's GBNF is taken too
+    params = SamplingParams(
+        temperature=1.0, seed=4, max_tokens=8, structured_outputs={"grammar": gbnf}
+    )
+    assert {c.text for c in _texts(tiny_llm, params)} <= {"yes", "no"}
+
+
+def test_composes_with_sampling_parameters_and_stops(tiny_llm: LLM) -> None:
+    schema = SCHEMAS[2]
+    base = dict(
+        max_tokens=200,
+        structured_outputs=_structured(json=schema, disable_any_whitespace=True),
+    )
+    variants = [
+        SamplingParams(temperature=0.0, **base),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, seed=5, **base),
+        SamplingParams(
+            temperature=1.0, presence_penalty=1.5, repetition_penalty=1.3, seed=6, **base
+        ),
+        SamplingParams(temperature=1.0, seed=8, min_tokens=4, logprobs=2, **base),
+    ]
+    for params in variants:
+        for c in _texts(tiny_llm, params):
+            jsonschema.validate(json.loads(c.text), schema)
+    # Seeded: the same tokens again, whatever runs beside it.
+    seeded = variants[1]
+    alone = _texts(tiny_llm, seeded, PROMPTS[:1])[0].token_ids
+    beside = _texts(tiny_llm, seeded, PROMPTS[:1] + PROMPTS[1:] * 2)[0].token_ids
+    assert alone == beside
+    # A stop string ends the output early (the client's check), grammar or not.
+    stop = SamplingParams(
+        temperature=0.0,
+        stop=['"ok"'],
+        max_tokens=200,
+        structured_outputs=base["structured_outputs"],
+    )
+    for c in _texts(tiny_llm, stop):
+        assert '"ok"' not in c.text and c.finish_reason == "stop"
+
+
+def test_requests_without_a_grammar_are_untouched(tiny_llm: LLM) -> None:
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, plain, use_tqdm=False)]
+    mixed = [
+        plain,
+        SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": "[0-9]+"}),
+    ] * 2
+    outs = tiny_llm.generate(PROMPTS, mixed, use_tqdm=False)
+    assert [outs[i].outputs[0].token_ids for i in (0, 2)] == [before[0], before[2]]
+    assert all(re.fullmatch("[0-9]+", outs[i].outputs[0].text) for i in (1, 3))
+
+
+def test_async_scheduling_gives_the_same_outputs(tiny_model_dir: Callable[[str], str]) -> None:
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=200,
+            structured_outputs=_structured(json=SCHEMAS[i % 2], disable_any_whitespace=True),
+        )
+        for i in range(4)
+    ] + [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)]
+    prompts = PROMPTS + ["and one without a grammar"]
+    outs = {}
+    for mode in (False, True):
+        llm = LLM(tiny_model_dir("llama"), num_gpu_blocks_override=256, async_scheduling=mode)
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs[True] == outs[False]
+
+
+def test_smollm2_follows_a_schema(smollm2_llm: LLM) -> None:
+    schema = SCHEMAS[0]
+    tokenizer = smollm2_llm.get_tokenizer()
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Describe a person who lives in Paris as JSON."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    params = SamplingParams(
+        temperature=1.0, seed=0, n=3, max_tokens=120, structured_outputs={"json": schema}
+    )
+    for c in _texts(smollm2_llm, params, [prompt]):
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"regex": "(unclosed"}, "structured_outputs.regex"),
+        (
+            {"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}},
+            "structured_outputs.json",
+        ),
+        ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar"),
+    ],
+)
+def test_an_invalid_grammar_is_refused_before_it_is_queued(
+    tiny_llm: LLM, fields: dict[str, Any], match: str
+) -> None:
+    params = SamplingParams(max_tokens=4, structured_outputs=fields)
+    with pytest.raises(ValueError, match=match):
+        tiny_llm.generate(["x"], params, use_tqdm=False)
+    # the engine goes on
+    ok = tiny_llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(ok[0].outputs[0].token_ids) == 2
