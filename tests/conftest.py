@@ -103,9 +103,25 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf(smollm2_path: str) -> torch.nn.Module:
+def smollm2_hf(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    """Dequantized from the GGUF once per run: under xdist the first worker that needs it saves
+    it as safetensors in the run's shared temp folder and the others load that (the same
+    float32 tensors, without converting the GGUF again)."""
+    from filelock import FileLock
+
     folder, name = os.path.split(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smollm2-hf"
+    with FileLock(str(shared) + ".lock"):
+        if (shared / "config.json").exists():
+            model = AutoModelForCausalLM.from_pretrained(shared, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=torch.float32
+            )
+            partial = shared.with_name(shared.name + ".partial")
+            model.save_pretrained(partial)
+            partial.rename(shared)
     return model.eval()
 
 

@@ -23,14 +23,13 @@ def apply_grammar_bitmask(
     rows = [i for i, rid in enumerate(row_ids) if rid in bitmasks]
     if not rows:
         return False
-    words = np.frombuffer(b"".join(bitmasks[row_ids[i]] for i in rows), dtype=np.int32)
-    words_t = torch.from_numpy(words.reshape(len(rows), -1).copy()).to(logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    bits = (words_t.unsqueeze(-1) >> shifts) & 1  # (k, words, 32): token 32 w + b
+    # int32 words are little-endian, so bit t of the row's bytes read little-endian is token t.
+    packed = np.frombuffer(b"".join(bitmasks[row_ids[i]] for i in rows), dtype=np.uint8)
+    bits = np.unpackbits(packed.reshape(len(rows), -1), axis=1, bitorder="little")
     vocab = logits.shape[1]
-    if bits.shape[1] * 32 < vocab:
-        raise ValueError(f"a grammar bitmask of {bits.shape[1] * 32} tokens for {vocab} logits")
-    banned = bits.reshape(len(rows), -1)[:, :vocab] == 0
+    if bits.shape[1] < vocab:
+        raise ValueError(f"a grammar bitmask of {bits.shape[1]} tokens for {vocab} logits")
+    banned = torch.from_numpy(bits[:, :vocab] == 0).to(logits.device)
     index = torch.tensor(rows, device=logits.device)
     masked = logits.index_select(0, index).masked_fill_(banned, float("-inf"))
     logits.index_copy_(0, index, masked)

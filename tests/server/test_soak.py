@@ -19,7 +19,7 @@ def test_a_short_soak_on_pagoda_serve(tiny_llama_dir: str, tmp_path: Path) -> No
     out = tmp_path / "soak.json"
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--target", "serve",
-        "--model", tiny_llama_dir, "--rate", "4", "--duration-s", "8", "--warmup-s", "2",
+        "--model", tiny_llama_dir, "--rate", "6", "--duration-s", "5", "--warmup-s", "1",
         "--rss-every-s", "0.5", "--input-len-range", "8,16", "--output-len-range", "4,8",
         "--max-num-seqs", "4", "--output-json", str(out),
         *(f"--serve-arg={a}" for a in SMALL_POOL),
