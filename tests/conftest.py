@@ -105,22 +105,23 @@ def smollm2_path() -> str:
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     """Dequantized from the GGUF once per run: under xdist the first worker that needs it saves
-    it as safetensors in the run's shared temp folder and the others load that (the same
-    float32 tensors, without converting the GGUF again)."""
+    the module in the run's shared temp folder and the others load that (the same float32
+    tensors, without converting the GGUF again; transformers will not save_pretrained a model
+    loaded from a GGUF, so it is pickled whole)."""
     from filelock import FileLock
 
     folder, name = os.path.split(smollm2_path)
     base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smollm2-hf"
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smollm2-hf.pt"
     with FileLock(str(shared) + ".lock"):
-        if (shared / "config.json").exists():
-            model = AutoModelForCausalLM.from_pretrained(shared, dtype=torch.float32)
+        if shared.exists():
+            model = torch.load(shared, weights_only=False)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 folder, gguf_file=name, dtype=torch.float32
             )
             partial = shared.with_name(shared.name + ".partial")
-            model.save_pretrained(partial)
+            torch.save(model, partial)
             partial.rename(shared)
     return model.eval()
 
