@@ -261,7 +261,7 @@ def plan(args: argparse.Namespace, server: ServerAt) -> dict[str, Any]:
         checks = []
         if best is not None and not args.no_check:
             for factor in (1.0, CHECK_FACTOR):
-                run = at_rate(best["request_rate"] * factor, cfg)
+                run = at_rate(round(best["request_rate"] * factor, 4), cfg)
                 run["factor"] = factor
                 run["within_slo"] = within_slo(run, *slo)
                 checks.append(run)
