@@ -38,7 +38,7 @@ from typing import Any
 from pagoda.bench import serve
 from pagoda.bench.common import emit, log, started_server, write_json
 from pagoda.bench.serve_client import count_output_tokens, first_model_id
-from pagoda.bench.serve_prompts import ServeRequest, build_requests, load_bench_tokenizer
+from pagoda.bench.serve_prompts import ServeRequest, load_bench_tokenizer
 from pagoda.bench.serve_stats import summarize
 
 NAME = "plan"
@@ -215,14 +215,7 @@ def plan(args: argparse.Namespace, server: ServerAt) -> dict[str, Any]:
     planned = planned_slo(slo, args.slo_margin)
 
     def prompts(seed: int, n: int = args.num_prompts) -> list[ServeRequest]:
-        return build_requests(
-            tokenizer,
-            n,
-            args.input_len_range,
-            args.output_len_range,
-            seed=seed,
-            shared_prefix_len=args.shared_prefix_len,
-        )
+        return serve.workload_prompts(args, tokenizer, seed, n)
 
     # Every run sends prompts of its own seed: a run of prompts the server has seen before
     # would measure its prefix cache, not its capacity.

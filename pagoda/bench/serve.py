@@ -253,6 +253,21 @@ def rate_label(rate: float | str) -> str:
     return f"{float(rate):g} req/s"
 
 
+def workload_prompts(
+    args: argparse.Namespace, tokenizer: Any, seed: int, n: int
+) -> list[ServeRequest]:
+    """n requests of the workload flags (--input-len-range, --output-len-range,
+    --shared-prefix-len) drawn with `seed`."""
+    return build_requests(
+        tokenizer,
+        n,
+        args.input_len_range,
+        args.output_len_range,
+        seed=seed,
+        shared_prefix_len=args.shared_prefix_len,
+    )
+
+
 def check_server(requests: list[ServeRequest], cfg: RequestConfig) -> RequestResult:
     """One short request before the timed runs: checks the setup and warms the server."""
 
@@ -295,14 +310,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = request_config(args, model, tokenizer)
 
     def prompts(seed: int, n: int = args.num_prompts) -> list[ServeRequest]:
-        return build_requests(
-            tokenizer,
-            n,
-            args.input_len_range,
-            args.output_len_range,
-            seed=seed,
-            shared_prefix_len=args.shared_prefix_len,
-        )
+        return workload_prompts(args, tokenizer, seed, n)
 
     # The test request's prompt is none of the runs' (it would be a prefix cache hit), and the
     # i-th rate of a sweep sends the prompts of seed + i: prompts a run before it sent would be

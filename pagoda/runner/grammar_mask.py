@@ -20,6 +20,8 @@ def apply_grammar_bitmask(
 ) -> bool:
     """Mask logits (R, vocab) in place: row i by bitmasks[row_ids[i]] if it has one. Whether any
     row was masked (a precomputed argmax is then stale)."""
+    if not bitmasks:  # no grammar this step: nothing to walk
+        return False
     rows = [i for i, rid in enumerate(row_ids) if rid in bitmasks]
     if not rows:
         return False
