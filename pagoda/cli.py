@@ -109,6 +109,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("give the model once: as the positional MODEL or as --model")
     if args.max_waiting_requests is not None and args.max_waiting_requests < 0:
         raise ValueError("--max-waiting-requests must be >= 0")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     if args.skip_tokenizer_init:
         raise ValueError(
             "pagoda serve needs a tokenizer (its API takes and returns text), so it does not take "
@@ -148,6 +150,8 @@ def server_config(args: argparse.Namespace) -> Any:
         log_requests=not args.disable_log_requests,
         log_stats_interval=0.0 if args.disable_log_stats else args.log_stats_interval,
         uvicorn_log_level=args.uvicorn_log_level,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
 
 
@@ -224,6 +228,18 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         help="on SIGTERM, seconds to let in-flight requests finish",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser',
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=["hermes"],
+        help="how tool calls are read from the output: hermes (<tool_call> JSON, Qwen2.5's "
+        "format; a template without tools gets it in its system prompt)",
     )
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--disable-log-stats", action="store_true")

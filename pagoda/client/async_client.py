@@ -236,15 +236,16 @@ class AsyncEngine:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
-        """The prompt text and token ids of a conversation under the model's (or the given)
-        chat template."""
+        """A conversation's prompt text and token ids under the model's (or the given) template."""
         return chat_prompt(
             self.tokenizer,
             conversation,
             chat_template,
             add_generation_prompt,
             continue_final_message,
+            tools,
         )
 
     def completion_prompts(self, prompt: CompletionPrompt) -> list[Prompt]:

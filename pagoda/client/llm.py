@@ -212,7 +212,11 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """Replies to conversations under the chat template; `tools` (OpenAI's function
+        definitions) are rendered into the prompt, and the replies' tool calls can be read with
+        pagoda.client.tool_calls.parse_tool_calls."""
         conversations = as_conversations(messages)
         self._params_per_prompt(sampling_params, len(conversations))  # TypeError before templating
         prompts: list[PromptType] = [
@@ -222,7 +226,7 @@ class LLM:
             }
             for text in (
                 self.apply_chat_template(
-                    c, chat_template, add_generation_prompt, continue_final_message
+                    c, chat_template, add_generation_prompt, continue_final_message, tools
                 )
                 for c in conversations
             )
@@ -235,6 +239,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         return apply_chat_template(
             self._require_tokenizer("chat"),
@@ -242,6 +247,7 @@ class LLM:
             chat_template,
             add_generation_prompt,
             continue_final_message,
+            tools,
         )
 
     # ---- beam search -------------------------------------------------------------------

@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagoda.client.tool_calls import (
+    hermes_conversation,
+    template_conversation,
+    template_knows_tools,
+)
+
 Conversation = list[dict[str, Any]]
 # A /v1/completions prompt: a string, strings, token ids, or lists of token ids.
 CompletionPrompt = str | list[str] | list[int] | list[list[int]]
@@ -27,17 +33,29 @@ def apply_chat_template(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The prompt text of a conversation under the tokenizer's (or the given) chat template."""
+    """The prompt text of a conversation under the tokenizer's (or the given) chat template.
+    With `tools`, or tool calls and results in the conversation, a template that does not
+    render tools itself gets them written out in the Hermes format (client/tool_calls.py)."""
     if not conversation:
         raise ValueError("messages must not be empty")
     for m in conversation:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        if not isinstance(m, dict) or "role" not in m or not ("content" in m or "tool_calls" in m):
             raise ValueError("each message must be a dict with 'role' and 'content'")
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise ValueError("this model has no chat template; pass chat_template=...")
+    uses_tools = bool(tools) or any(
+        m.get("tool_calls") or m["role"] == "tool" for m in conversation
+    )
+    if uses_tools and not template_knows_tools(template):
+        conversation, tools = hermes_conversation(conversation, tools), None
+    elif uses_tools:
+        conversation = template_conversation(conversation)
     text = tokenizer.apply_chat_template(
         conversation,
+        tools=tools,
         chat_template=chat_template,
         tokenize=False,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
@@ -60,13 +78,19 @@ def chat_prompt(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """A conversation's prompt text and its token ids (the template already holds the special
     tokens). PromptError on field "messages" for a conversation the template refuses, on
     "chat_template" for a template that fails."""
     try:
         text = apply_chat_template(
-            tokenizer, conversation, chat_template, add_generation_prompt, continue_final_message
+            tokenizer,
+            conversation,
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
         )
     except ValueError as e:
         raise PromptError(str(e), "messages") from e

@@ -203,17 +203,20 @@ class EngineCore:
 
     def _update(self, out: SchedulerOutput, runner_output: Any) -> list[EngineCoreOutput]:
         """The scheduler's update, and the grammars advanced: a sample whose grammar has ended
-        finishes here, with finish_reason "stop"."""
+        finishes here, with finish_reason "stop" and no token past the grammar's end."""
         outputs = self.scheduler.update(out, runner_output)
         structured = self.structured
         if structured is None or not structured.matchers:
             return outputs
-        ended = set(structured.accept(outputs))
+        ended = structured.accept(outputs)
         if ended:
             self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED, all_samples=False)
             for o in outputs:
-                if o.request_id in ended:
+                keep = ended.get(o.request_id)
+                if keep is not None:
+                    o.new_token_ids, o.new_logprobs = o.new_token_ids[:keep], o.new_logprobs[:keep]
                     o.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
+                    o.stop_reason = None
                     o.grammar_ended = True
         structured.sweep()
         return outputs

@@ -12,8 +12,10 @@ its logits as a token bitmask every step it samples.
   engine finishes with finish_reason "stop".
 
 A matcher only ever sees tokens that were sampled under its mask, so it never has to roll back:
-a preempted request keeps its output tokens, and speculative drafts are not proposed for
-requests with a grammar (scheduling/scheduler.py).
+a preempted request keeps its output tokens. A request verifying speculative drafts gets a mask
+at each position: after the drafts before it, computed by walking them and rolling back. A draft
+the grammar refuses is then rejected (the target's masked distribution gives it no mass), so the
+positions after it need no mask, and verification stays exact.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class GrammarCompiler:
     ) -> None:
         self._load_tokenizer = load_tokenizer
         self._vocab_size = vocab_size
-        self._eos = sorted(eos_token_ids)
+        self.eos = frozenset(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
         self._cache: OrderedDict[tuple[str, str, bool], Future[llguidance.LLMatcher]] = (
@@ -108,7 +110,7 @@ class GrammarCompiler:
             import llguidance.hf
 
             self._tokenizer = llguidance.hf.from_tokenizer(
-                self._load_tokenizer(), n_vocab=self._vocab_size, eos_token=self._eos
+                self._load_tokenizer(), n_vocab=self._vocab_size, eos_token=sorted(self.eos)
             )
         return self._tokenizer
 
@@ -177,46 +179,65 @@ class StructuredOutputs:
         self.pending = still
         return ready, failed
 
-    def bitmasks(self, scheduled: Sequence[ScheduledRequest]) -> dict[str, bytes]:
-        """Each sampling row's allowed tokens this step (its bitmask row as bytes, bit t of word
-        t // 32 set when token t is allowed), for the samples that have a matcher."""
-        rows: list[tuple[str, llguidance.LLMatcher]] = [
-            (sid, self.matchers[sid][1])
+    def bitmasks(self, scheduled: Sequence[ScheduledRequest]) -> dict[str, list[bytes]]:
+        """Each grammar sample's allowed tokens at the positions it samples this step (bitmask
+        rows as bytes, bit t of word t // 32 set when token t is allowed): one, or with k
+        drafts up to k + 1, stopping after the first draft the grammar refuses."""
+        rows: list[tuple[str, llguidance.LLMatcher, list[int]]] = [
+            (sid, self.matchers[sid][1], _drafts(s))
             for s in scheduled
             for sid in s.sample_ids
             if sid in self.matchers
         ]
         if not rows:
             return {}
-        masks = np.full((len(rows), self.words), -1, dtype=np.int32)
+        offsets = np.cumsum([0] + [1 + len(d) for _, _, d in rows]).tolist()
+        masks = np.full((offsets[-1], self.words), -1, dtype=np.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        self._executor.unsafe_compute_mask_ptr(
-            [(m, i) for i, (_, m) in enumerate(rows)],
-            masks.ctypes.data,
-            self.words * 4,
-            len(rows),
-        )
-        return {sid: masks[i].tobytes() for i, (sid, _) in enumerate(rows)}
+        plain = [(m, offsets[i]) for i, (_, m, d) in enumerate(rows) if not d]
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(
+                plain, masks.ctypes.data, self.words * 4, offsets[-1]
+            )
+        drafted = [(m, offsets[i], d) for i, (_, m, d) in enumerate(rows) if d]
+        if drafted:  # rows after a refused draft stay all-allowed: nothing is emitted there
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                drafted, masks.ctypes.data, self.words * 4, offsets[-1]
+            )
+        return {
+            sid: [masks[j].tobytes() for j in range(offsets[i], offsets[i + 1])]
+            for i, (sid, _, _) in enumerate(rows)
+        }
 
-    def accept(self, outputs: Iterable[Any]) -> list[str]:
-        """Advance each sample's matcher with its new tokens; the unfinished samples whose
-        grammar has now ended (or failed: logged), which the engine finishes."""
-        ended: list[str] = []
+    def accept(self, outputs: Iterable[Any]) -> dict[str, int]:
+        """Advance each sample's matcher with its new tokens. The samples whose grammar has now
+        ended (or failed: logged), each with how many of its new tokens to keep: a step that
+        verified drafts may have sampled past the grammar's end (the EOS its mask then allows),
+        which the engine drops, so the output is what plain decoding gives."""
+        ended: dict[str, int] = {}
         for out in outputs:
             entry = self.matchers.get(out.request_id)
-            if entry is None or not out.new_token_ids or out.finish_reason is not None:
-                continue  # a finished sample's matcher is swept (its last token may be EOS)
+            if entry is None or not out.new_token_ids or entry[1].is_stopped():
+                continue  # swept once finished
             matcher = entry[1]
-            if not matcher.consume_tokens(out.new_token_ids):
-                logger.error(
-                    "request %s: tokens %s do not match its grammar: %s",
-                    out.request_id,
-                    out.new_token_ids,
-                    matcher.get_error(),
-                )
-            if matcher.is_stopped() or matcher.is_error():
-                ended.append(out.request_id)
+            tokens = out.new_token_ids
+            for i, token in enumerate(tokens):
+                if out.finish_reason is not None and token in self.compiler.eos:
+                    break  # the sample's own end: its matcher is swept
+                if not matcher.consume_token(token):
+                    logger.error(
+                        "request %s: token %d does not match its grammar: %s",
+                        out.request_id,
+                        token,
+                        matcher.get_error(),
+                    )
+                    ended[out.request_id] = len(tokens)
+                    break
+                if matcher.is_stopped():
+                    if i + 1 < len(tokens) or out.finish_reason is None:
+                        ended[out.request_id] = i + 1
+                    break
         return ended
 
     def sweep(self) -> None:
@@ -224,3 +245,8 @@ class StructuredOutputs:
         done = [sid for sid, (r, _) in self.matchers.items() if r.status.is_finished]
         for sid in done:
             del self.matchers[sid]
+
+
+def _drafts(s: ScheduledRequest) -> list[int]:
+    """The draft tokens a scheduled request verifies this step."""
+    return list(s.token_ids[len(s.token_ids) - s.num_draft_tokens :]) if s.num_draft_tokens else []

@@ -129,7 +129,7 @@ class ModelRunner:
         # row in them: the inputs of the next step's placeholders.
         self.prev_sampled: torch.Tensor | None = None
         self.prev_rows: dict[str, int] = {}
-        self.grammar_bitmask: dict[str, bytes] = {}  # this step's (runner/grammar_mask.py)
+        self.grammar_bitmask: dict[str, list[bytes]] = {}  # this step's (runner/grammar_mask.py)
         self.proposer: DraftProposer | None = None
         self.draft_step: DraftModelStep | None = None
         if draft is not None:
@@ -445,7 +445,7 @@ class ModelRunner:
         positions = draft_positions(rows, drafts)
         last = hidden.index_select(0, self.buffers.row_index(positions.flat_rows))
         logits = self.model.compute_logits(last, float32=False)  # (T, vocab)
-        # A grammar's row verifies no drafts (scheduler._drafts): one position, one mask.
+        # A grammar sample's positions in order: its masks after each of its drafts.
         apply_grammar_bitmask(logits, positions.row_ids, self.grammar_bitmask)
         columns = BatchColumns.gather(self.batch, positions, self.device)
         generators = positions.generators(self.generators, self.device)

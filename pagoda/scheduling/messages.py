@@ -113,9 +113,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write, before the forward
     finished_request_ids: list[str] = []  # since the last step: the runner drops their state
     preempted_request_ids: list[str] = []  # the runner drops their state; they come back new
-    # Structured outputs: sample id -> its allowed tokens this step, an int32 bitmask row as
-    # bytes (bit t % 32 of word t // 32 set: token t allowed); samples without a grammar absent.
-    grammar_bitmask: dict[str, bytes] = {}
+    # Structured outputs: sample id -> its allowed tokens at each position it samples this
+    # step (the next token; with drafts, after each accepted draft too): int32 bitmask rows as
+    # bytes (bit t % 32 of word t // 32 set: token t allowed). A position after a draft the
+    # grammar refuses has no row (nothing is emitted there); samples without a grammar absent.
+    grammar_bitmask: dict[str, list[bytes]] = {}
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -237,11 +237,9 @@ class Scheduler:
     def _drafts(self, request: Request, missing: int) -> list[int]:
         """The proposed tokens a request may verify now: only when its one missing token is its
         last sampled one (decoding), and never past max_tokens or max_model_len (the target's
-        token after the drafts counts too). A request with a grammar verifies none: its mask is
-        computed for the next token only (engine/grammar.py)."""
+        token after the drafts counts too). A request with a grammar verifies them under its
+        masks at every position (engine/grammar.py)."""
         if missing != 1 or not request.spec_token_ids:
-            return []
-        if request.sampling_params.structured_outputs is not None:
             return []
         room = min(
             request.max_tokens - request.num_output_tokens - request.num_output_placeholders,

@@ -165,7 +165,8 @@ def _token_ids(state: ServerState, body: TokenizeRequest) -> list[int]:
         return state.engine.tokenize(body.prompt, body.add_special_tokens)
     if body.messages is not None and body.prompt is None:
         messages = conversation(body.messages)
-        return state.engine.chat_prompt(messages, None, body.add_generation_prompt, False)[1]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return state.engine.chat_prompt(messages, None, body.add_generation_prompt, False, tools)[1]
     raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
 
 

@@ -3,14 +3,17 @@ samples, whole or streamed."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.client.async_client import AsyncEngine, RequestStream
 from pagoda.client.tokenizer import Conversation
+from pagoda.client.tool_calls import parse_tool_calls
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.server.errors import APIError, bad_field
 from pagoda.server.generation import (
@@ -38,25 +41,37 @@ from pagoda.server.protocol import (
 )
 from pagoda.server.sse import sse_stream
 from pagoda.server.state import ServerState
+from pagoda.server.tools import StreamedCalls, ToolPlan, tool_calls_out, tool_plan
 
 
 def conversation(messages: list[ChatMessage]) -> Conversation:
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """The messages as the chat template reads them (tool calls and their ids kept)."""
+    out: Conversation = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
 
 
 async def create_chat_completion(
     state: ServerState, body: ChatCompletionRequest, request: Request
 ) -> Response:
     state.check_model(body.model)
-    if body.tools:
-        raise APIError(400, "tools are not supported by this server", "tools")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    plan = tool_plan(body, state.config.enable_auto_tool_choice, state.config.tool_call_parser)
     text, ids = state.engine.chat_prompt(
         conversation(body.messages),
         body.chat_template,
         body.add_generation_prompt,
         body.continue_final_message,
+        plan.tools,
     )
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -66,31 +81,36 @@ async def create_chat_completion(
         params = body.sampling_params(max_tokens, logprobs)
     except ValueError as e:
         raise bad_field(e) from e
+    if plan.grammar is not None:
+        params = dataclasses.replace(params, structured_outputs=plan.grammar)
     rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     streams = await add_all(state, rid, [(text, ids)], params, body)
     if body.stream:
-        return StreamingResponse(_stream(state, body, rid, streams), media_type="text/event-stream")
+        events = _stream(state, body, plan, rid, streams)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     async def work() -> Response:
         out = (await collect(state.engine, streams))[0]
-        return JSONResponse(_response(state, body, rid, out).model_dump())
+        return JSONResponse(_response(state, body, plan, rid, out).model_dump())
 
     return await until_disconnect(request, work)
 
 
 def _response(
-    state: ServerState, body: ChatCompletionRequest, rid: str, out: RequestOutput
+    state: ServerState, body: ChatCompletionRequest, plan: ToolPlan, rid: str, out: RequestOutput
 ) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=ResponseMessage(content=c.text),
-            logprobs=_logprobs(state.engine, c, body.top_logprobs or 0),
-            finish_reason=c.finish_reason,
-            stop_reason=c.stop_reason,
+    choices = []
+    for c in out.outputs:
+        content, calls = parse_tool_calls(c.text) if plan.parse else (c.text, [])
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=ResponseMessage(content=content, tool_calls=tool_calls_out(calls)),
+                logprobs=_logprobs(state.engine, c, body.top_logprobs or 0),
+                finish_reason=plan.finish_reason(c.finish_reason, len(calls)),
+                stop_reason=c.stop_reason,
+            )
         )
-        for c in out.outputs
-    ]
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     prompt_tokens = len(out.prompt_token_ids)
     return ChatCompletionResponse(
@@ -124,17 +144,31 @@ def _logprobs(engine: AsyncEngine, c: CompletionOutput, top: int) -> ChatLogprob
 
 
 def _stream(
-    state: ServerState, body: ChatCompletionRequest, rid: str, streams: list[RequestStream]
+    state: ServerState,
+    body: ChatCompletionRequest,
+    plan: ToolPlan,
+    rid: str,
+    streams: list[RequestStream],
 ) -> AsyncIterator[str]:
     model = state.model_name
     top = body.top_logprobs or 0
+    calls = StreamedCalls()
 
-    def choice(i: int, index: int, c: CompletionOutput) -> ChatChunkChoice:
+    def choice(i: int, index: int, c: CompletionOutput) -> ChatChunkChoice | None:
+        finish_reason = c.finish_reason
+        delta = DeltaMessage(content=c.text)
+        logprobs = _logprobs(state.engine, c, top)
+        if plan.parse:
+            content, deltas, n_calls = calls.feed(index, c.text, finish_reason is not None)
+            if not (content or deltas or finish_reason or logprobs):
+                return None  # text held back until it shows whether a call begins
+            delta = DeltaMessage(content=content or None, tool_calls=deltas)
+            finish_reason = plan.finish_reason(finish_reason, n_calls)
         return ChatChunkChoice(
             index=index,
-            delta=DeltaMessage(content=c.text),
-            logprobs=_logprobs(state.engine, c, top),
-            finish_reason=c.finish_reason,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
             stop_reason=c.stop_reason,
         )
 

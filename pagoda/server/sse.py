@@ -23,8 +23,9 @@ from pagoda.server.protocol import Usage
 logger = logging.getLogger("pagoda.server")
 
 Choice = TypeVar("Choice")
-# (prompt index, choice index, a sample's new output) -> the endpoint's choice
-MakeChoice = Callable[[int, int, CompletionOutput], Choice]
+# (prompt index, choice index, a sample's new output) -> the endpoint's choice, or None where
+# there is nothing to send yet (text held back by a tool-call parser)
+MakeChoice = Callable[[int, int, CompletionOutput], Choice | None]
 # (choices, usage or None) -> an event's payload; the usage event has no choices
 MakeChunk = Callable[[list[Choice], Usage | None], BaseModel]
 
@@ -59,7 +60,9 @@ async def sse_stream(
                 if c.finish_reason is not None:
                     done.add(index)
                 completion_tokens += len(c.token_ids)
-                choices.append(choice(i, index, c))
+                made = choice(i, index, c)
+                if made is not None:
+                    choices.append(made)
             if choices:
                 yield sse_event(chunk(choices, None))
         if include_usage:

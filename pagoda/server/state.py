@@ -29,6 +29,9 @@ class ServerConfig:
     log_requests: bool = True
     log_stats_interval: float = 10.0
     uvicorn_log_level: str = "info"
+    # tool_choice "auto" (vLLM's --enable-auto-tool-choice, --tool-call-parser)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 class ServerState:

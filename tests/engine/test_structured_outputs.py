@@ -15,7 +15,10 @@ import jsonschema
 import pytest
 
 from pagoda import LLM
+from pagoda.client.tool_calls import parse_tool_calls
 from pagoda.sampling_params import SamplingParams
+from pagoda.server.protocol import ChatCompletionRequest
+from pagoda.server.tools import tool_plan
 from pagoda.structured_outputs import StructuredOutputsParams
 
 PROMPTS = ["Give me a record:", "JSON please.", "The answer is", "Once upon a time"]
@@ -204,6 +207,38 @@ def test_async_scheduling_gives_the_same_outputs(tiny_model_dir: Callable[[str],
     assert outs[True] == outs[False]
 
 
+def test_tool_calls_under_required_and_named_tool_choice(tiny_llm: LLM) -> None:
+    """The server's grammar for tool_choice "required" / a named function (server/tools.py) on
+    a random model at temperature 1.0: every output is Hermes calls to the given functions whose
+    arguments validate against their schemas."""
+    tools = [
+        {"type": "function", "function": {"name": "lookup", "parameters": SCHEMAS[0]}},
+        {"type": "function", "function": {"name": "paint", "parameters": SCHEMAS[1]}},
+    ]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    named = {"type": "function", "function": {"name": "paint"}}
+    for i, (choice, parallel) in enumerate(
+        [("required", False), ("required", True), (named, True)]
+    ):
+        body = ChatCompletionRequest.model_validate(
+            {"messages": [], "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
+        )
+        grammar = tool_plan(body, False, None).grammar
+        params = SamplingParams(
+            temperature=1.0, seed=i, n=2, max_tokens=300, structured_outputs=grammar
+        )
+        for c in _texts(tiny_llm, params):
+            content, calls = parse_tool_calls(c.text)
+            assert content is None and calls, c.text
+            if not parallel:
+                assert len(calls) == 1 and c.finish_reason == "stop"
+            for k, call in enumerate(calls):
+                if choice == named:
+                    assert call.name == "paint"
+                if k < len(calls) - 1 or c.finish_reason == "stop":  # the last may be cut off
+                    jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
 def test_smollm2_follows_a_schema(smollm2_llm: LLM) -> None:
     schema = SCHEMAS[0]
     tokenizer = smollm2_llm.get_tokenizer()
@@ -218,6 +253,35 @@ def test_smollm2_follows_a_schema(smollm2_llm: LLM) -> None:
     for c in _texts(smollm2_llm, params, [prompt]):
         assert c.finish_reason == "stop", c.text
         jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_smollm2_calls_a_tool_through_llm_chat(smollm2_llm: LLM) -> None:
+    """The Python API: LLM.chat(tools=...) puts the tools in the prompt (SmolLM2's template has
+    none: the Hermes system block), the named-function grammar makes the call, and
+    parse_tool_calls reads it."""
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    body = ChatCompletionRequest.model_validate(
+        {
+            "messages": [],
+            "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        }
+    )
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=tool_plan(body, False, None).grammar
+    )
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = smollm2_llm.chat(messages, params, use_tqdm=False, tools=tools)[0]
+    assert "<tools>" in (out.prompt or "") and '"get_weather"' in (out.prompt or "")
+    content, [call] = parse_tool_calls(out.outputs[0].text)
+    assert content is None and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), parameters)
 
 
 @pytest.mark.parametrize(
@@ -240,3 +304,70 @@ def test_an_invalid_grammar_is_refused_before_it_is_queued(
     # the engine goes on
     ok = tiny_llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 2
+
+
+class CorruptingOracle:
+    """Proposes each request's continuation from a plain run (`truth`, keyed by prompt tokens),
+    with draft j replaced by `bad` when (length + j) % 3 == 1: steps accept every draft, some or
+    none, and the replaced drafts are tokens the grammar refuses."""
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], bad: int) -> None:
+        self.truth, self.bad, self.proposed = truth, bad, 0
+
+    def propose(self, requests: Any) -> list[list[int]]:
+        drafts = []
+        for _, tokens, allowed in requests:
+            prompt = next(p for p in self.truth if tuple(tokens[: len(p)]) == p)
+            truth, done = self.truth[prompt], len(tokens) - len(prompt)
+            draft = list(truth[done : done + min(3, allowed)]) if allowed > 0 else []
+            for j in range(len(draft)):
+                if (len(tokens) + j) % 3 == 1:
+                    draft[j] = self.bad
+            self.proposed += len(draft)
+            drafts.append(draft)
+        return drafts
+
+    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        pass
+
+    def remove(self, request_id: str) -> None:
+        pass
+
+
+def test_speculative_drafts_are_checked_against_the_grammar(
+    tiny_model_dir: Callable[[str], str], tiny_llm: LLM
+) -> None:
+    """With drafts, a grammar request outputs exactly what it does without them, greedy and
+    seeded: each position is masked after the drafts before it, and a draft the grammar refuses
+    is rejected. Drafts come from the plain run, some replaced by a refused token."""
+    schema = SCHEMAS[1]
+    grammar = _structured(json=schema, disable_any_whitespace=True)
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=grammar),
+        SamplingParams(temperature=1.0, seed=9, max_tokens=60, structured_outputs=grammar),
+        SamplingParams(
+            temperature=1.0, seed=10, max_tokens=30, structured_outputs={"regex": "[a-f]{5,40}"}
+        ),
+    ]
+    tokenizer = tiny_llm.get_tokenizer()
+    bad = tokenizer.encode("Z", add_special_tokens=False)[0]  # in no output of these grammars
+    spec = LLM(
+        tiny_model_dir("llama"),
+        num_gpu_blocks_override=512,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    runner = spec.engine.runner
+    assert runner.proposer is not None
+    for params in cases:
+        plain = tiny_llm.generate(PROMPTS, params, use_tqdm=False)
+        truth = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in plain}
+        oracle = CorruptingOracle(truth, bad)
+        runner.proposer.proposer = oracle  # type: ignore[assignment]
+        before = spec.engine.stats()
+        got = spec.generate(PROMPTS, params, use_tqdm=False)
+        after = spec.engine.stats()
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+        assert [o.outputs[0].finish_reason for o in got] == ["stop"] * len(PROMPTS)
+        drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+        accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        assert oracle.proposed > 0 and 0 < accepted < drafted, (accepted, drafted)

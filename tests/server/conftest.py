@@ -144,6 +144,7 @@ def tiny_server(tiny_llama_dir: str) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def smollm2_server() -> Iterator[ServerProcess]:
-    server = ServerProcess(None, (*SMALL_POOL, "--max-model-len", "2048")).wait_ready()
+    flags = ("--max-model-len", "2048", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    server = ServerProcess(None, (*SMALL_POOL, *flags)).wait_ready()
     yield server
     server.stop()

@@ -119,6 +119,19 @@ CASES: dict[str, tuple[str, str, dict[str, Any] | bytes | None, int]] = {
     "chat_top_logprobs_without_logprobs": ("POST", CHAT, chat(top_logprobs=2), 400),
     "chat_top_logprobs_21": ("POST", CHAT, chat(logprobs=True, top_logprobs=21), 400),
     "chat_messages_empty": ("POST", CHAT, chat(messages=[]), 400),
+    # tools: "auto" (the default with tools) needs --enable-auto-tool-choice, as in vLLM
+    "chat_tools_auto_not_enabled": (
+        "POST",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+    ),
+    "chat_tool_call_without_a_name": (
+        "POST",
+        CHAT,
+        chat(messages=[{"role": "assistant", "tool_calls": [{"function": {}}]}]),
+        400,
+    ),
     "chat_messages_not_a_list": ("POST", CHAT, chat(messages="hi"), 400),
     "chat_messages_missing": ("POST", CHAT, {"model": MODEL}, 400),
     "chat_bad_role": ("POST", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400),

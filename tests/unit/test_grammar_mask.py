@@ -28,7 +28,7 @@ def test_bitmask_bans_every_other_token_of_its_rows_only(dtype: torch.dtype) -> 
     logits = torch.randn(3, vocab).to(dtype)
     before = logits.clone()
     allowed = [0, 31, 32, 63, 99]
-    masks = {"b": _bitmask(vocab, allowed)}
+    masks = {"b": [_bitmask(vocab, allowed)]}
     assert apply_grammar_bitmask(logits, ["a", "b", "c"], masks)
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     finite = torch.isfinite(logits[1]).nonzero().flatten().tolist()
@@ -39,7 +39,18 @@ def test_bitmask_bans_every_other_token_of_its_rows_only(dtype: torch.dtype) -> 
 
 def test_a_short_bitmask_is_refused() -> None:
     with pytest.raises(ValueError, match="bitmask"):
-        apply_grammar_bitmask(torch.zeros(1, 64), ["a"], {"a": _bitmask(32, [0])})
+        apply_grammar_bitmask(torch.zeros(1, 64), ["a"], {"a": [_bitmask(32, [0])]})
+
+
+def test_a_sample_verifying_drafts_gets_one_mask_per_position() -> None:
+    """Rows of a sample are its positions in order; a position without a mask (after a draft
+    the grammar refused) is left alone."""
+    vocab = 40
+    logits = torch.zeros(5, vocab)
+    masks = {"s": [_bitmask(vocab, [1]), _bitmask(vocab, [2, 3])], "t": [_bitmask(vocab, [39])]}
+    assert apply_grammar_bitmask(logits, ["s", "t", "s", "s", "u"], masks)
+    finite = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+    assert finite == [[1], [39], [2, 3], list(range(vocab)), list(range(vocab))]
 
 
 @pytest.mark.parametrize(
