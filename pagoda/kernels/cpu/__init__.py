@@ -1,0 +1,94 @@
+"""pagoda's CPU kernels: a C++ extension (quant_gemv.cpp) built on first use with torch's
+cpp_extension and cached (TORCH_EXTENSIONS_DIR, by default under ~/.cache/torch_extensions),
+with a log line saying so; `python -m pagoda.kernels.cpu` builds it ahead (the Makefile's setup
+does). Where it cannot be built (no compiler), `kernels()` is None and pagoda keeps its torch
+path, with a warning.
+
+For now the layers use them only with PAGODA_CPU_KERNELS=1 (issue 22, first step): their GEMVs
+beat torch's int4 / int8 ops in isolation (benchmarks/cpu_kernels.py), but a whole decode step
+gained 3% eagerly and nothing measurable compiled (-O2), while keeping their form beside torch's
+nearly doubles the weights' memory. `built()` gives the ops regardless (the tests use it).
+
+The kernels are torch custom ops (torch.ops.pagoda_cpu, so torch.compile keeps them in its
+graph): `q4_matmul(x, codes, scale, offset, isa_limit)` and `q8_matmul(x, codes, scale,
+isa_limit)`, y = x @ w^T in float32 for weights in 32-wide groups of integer codes (see the
+.cpp), with x quantized per 32-wide group to int8; `isa()` names the instruction set picked at
+run time (0 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI); `isa_limit` caps it (tests run every path).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("quant_gemv.cpp")
+ISA_NAMES = ("scalar", "AVX2 + FMA", "AVX-512 VNNI")
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def kernels() -> Any | None:
+    """The ops for the layers to use: None unless PAGODA_CPU_KERNELS=1 and they build."""
+    if os.environ.get("PAGODA_CPU_KERNELS", "0") != "1":
+        return None
+    return built()
+
+
+def built() -> Any | None:
+    """torch.ops.pagoda_cpu once built (or loaded from the cache), None where they cannot be
+    (logged once)."""
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build()
+        return _state["module"]
+
+
+def _build() -> Any | None:
+    try:
+        from torch.utils import cpp_extension
+
+        t0 = time.perf_counter()
+        cpp_extension.load(
+            name="pagoda_cpu_kernels",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - no compiler, no headers: the torch path stays
+        logger.warning("CPU kernels could not be built (%s); using torch's quantized ops", e)
+        return None
+    ops = torch.ops.pagoda_cpu
+    _register_fakes()
+    logger.info(
+        "CPU kernels ready (%s, %.1f s: built or loaded from the extension cache)",
+        ISA_NAMES[ops.isa()],
+        time.perf_counter() - t0,
+    )
+    return ops
+
+
+def _register_fakes() -> None:
+    """Output shapes for torch.compile's tracing."""
+
+    @torch.library.register_fake("pagoda_cpu::q4_matmul")  # type: ignore[misc]
+    def _q4(x: Any, codes: Any, scale: Any, offset: Any, isa_limit: int) -> Any:
+        return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+    @torch.library.register_fake("pagoda_cpu::q8_matmul")  # type: ignore[misc]
+    def _q8(x: Any, codes: Any, scale: Any, isa_limit: int) -> Any:
+        return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built()  # a failure is logged: pagoda runs without them
