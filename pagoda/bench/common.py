@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import random
 import statistics
 import sys
@@ -194,7 +193,9 @@ def pagoda_precision(quantization: str, dtype: str, gguf_type: str | None, devic
     quantization: the scheme in effect (ModelConfig.quantization); dtype: the model dtype
     ("float32"); device: "cpu" or "cuda" (torch's packed CPU ops take bf16 activations)."""
     act = "bf16" if device == "cpu" else dtype.replace("bfloat16", "bf16")
-    if device == "cpu" and os.environ.get("PAGODA_CPU_KERNELS") == "1":
+    from pagoda.kernels.cpu import kernels as cpu_kernels  # torch: only once a model is loaded
+
+    if device == "cpu" and quantization != "none" and cpu_kernels() is not None:
         act = "int8 (pagoda's CPU kernels, decode steps) or bf16"
     source = f"the GGUF {gguf_type}" if gguf_type else "the checkpoint"
     if quantization == "none":

@@ -23,8 +23,8 @@ kept quantized; scales and zero points in the model's dtype:
 On CPU, where pagoda's C++ kernels build (pagoda/kernels/cpu), GGUF Q4_0 / Q4_1 / Q4_K and the
 int8 rows also keep the kernels' form (`cpu_form`): codes in 32-wide groups (4-bit packed as
 GGUF packs them), float32 scales and offsets, multiplied against int8-quantized activations.
-Only with PAGODA_CPU_KERNELS=1 for now (pagoda/kernels/cpu/__init__.py says why); steps of at
-most CPU_KERNEL_MAX_ROWS rows (decode) run there, larger ones on torch's ops.
+Unless PAGODA_CPU_KERNELS=0 (pagoda/kernels/cpu/__init__.py); steps of at most
+CPU_KERNEL_MAX_ROWS rows (decode) run there, larger ones on torch's ops.
 
 GPTQ act-order (g_idx not sorted) permutes input channels so groups are contiguous and applies the
 same permutation to x (`perm`). On devices other than CPU and CUDA the integer schemes dequantize
@@ -212,8 +212,9 @@ def set_int8(layer: Any, w: torch.Tensor) -> None:
 
 
 def cpu_kernels_for(layer: Any) -> Any | None:
-    """torch.ops.pagoda_cpu where the layer lives on CPU and the kernels are built, else None."""
-    if layer.device.type != "cpu":
+    """torch.ops.pagoda_cpu where the layer lives on CPU in torch's forms (not the Triton
+    kernels') and the kernels are built, else None."""
+    if layer.device.type != "cpu" or triton_weights(layer.device):
         return None
     from pagoda.kernels.cpu import kernels
 

@@ -27,6 +27,7 @@ from pagoda.bench.common import (
     ratio,
     throughput_stats,
 )
+from pagoda.kernels.cpu import built
 
 
 def _parser(module) -> argparse.ArgumentParser:
@@ -217,7 +218,8 @@ def test_latency_defaults_and_summary():
     assert "11 / end-to-end 10.0 tok/s" in line
 
 
-def test_precision_labels():
+def test_precision_labels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")  # torch's ops: bf16 activations
     assert pagoda_precision("gguf", "float32", "Q4_1", "cpu") == (
         "gguf Q4_1 (4-bit weights, bf16 activations)"
     )
@@ -228,6 +230,15 @@ def test_precision_labels():
     assert pagoda_precision("int8", "float32", None, "cpu") == (
         "int8 weights quantized from the checkpoint, bf16 activations"
     )
+    assert pagoda_precision("gguf", "float32", "Q4_1", "cuda") == (
+        "gguf Q4_1 (4-bit weights, float32 activations)"
+    )
+    if built() is not None:  # pagoda's CPU kernels: int8 activations in decode steps
+        monkeypatch.setenv("PAGODA_CPU_KERNELS", "1")
+        assert pagoda_precision("gguf", "float32", "Q4_1", "cpu") == (
+            "gguf Q4_1 (4-bit weights, int8 (pagoda's CPU kernels, decode steps) or bf16 "
+            "activations)"
+        )
     assert hf_precision("Q4_1") == "float32 dequantized from the GGUF Q4_1"
     assert llama_cpp_precision("Q4_1").startswith("gguf Q4_1, the same file")
     c = peer_comparison("gguf Q4_1 (...)", "hf", "float32 (...)", False, "output tok/s", 2.5)
@@ -308,7 +319,7 @@ def test_latency_peer_llama_cpp_record_names_the_same_file(monkeypatch, capsys):
     assert latency.main(args) == 0
     captured = capsys.readouterr()
     record = json.loads(captured.out)
-    assert record["precisions"]["pagoda"] == "gguf Q4_1 (4-bit weights, bf16 activations)"
+    assert record["precisions"]["pagoda"] == pagoda_precision("gguf", "float32", "Q4_1", "cpu")
     assert record["precisions"]["peer"] == llama_cpp_precision("Q4_1")
     assert "the same file" in record["ratio_line"] and record["same_weights"] is True
     assert record["pagoda"]["decode_ms_per_token"] == 100.0
