@@ -126,59 +126,35 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
     y[r * y_stride] = sum;                                                                     \
   }
 
-// Four output rows for one activation row (decode): four independent accumulators, the
-// activation group loaded once for the four.
-#define PAGODA_ROW4_BODY(DOT)                                                                  \
-  constexpr int64_t bytes = BITS == 4 ? 16 : 32;                                               \
-  const int64_t wstride = groups * bytes;                                                      \
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),              \
-                   _mm256_setzero_ps()};                                                       \
-  for (int64_t g = 0; g < groups; ++g) {                                                       \
-    const __m256i s0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * GROUP));    \
-    const __m256 xdv = _mm256_set1_ps(xd[g]);                                                  \
-    for (int j = 0; j < 4; ++j) {                                                              \
-      const uint8_t* wg = w + j * wstride + g * bytes;                                         \
-      __m256i u, s = s0;                                                                       \
-      if constexpr (BITS == 4) {                                                               \
-        u = unpack4(wg);                                                                       \
-      } else {                                                                                 \
-        const __m256i sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg));         \
-        u = _mm256_sign_epi8(sign, sign);                                                      \
-        s = _mm256_sign_epi8(s0, sign);                                                        \
-      }                                                                                        \
-      const __m256 sc = _mm256_mul_ps(_mm256_broadcast_ss(scale + j * sstride + g * sstep), xdv); \
-      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(u, s)), sc, acc[j]);                     \
-    }                                                                                          \
-  }                                                                                            \
-  for (int j = 0; j < 4; ++j) {                                                                \
-    float sum = hsum(acc[j]);                                                                  \
-    if (offset != nullptr) {                                                                   \
-      const float* o = offset + j * groups;                                                    \
-      __m256 t = _mm256_setzero_ps();                                                          \
-      int64_t g = 0;                                                                           \
-      for (; g + 8 <= groups; g += 8) {                                                        \
-        t = _mm256_fmadd_ps(_mm256_loadu_ps(o + g), _mm256_loadu_ps(xs + g), t);               \
-      }                                                                                        \
-      sum += hsum(t);                                                                          \
-      for (; g < groups; ++g) sum += o[g] * xs[g];                                             \
-    }                                                                                          \
-    y[j] = sum;                                                                                \
+// Four output rows of 4-bit codes (group scales and offsets) for one activation row (decode):
+// four independent accumulators, the activation group loaded once for the four (AVX2).
+__attribute__((target("avx2,fma"))) void row4_q4_avx2(const uint8_t* w, const float* scale,
+                                                      const float* offset, const int8_t* q,
+                                                      const float* xd, const float* xs,
+                                                      int64_t groups, float* y) {
+  const int64_t wstride = groups * 16;
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * GROUP));
+    const __m256 xdv = _mm256_set1_ps(xd[g]);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i d = dot_u8s8_avx2(unpack4(w + j * wstride + g * 16), s);
+      const __m256 sc = _mm256_mul_ps(_mm256_broadcast_ss(scale + j * groups + g), xdv);
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), sc, acc[j]);
+    }
   }
-
-template <int BITS>
-__attribute__((target("avx2,fma"))) void row4_avx2(const uint8_t* w, const float* scale,
-                                                   const float* offset, const int8_t* q,
-                                                   const float* xd, const float* xs,
-                                                   int64_t groups, float* y, int64_t sstride,
-                                                   int64_t sstep) {
-  PAGODA_ROW4_BODY(dot_u8s8_avx2)
-}
-
-template <int BITS>
-__attribute__((target("avx2,fma,avx512f,avx512vl,avx512vnni"))) void row4_vnni(
-    const uint8_t* w, const float* scale, const float* offset, const int8_t* q, const float* xd,
-    const float* xs, int64_t groups, float* y, int64_t sstride, int64_t sstep) {
-  PAGODA_ROW4_BODY(dot_u8s8_vnni)
+  for (int j = 0; j < 4; ++j) {
+    const float* o = offset + j * groups;
+    __m256 t = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      t = _mm256_fmadd_ps(_mm256_loadu_ps(o + g), _mm256_loadu_ps(xs + g), t);
+    }
+    float sum = hsum(acc[j]) + hsum(t);
+    for (; g < groups; ++g) sum += o[g] * xs[g];
+    y[j] = sum;
+  }
 }
 
 // Four output rows of 4-bit codes for one activation row, two groups per 512-bit step (AVX-512
@@ -313,21 +289,19 @@ at::Tensor matmul(const at::Tensor& x_in, const at::Tensor& codes,
     for (int64_t t = 0; t < m; t += TILE) {
       const int64_t rows = std::min(TILE, m - t);
       int64_t row = begin;
-      if (BITS == 4 && rows == 1 && isa != Isa::kScalar) {  // decode: four output rows at a time
-        const int64_t srow = scale.size(1);
+      // decode of 4-bit codes with group scales and offsets: four output rows at a time
+      if (BITS == 4 && rows == 1 && isa != Isa::kScalar && off != nullptr && sstep == 1) {
         for (; row + 4 <= end; row += 4) {
           const uint8_t* wr = w + row * groups * bytes;
-          const float* orow = off == nullptr ? nullptr : off + row * groups;
+          const float* srow = sc + row * groups;
+          const float* orow = off + row * groups;
           float* yt = yp + t * n + row;
-          if (isa == Isa::kVnni && BITS == 4 && orow != nullptr && sstep == 1) {
-            row4_q4_avx512(wr, sc + row * srow, orow, qp + t * k, xdp + t * groups,
-                           xsp + t * groups, groups, yt);
-          } else if (isa == Isa::kVnni) {
-            row4_vnni<BITS>(wr, sc + row * srow, orow, qp + t * k, xdp + t * groups,
-                            xsp + t * groups, groups, yt, srow, sstep);
+          if (isa == Isa::kVnni) {
+            row4_q4_avx512(wr, srow, orow, qp + t * k, xdp + t * groups, xsp + t * groups,
+                           groups, yt);
           } else {
-            row4_avx2<BITS>(wr, sc + row * srow, orow, qp + t * k, xdp + t * groups,
-                            xsp + t * groups, groups, yt, srow, sstep);
+            row4_q4_avx2(wr, srow, orow, qp + t * k, xdp + t * groups, xsp + t * groups,
+                         groups, yt);
           }
         }
       }
