@@ -1,5 +1,6 @@
 """pagoda's CPU kernels (pagoda/kernels/cpu) against torch's quantized CPU ops, the ones pagoda
-runs without them, on SmolLM2-135M's layer shapes, and a decode A/B on the whole model.
+runs without them, on SmolLM2-135M's layer shapes, the paged decode attention against the
+compiled reductions, and a decode A/B on the whole model.
 
 1. Matmuls, one layer at a time: 4-bit groups (GGUF Q4_1's form; torch: _weight_int4pack_mm
    with bf16 activations) and int8 rows (the LM head; torch: _weight_int8pack_mm), for 1 to 64
@@ -32,7 +33,7 @@ from pagoda.layers.quant_forms import (
     int4_matmul,
     int4_pack,
     int8_matmul,
-    pack_nibbles,
+    pack_q4_tiles,
     quantize_int8_rows,
 )
 
@@ -67,12 +68,12 @@ def matmuls(ops: Any, repeats: int, bandwidth: float) -> list[dict[str, Any]]:
         g = k // 32
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
         scale, offset = torch.rand(n, g, generator=gen) * 0.02, torch.randn(n, g, generator=gen)
-        packed, nib = int4_pack(codes, scale, offset), pack_nibbles(codes)
-        ours_bytes = nib.numel() + 8 * scale.numel()  # codes, float32 scale and offset
+        packed, tiles = int4_pack(codes, scale, offset), pack_q4_tiles(codes, scale, offset)
+        ours_bytes = tiles.numel()  # codes, fp16 scales and offsets
         out.append(_cold(ops, name, n, k, codes, scale, offset, repeats, bandwidth))
         for m in ROWS:
             x = torch.randn(m, k, generator=gen)
-            ours = median_us(lambda: ops.q4_matmul(x, nib, scale, offset, 2), repeats)  # noqa: B023
+            ours = median_us(lambda: ops.q4_matmul(x, tiles, n, 2), repeats)  # noqa: B023
             theirs = median_us(lambda: int4_matmul(x, *packed, 32), repeats)  # noqa: B023
             out.append(_row(name, "4-bit groups", n, k, m, ours, theirs, ours_bytes, bandwidth))
     name, n, k = HEAD
@@ -99,16 +100,13 @@ def _cold(
 ) -> dict[str, Any]:
     """One row, the weights streamed from memory as in a decode step: each call reads the next
     of enough copies to overflow the caches (256 MB of them)."""
-    ours_bytes = n * k // 2 + 8 * scale.numel()
+    ours_bytes = n * k // 2 + 4 * scale.numel()  # codes, fp16 scales and offsets
     copies = max(2, 256 * 2**20 // ours_bytes)
-    nibs = [pack_nibbles(codes) for _ in range(copies)]
-    scales = [(scale.clone(), offset.clone()) for _ in range(copies)]
+    tiles = [pack_q4_tiles(codes, scale, offset) for _ in range(copies)]
     packs = [int4_pack(codes, scale, offset) for _ in range(copies)]
     x = torch.randn(1, k)
     turn = iter(range(10**9))
-    ours = median_us(
-        lambda: ops.q4_matmul(x, nibs[(i := next(turn) % copies)], *scales[i], 2), repeats
-    )
+    ours = median_us(lambda: ops.q4_matmul(x, tiles[next(turn) % copies], n, 2), repeats)
     theirs = median_us(lambda: int4_matmul(x, *packs[next(turn) % copies], 32), repeats)
     torch_bytes = n * k // 2 + 4 * scale.numel()  # bf16 scale and zero
     row = _row(f"{name} cold", "4-bit groups", n, k, 1, ours, theirs, ours_bytes, bandwidth)
@@ -138,6 +136,86 @@ def _row(
         flush=True,
     )
     return row
+
+
+def decode_step_matmuls(ops: Any, repeats: int, bandwidth: float) -> dict[str, Any]:
+    """The 4-bit matmuls of one batch-1 decode step (30 layers of SmolLM2's four, each its own
+    weights, so they stream from memory as in the model): milliseconds and bytes per second."""
+    gen = torch.Generator().manual_seed(1)
+    layers = []
+    for _ in range(30):
+        for _, n, k in SHAPES:
+            codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+            scale = torch.rand(n, k // 32, generator=gen) * 0.02
+            tiles = pack_q4_tiles(codes, scale, torch.randn(n, k // 32, generator=gen))
+            layers.append((torch.randn(1, k, generator=gen), tiles, n))
+    nbytes = sum(t.numel() for _, t, _ in layers)
+    us = median_us(lambda: [ops.q4_matmul(x, t, n, 2) for x, t, n in layers], max(5, repeats // 5))
+    row = {
+        "weight_mb": round(nbytes / 1e6, 1),
+        "step_ms": round(us / 1e3, 3),
+        "gb_s": round(nbytes / us / 1e3, 1),
+        "fraction_of_bandwidth": round(nbytes / us / 1e3 / bandwidth, 3),
+    }
+    print(f"4-bit matmuls of a decode step: {row}", flush=True)
+    return row
+
+
+def decode_attention(ops: Any, repeats: int) -> list[dict[str, Any]]:
+    """paged_decode_attention against the compiled reductions that -O2 ran before it
+    (layers/attention.py: decode_attention_reductions), 30 layers' float32 caches of SmolLM2's
+    shape, requests of 32-300 positions on scattered blocks, a 64 MB write between timings so
+    the caches come from memory as in a step."""
+    from pagoda.layers.attention import decode_attention_reductions
+    from pagoda.layers.kv_cache import KVCache
+
+    gen = torch.Generator().manual_seed(2)
+    blocks, width = 1200, 19
+    caches = []
+    for _ in range(30):
+        cache = KVCache.allocate(2912, 16, 3, 64, torch.float32, None, "cpu")
+        cache.k[:blocks].normal_(generator=gen)
+        cache.v[:blocks].normal_(generator=gen)
+        caches.append(cache)
+    evict = torch.ones(16 * 2**20)
+    reductions = torch.compile(decode_attention_reductions, fullgraph=True, dynamic=True)
+    rows = []
+    for batch in (1, 4, 16):
+        lens = torch.randint(32, 301, (batch,), generator=gen, dtype=torch.int32)
+        perm = torch.randperm(blocks, generator=gen)[: batch * width].view(batch, width)
+        tables = perm.to(torch.int32).contiguous()
+        q = torch.randn(batch, 9, 64, generator=gen)
+
+        def kernel() -> None:
+            for c in caches:
+                ops.paged_decode_attention(q, c.k, c.v, tables, lens, 0.125, 2)  # noqa: B023
+
+        def compiled() -> None:
+            for c in caches:
+                reductions(q, c, tables, lens, 0.125)  # noqa: B023
+
+        def cold(fn: Callable[[], None]) -> float:
+            fn()
+            times = []
+            for _ in range(max(5, repeats // 5)):
+                evict.add_(1.0)
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times) * 1e3
+
+        ours, theirs = cold(kernel), cold(compiled)
+        rows.append(
+            {
+                "batch": batch,
+                "positions": lens.tolist() if batch <= 4 else int(lens.sum()),
+                "kernel_ms_30_layers": round(ours, 3),
+                "compiled_reductions_ms_30_layers": round(theirs, 3),
+                "speedup": round(theirs / ours, 2),
+            }
+        )
+        print(f"decode attention: {rows[-1]}", flush=True)
+    return rows
 
 
 def decode_ab(rounds: int, max_tokens: int) -> dict[str, Any]:
@@ -196,6 +274,8 @@ def main() -> int:
         "isa": ISA_NAMES[ops.isa()],
         "read_bandwidth_gb_s": round(bandwidth, 1),
         "matmuls": matmuls(ops, args.repeats, bandwidth),
+        "decode_step_4bit_matmuls": decode_step_matmuls(ops, args.repeats, bandwidth),
+        "decode_attention": decode_attention(ops, args.repeats),
         "decode_ab": decode_ab(args.rounds, args.max_tokens),
     }
     print(record["decode_ab"], flush=True)

@@ -44,6 +44,7 @@ from pagoda.bench.common import (
     token_id_engine_kwargs,
     weights_record,
 )
+from pagoda.bench.roofline import roofline, roofline_line
 
 NAME = "latency"
 
@@ -155,6 +156,10 @@ def main(args: argparse.Namespace) -> int:
             f"{record['spec_ratio_e2e_tok_s']}x pagoda without it; greedy outputs identical: "
             f"{record['spec_output_identical']}; {record['spec_decode']}"
         )
+    decode_ms = record["pagoda"].get("decode_ms_per_token")
+    if spec is None and "parallel" not in record and decode_ms:
+        record["roofline"] = roofline(llm, args.input_len, args.output_len, decode_ms)
+        log(roofline_line(record["roofline"]))
     if args.profile_steps > 0:
         record["decode_step_profile"] = profile_decode_steps(
             llm, random_prompt(args.input_len, args.seed + total), args.profile_steps

@@ -11,6 +11,10 @@ N-th position of each request, and layers/context_parallel.py attends across the
 
 A quantized cache (`--kv-cache-dtype int8|fp8`) is quantized here on write and dequantized here
 on read, to the query dtype, before attention: nothing else reads the cache's values.
+
+On CPU, where pagoda's C++ kernels are built (pagoda/kernels/cpu; `cpu_kernel`, set by the model
+runner), pure-decode steps over a float32 cache read the keys and values in place with
+`paged_decode_attention` instead; paged_attention_torch stays the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pagoda.layers.kv_cache import KVCache, read_kv, write_kv_cache
 
 class Attention(nn.Module):
     backend = "torch"  # or "triton" (pagoda/kernels), set by the model runner
+    cpu_kernel = False  # torch backend on CPU with pagoda's C++ kernels built; set likewise
 
     def __init__(
         self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int
@@ -76,7 +81,22 @@ class Attention(nn.Module):
             out = paged_attention_triton(q, k, v, cache, meta, self.scale, rotary, qk_norm)
         else:
             write_kv_cache(k, v, cache, meta.slot_mapping)
-            out = paged_attention_torch(q, cache, meta, self.scale)
+            if (
+                self.cpu_kernel
+                and meta.num_decodes == num_tokens
+                and cache.k.dtype == torch.float32
+            ):
+                out = torch.ops.pagoda_cpu.paged_decode_attention(
+                    q,
+                    cache.k,
+                    cache.v,
+                    meta.decode_block_tables,
+                    meta.decode_seq_lens,
+                    self.scale,
+                    2,
+                )
+            else:
+                out = paged_attention_torch(q, cache, meta, self.scale)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 

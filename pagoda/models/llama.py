@@ -396,9 +396,12 @@ class LlamaForCausalLM(nn.Module):
     def set_kernel_backend(self, backend: str) -> None:
         """Route attention, norms, activation and rotary to "torch" (the reference) or "triton"
         (pagoda/kernels, needs CUDA or TRITON_INTERPRET=1)."""
+        cpu_kernel = backend == "torch" and self._cpu_kernels()
         for module in self.modules():
             if isinstance(module, (Attention, RMSNorm, SiluAndMul, LlamaAttention)):
                 module.backend = backend
+            if isinstance(module, Attention):
+                module.cpu_kernel = cpu_kernel
         self.model.fused_max_rows = 0
         # the fused forms add the residual inside row-parallel projections and keep no separate
         # residual to pass between stages: one rank only
@@ -407,6 +410,15 @@ class LlamaForCausalLM(nn.Module):
             from pagoda.kernels.fused_linear import MAX_ROWS
 
             self.model.fused_max_rows = MAX_ROWS
+
+    def _cpu_kernels(self) -> bool:
+        """The model lives on CPU and pagoda's C++ CPU kernels are built (and not turned off)."""
+        first = next(iter(self.state_dict().values()), None)
+        if first is None or first.device.type != "cpu":
+            return False
+        from pagoda.kernels.cpu import kernels
+
+        return kernels() is not None
 
     def _float_linears(self) -> bool:
         """Every decoder projection keeps a plain float weight (no quantization method)."""

@@ -31,17 +31,12 @@ PROMPTS = [[(5 * i + 11 * j) % 900 + 7 for j in range(2 + 5 * i)] for i in range
 MAX_TOKENS = [6, 9, 12, 16, 20]  # requests finish one by one: the last steps decode alone
 
 
+SMALL = {"num_gpu_blocks_override": 64, "block_size": 4, "max_num_batched_tokens": 16}
+
+
 def _compiled_llm(path: str, **kwargs: Any) -> LLM:
-    return LLM(
-        path,
-        quantization="none",
-        optimization_level=2,
-        num_gpu_blocks_override=64,
-        block_size=4,
-        max_num_batched_tokens=16,
-        max_model_len=64,
-        **kwargs,
-    )
+    kwargs.setdefault("quantization", "none")
+    return LLM(path, optimization_level=2, max_model_len=64, **SMALL, **kwargs)
 
 
 # llama: llama3 rope, sharded checkpoint; qwen3: per-head q/k norm, here with an int8 KV cache
@@ -93,6 +88,29 @@ def test_compiled_decode_greedy_matches_hf(
         ref = eager.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
         for out, r in zip(outs, ref):
             assert out.outputs[0].token_ids == r.outputs[0].token_ids
+
+
+def test_each_engine_keeps_its_own_graphs(tiny_model_dir: Any) -> None:
+    """The graphs keep no guards on the model's modules (compilation.py), so two engines in one
+    process must not share them: here the same checkpoint with float and with int8 weights
+    (the same input shapes, other modules), compiled one after the other and decoding
+    alternately; each gives the tokens of its own eager run."""
+    path = tiny_model_dir("llama")
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS[:2]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    schemes = ("none", "int8")
+    expected = {}
+    for quantization in schemes:
+        eager = LLM(path, quantization=quantization, max_model_len=64, **SMALL)
+        expected[quantization] = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+        del eager
+    llms = {
+        quantization: _compiled_llm(path, quantization=quantization) for quantization in schemes
+    }
+    for _ in range(2):
+        for quantization, llm in llms.items():
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            assert got == expected[quantization], quantization
 
 
 def test_compile_failure_names_the_way_out(

@@ -1,12 +1,14 @@
 """pagoda's CPU kernels (pagoda/kernels/cpu): each quantized matmul against its torch reference
 over the GGUF formats (Q4_0, Q4_1, Q4_K, Q8_0) and int8 rows, odd shapes, every instruction set
-this CPU has (scalar, AVX2, AVX-512 VNNI) and 1 or 2 threads. Skipped where the extension cannot
-be built (no compiler): pagoda then runs on torch's ops.
+this CPU has (scalar, AVX2, AVX-512 VNNI) and 1 or 2 threads; the paged decode attention against
+paged_attention_torch's decode path. Skipped where the extension cannot be built (no compiler):
+pagoda then runs on torch's ops.
 
-Two references: the exact one (the activations quantized as the kernel does, then a float64
-matmul against the dequantized weights) within float32 rounding, and the plain one (float
-activations) within the bound the int8 activations allow: half a quantization step of each
-group times the group's |w| sum."""
+Two references for the matmuls: the exact one (the activations quantized as the kernel does,
+then a float64 matmul against the weights the kernel holds: its fp16 scales and offsets) within
+float32 rounding, and the plain one (float activations, the file's weights) within the bound
+the int8 activations allow: half a quantization step of each group times the group's |w| sum,
+plus, for Q4_K, fp16's rounding of its scale products."""
 
 from __future__ import annotations
 
@@ -18,7 +20,10 @@ import torch
 
 from pagoda.kernels.cpu import built
 from pagoda.layers import gguf
-from pagoda.layers.quant_forms import pack_nibbles, quantize_int8_rows
+from pagoda.layers.attention import paged_attention_torch
+from pagoda.layers.forward_context import AttentionMetadata
+from pagoda.layers.kv_cache import KVCache
+from pagoda.layers.quant_forms import pack_nibbles, pack_q4_tiles, quantize_int8_rows
 
 OPS = built()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the CPU kernels cannot be built here")
@@ -66,7 +71,17 @@ def _run(qtype: str, x: torch.Tensor, weight: gguf.GGUFWeight, isa: int) -> torc
     if qtype == "Q8_0":
         return OPS.q8_matmul(x, g.codes.to(torch.int8).contiguous(), g.scale.contiguous(), isa)
     assert g.offset is not None
-    return OPS.q4_matmul(x, pack_nibbles(g.codes), g.scale.contiguous(), g.offset.contiguous(), isa)
+    return OPS.q4_matmul(x, pack_q4_tiles(g.codes, g.scale, g.offset), g.codes.shape[0], isa)
+
+
+def _held(qtype: str, weight: gguf.GGUFWeight) -> torch.Tensor:
+    """The weights the kernel computes with: 4-bit scales and offsets rounded to fp16."""
+    g = gguf.decode(weight)
+    if g.offset is None:
+        return weight.dequantize().double()
+    n, k = g.codes.shape
+    scale, offset = (t.half().double()[..., None] for t in (g.scale, g.offset))
+    return (g.codes.double().view(n, k // 32, 32) * scale + offset).view(n, k)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -79,14 +94,58 @@ def test_gguf_formats_match_the_reference(
 ) -> None:
     weight = _blocks(qtype, n, k, seed=m * 1000 + n)
     w = weight.dequantize()  # the gguf package's own decoding
+    held = _held(qtype, weight)
+    # fp16 holds Q4_0 / Q4_1's scales exactly; Q4_K's products within half an fp16 ulp
+    rounding = (held - w.double()).abs()
+    if qtype == "Q4_K":
+        g = gguf.decode(weight)
+        assert g.offset is not None
+        size = g.codes.double().view(n, k // 32, 32) * g.scale.double().abs()[..., None]
+        ulp = ((size + g.offset.double().abs()[..., None]) * 2**-11).view(n, k)
+        assert (rounding <= ulp * 1.0001).all()
+    elif qtype != "Q8_0":
+        assert rounding.max() == 0
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     y = _run(qtype, x, weight, isa)
     assert y.shape == (m, n) and y.dtype == torch.float32
-    exact = _activations(x) @ w.double().T
+    exact = _activations(x) @ held.T
     scale = exact.abs().amax().item()
     torch.testing.assert_close(y.double(), exact, rtol=0, atol=2e-6 * scale + 1e-6)
     plain = (x.double() @ w.double().T - y.double()).abs()
-    assert (plain <= _bound(x, w) * 1.001 + 1e-5).all()
+    assert (plain <= _bound(x, w) * 1.001 + x.double().abs() @ rounding.T + 1e-5).all()
+
+
+def test_q4_tiles_hold_four_rows_per_group_with_fp16_scales() -> None:
+    n, k = 6, 64  # two tiles, the second padded with two zero rows
+    codes = torch.randint(
+        0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
+    )
+    scale = torch.arange(1, n * 2 + 1, dtype=torch.float32).view(n, 2) / 64
+    offset = -scale * 8
+    packed = pack_q4_tiles(codes, scale, offset)
+    assert packed.shape == (2, 2, 80) and packed.dtype == torch.uint8
+    nib = pack_nibbles(codes)
+    for row in range(n):
+        tile, r = divmod(row, 4)
+        for g in range(2):
+            group = packed[tile, g]
+            assert torch.equal(group[16 * r : 16 * r + 16], nib[row, 16 * g : 16 * g + 16])
+            halves = group[64:].view(torch.float16).float()
+            assert halves[r] == scale[row, g] and halves[4 + r] == offset[row, g]
+    assert packed[1, :, 32:64].eq(0).all()  # padding rows: codes 0
+    with pytest.raises(ValueError, match="fp16"):
+        pack_q4_tiles(codes, scale * 1e6, offset)
+
+
+def test_q4_tiles_refuse_a_mismatched_shape() -> None:
+    assert OPS is not None
+    packed = pack_q4_tiles(
+        torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2)
+    )
+    with pytest.raises(RuntimeError, match="packed shape"):
+        OPS.q4_matmul(torch.randn(1, 64), packed, 12, 2)  # 12 rows need 3 tiles
+    with pytest.raises(RuntimeError, match="packed shape"):
+        OPS.q4_matmul(torch.randn(1, 96), packed, 8, 2)  # K of 96: 3 groups
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -136,3 +195,89 @@ def test_torch_compile_keeps_the_op_in_its_graph() -> None:
     compiled = torch.compile(f, fullgraph=True, backend="eager")
     x = torch.randn(2, 64)
     torch.testing.assert_close(compiled(x), f(x))
+
+
+# ---- paged decode attention --------------------------------------------------------------------
+
+
+def _decode_case(
+    lens: list[int], heads: int, kv_heads: int, dim: int, block_size: int, seed: int
+) -> tuple[torch.Tensor, KVCache, torch.Tensor, torch.Tensor]:
+    """Queries, a float32 cache of random rows, each request's blocks scattered over it."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(1, max(-(-n // block_size) for n in lens))
+    num_blocks = len(lens) * width + 3
+    cache = KVCache(
+        torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen),
+        torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen),
+    )
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, dim, generator=gen) * 2  # peaked and flat rows alike
+    return q, cache, tables.to(torch.int32).contiguous(), torch.tensor(lens, dtype=torch.int32)
+
+
+def _reference(
+    q: torch.Tensor, cache: KVCache, tables: torch.Tensor, lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """paged_attention_torch's decode rows (SDPA over the gathered keys and values)."""
+    b = q.shape[0]
+    none = torch.zeros(0, dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_tokens=b,
+        query_lens=[1] * b,
+        seq_lens=lens.tolist(),
+        slot_mapping=torch.zeros(b, dtype=torch.int64),
+        decode_token_idx=torch.arange(b),
+        decode_seq_lens=lens,
+        decode_block_tables=tables,
+        prefill_token_start=none,
+        prefill_query_lens=none,
+        prefill_seq_lens=none,
+        prefill_block_tables=tables[:0],
+        prefills=[],
+        max_prefill_query_len=0,
+    )
+    return paged_attention_torch(q, cache, meta, scale)
+
+
+@pytest.mark.parametrize("isa", ISAS[:2])
+@pytest.mark.parametrize(
+    ("lens", "heads", "kv_heads", "dim", "block_size"),
+    [
+        ([1], 9, 3, 64, 16),  # SmolLM2's heads, a first decode step
+        ([255], 9, 3, 64, 16),
+        ([37, 1, 600, 129], 8, 8, 64, 16),  # no GQA, a request past two chunks
+        ([70, 5], 16, 2, 128, 32),  # groups of 8, 128-wide heads
+        ([19, 3], 6, 3, 20, 4),  # a head width not a multiple of 8, tiny blocks
+    ],
+)
+def test_paged_decode_attention_matches_the_reference(
+    threads: int, isa: int, lens: list[int], heads: int, kv_heads: int, dim: int, block_size: int
+) -> None:
+    assert OPS is not None
+    q, cache, tables, seq_lens = _decode_case(lens, heads, kv_heads, dim, block_size, len(lens))
+    scale = dim**-0.5
+    out = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, scale, isa)
+    expected = _reference(q, cache, tables, seq_lens, scale)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    # float32 sums of a few hundred terms, a polynomial exp within 2e-7
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_gives_padding_rows_zeros() -> None:
+    assert OPS is not None
+    q, cache, tables, seq_lens = _decode_case([0, 40], 4, 2, 32, 16, 0)
+    out = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, 0.2, 2)
+    assert out[0].eq(0).all()
+    torch.testing.assert_close(out[1:], _reference(q[1:], cache, tables[1:], seq_lens[1:], 0.2))
+
+
+def test_paged_decode_attention_refuses_what_it_cannot_take() -> None:
+    assert OPS is not None
+    q, cache, tables, seq_lens = _decode_case([20], 4, 2, 32, 16, 0)
+    with pytest.raises(RuntimeError, match="float32"):
+        OPS.paged_decode_attention(q, cache.k.half(), cache.v.half(), tables, seq_lens, 0.2, 2)
+    with pytest.raises(RuntimeError, match="beyond the block table"):
+        OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens + 100, 0.2, 2)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        OPS.paged_decode_attention(q[:, :3], cache.k, cache.v, tables, seq_lens, 0.2, 2)

@@ -1,0 +1,88 @@
+"""The roofline line of `bench latency`: bytes a batch-1 decode step reads, over its time, as a
+fraction of the machine's read bandwidth measured in the same run.
+
+Bytes of a step: the weights the decode path reads (for a layer on pagoda's CPU kernels their
+form only, not torch's form kept beside it for larger steps; the embedding one row, unless the
+LM head reads the same matrix) and the KV cache up to the request's mean length over its decode.
+Norm weights and biases count; activations and the logits do not (they stay in cache).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from pagoda.layers.embedding import LMHead, VocabEmbedding
+
+
+def read_bandwidth_gb_s(device: torch.device, gib: float = 1.0, tries: int = 5) -> float:
+    """Best of `tries` float32 sums over `gib` GiB: the rate the device streams its memory."""
+    a = torch.ones(int(gib * 2**30) // 4, device=device)
+    best = float("inf")
+    for _ in range(tries):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a.sum().item()
+        best = min(best, time.perf_counter() - t0)
+    del a
+    return int(gib * 2**30) / best / 1e9
+
+
+def _read_by_decode(module: Any) -> list[torch.Tensor]:
+    """The module's own tensors a decode step reads (not its children's)."""
+    form = getattr(module, "cpu_form", None)
+    if form == "q4":
+        return [module.cpu_q4]
+    if form == "q8":
+        return [module.qweight, module.cpu_scale]
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads (each tensor once, however many modules hold it)."""
+    heads = [m for m in model.modules() if isinstance(m, LMHead)]
+    head_matrices = {id(m._tied[0]) for m in heads if m.tied}
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, VocabEmbedding) and id(module) not in head_matrices:
+            continue  # one row a token
+        for t in _read_by_decode(module):
+            seen[t.data_ptr()] = t.nbytes
+    return sum(seen.values())
+
+
+def roofline(
+    llm: Any, input_len: int, output_len: int, decode_ms_per_token: float
+) -> dict[str, Any]:
+    """The line for the bench JSON: bytes a decode step reads and at what share of bandwidth."""
+    model = llm.engine.runner.model
+    weights = decode_weight_bytes(model)
+    kv_per_token = llm.engine.model_config.kv_bytes_per_token(
+        llm.engine.config.cache.kv_quant_dtype
+    )
+    kv = kv_per_token * (input_len + output_len / 2)  # mean cache length over the decode
+    step_bytes = weights + kv
+    bandwidth = read_bandwidth_gb_s(llm.engine.device)
+    achieved = step_bytes / (decode_ms_per_token / 1e3) / 1e9
+    return {
+        "decode_weight_mb": round(weights / 1e6, 2),
+        "decode_kv_mb": round(kv / 1e6, 2),
+        "bytes_per_step_mb": round(step_bytes / 1e6, 2),
+        "decode_ms_per_token": decode_ms_per_token,
+        "read_gb_s": round(achieved, 2),
+        "machine_read_bandwidth_gb_s": round(bandwidth, 2),
+        "fraction_of_bandwidth": round(achieved / bandwidth, 3),
+        "bandwidth_bound_tok_s": round(bandwidth * 1e9 / step_bytes, 1),
+    }
+
+
+def roofline_line(r: dict[str, Any]) -> str:
+    return (
+        f"roofline: {r['bytes_per_step_mb']} MB a decode step ({r['decode_weight_mb']} MB weights, "
+        f"{r['decode_kv_mb']} MB KV) in {r['decode_ms_per_token']} ms: {r['read_gb_s']} GB/s, "
+        f"{r['fraction_of_bandwidth']:.0%} of the {r['machine_read_bandwidth_gb_s']} GB/s measured "
+        f"(bound: {r['bandwidth_bound_tok_s']} tok/s)"
+    )
