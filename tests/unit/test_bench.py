@@ -314,11 +314,25 @@ def test_latency_peer_llama_cpp_record_names_the_same_file(monkeypatch, capsys):
     monkeypatch.setattr(latency, "gguf_weight_type", lambda model: "Q4_1")
     monkeypatch.setattr(latency, "run_pagoda", fake_pagoda)
     monkeypatch.setattr(latency, "run_llama_cpp", lambda model, prompts, n, lookup=None: timings)
+    line = {
+        "bytes_per_step_mb": 100.0,
+        "decode_weight_mb": 90.0,
+        "decode_kv_mb": 10.0,
+        "decode_ms_per_token": 100.0,
+        "read_gb_s": 1.0,
+        "machine_read_bandwidth_gb_s": 40.0,
+        "fraction_of_bandwidth": 0.025,
+        "bandwidth_bound_tok_s": 400.0,
+    }
+    seen: list[tuple[int, int, float]] = []
+    monkeypatch.setattr(latency, "roofline", lambda llm, i, o, ms: seen.append((i, o, ms)) or line)
     args = _parser(latency).parse_args(["--peer", "llama.cpp"])
     args.model = None
     assert latency.main(args) == 0
     captured = capsys.readouterr()
     record = json.loads(captured.out)
+    assert record["roofline"] == line and seen == [(args.input_len, args.output_len, 100.0)]
+    assert "2% of the 40.0 GB/s measured" in captured.err
     assert record["precisions"]["pagoda"] == pagoda_precision("gguf", "float32", "Q4_1", "cpu")
     assert record["precisions"]["peer"] == llama_cpp_precision("Q4_1")
     assert "the same file" in record["ratio_line"] and record["same_weights"] is True
