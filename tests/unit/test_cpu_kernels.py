@@ -279,5 +279,7 @@ def test_paged_decode_attention_refuses_what_it_cannot_take() -> None:
         OPS.paged_decode_attention(q, cache.k.half(), cache.v.half(), tables, seq_lens, 0.2, 2)
     with pytest.raises(RuntimeError, match="beyond the block table"):
         OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens + 100, 0.2, 2)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        OPS.paged_decode_attention(q, cache.k, cache.v, tables + 1000, seq_lens, 0.2, 2)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         OPS.paged_decode_attention(q[:, :3], cache.k, cache.v, tables, seq_lens, 0.2, 2)

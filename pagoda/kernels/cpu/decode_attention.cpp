@@ -312,9 +312,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(tables.size(0) == batch && lens.size(0) == batch, "one table row and length per request");
   const int32_t* lp = lens.data_ptr<int32_t>();
   int64_t longest = 0;
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0);
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= s.width * s.block_size, "seq_len beyond the block table");
     longest = std::max<int64_t>(longest, lp[b]);
+    for (int64_t i = 0; i < (lp[b] + s.block_size - 1) / s.block_size; ++i) {
+      const int32_t block = tp[b * s.width + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " outside the cache");
+    }
   }
   const int64_t chunk = chunk_size(longest, s.block_size);
   s.chunks = std::max<int64_t>(1, (longest + chunk - 1) / chunk);
@@ -325,7 +331,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const float* qp = q.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
   at::parallel_for(0, batch * s.chunks, 1, [&](int64_t first, int64_t last) {
     std::vector<float> scores(s.heads * chunk);
     for (int64_t it = first; it < last; ++it) {
