@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pagoda.bench.common import write_json
+from pagoda.bench.roofline import read_bandwidth_gb_s
 from pagoda.kernels.cpu import ISA_NAMES, built
 from pagoda.layers.quant_forms import (
     int4_matmul,
@@ -52,13 +53,6 @@ def median_us(fn: Callable[[], Any], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
-
-
-def read_bandwidth_gb_s() -> float:
-    """Best of 5 float32 sums over 1 GiB: the rate the machine streams memory here."""
-    a = torch.ones(256 * 1024 * 1024)
-    best = min(median_us(lambda: a.sum(), 1) for _ in range(5))
-    return a.numel() * 4 / best / 1e3
 
 
 def matmuls(ops: Any, repeats: int, bandwidth: float) -> list[dict[str, Any]]:
@@ -100,9 +94,10 @@ def _cold(
 ) -> dict[str, Any]:
     """One row, the weights streamed from memory as in a decode step: each call reads the next
     of enough copies to overflow the caches (256 MB of them)."""
-    ours_bytes = n * k // 2 + 4 * scale.numel()  # codes, fp16 scales and offsets
+    first = pack_q4_tiles(codes, scale, offset)
+    ours_bytes = first.numel()  # codes, fp16 scales and offsets
     copies = max(2, 256 * 2**20 // ours_bytes)
-    tiles = [pack_q4_tiles(codes, scale, offset) for _ in range(copies)]
+    tiles = [first] + [first.clone() for _ in range(copies - 1)]
     packs = [int4_pack(codes, scale, offset) for _ in range(copies)]
     x = torch.randn(1, k)
     turn = iter(range(10**9))
@@ -263,7 +258,7 @@ def main() -> int:
             "needs the CPU kernels: a C++ compiler, and PAGODA_CPU_KERNELS not 0", file=sys.stderr
         )
         return 1
-    bandwidth = read_bandwidth_gb_s()
+    bandwidth = read_bandwidth_gb_s(torch.device("cpu"))
     print(f"read bandwidth {bandwidth:.1f} GB/s; kernels: {ISA_NAMES[ops.isa()]}", flush=True)
     record = {
         "bench": "cpu_kernels",

@@ -8,6 +8,7 @@ concatenated) and must run inside `forward_context(...)`, which supplies the pag
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -413,7 +414,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _cpu_kernels(self) -> bool:
         """The model lives on CPU and pagoda's C++ CPU kernels are built (and not turned off)."""
-        first = next(iter(self.state_dict().values()), None)
+        first = next(itertools.chain(self.parameters(), self.buffers()), None)
         if first is None or first.device.type != "cpu":
             return False
         from pagoda.kernels.cpu import kernels

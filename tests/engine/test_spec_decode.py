@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.outputs import RequestOutput
+from tests.drafts import FixedDrafts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 SELF_INT4 = {"model": "self", "quantization": "int4", "num_speculative_tokens": 3}
@@ -57,7 +58,7 @@ def _tokens(outs: list[RequestOutput]) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
-class OracleProposer:
+class OracleProposer(FixedDrafts):
     """Proposes each request's continuation from a plain run (truth[(prompt index, sample
     index)]: its output tokens), corrupting draft j of a proposal when (length + j) % 4 == 1,
     and proposing nothing to the prompts in `skip`: steps then accept every draft, a prefix, or
@@ -89,12 +90,6 @@ class OracleProposer:
             self.proposed += len(draft)
             drafts.append(draft)
         return drafts
-
-    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
-        pass
-
-    def remove(self, request_id: str) -> None:
-        pass
 
 
 def _with_oracle(llm: LLM, plain: list[RequestOutput]) -> OracleProposer:

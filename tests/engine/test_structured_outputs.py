@@ -20,6 +20,7 @@ from pagoda.sampling_params import SamplingParams
 from pagoda.server.protocol import ChatCompletionRequest
 from pagoda.server.tools import tool_plan
 from pagoda.structured_outputs import StructuredOutputsParams
+from tests.drafts import FixedDrafts
 
 PROMPTS = ["Give me a record:", "JSON please.", "The answer is", "Once upon a time"]
 
@@ -306,7 +307,7 @@ def test_an_invalid_grammar_is_refused_before_it_is_queued(
     assert len(ok[0].outputs[0].token_ids) == 2
 
 
-class CorruptingOracle:
+class CorruptingOracle(FixedDrafts):
     """Proposes each request's continuation from a plain run (`truth`, keyed by prompt tokens),
     with draft j replaced by `bad` when (length + j) % 3 == 1: steps accept every draft, some or
     none, and the replaced drafts are tokens the grammar refuses."""
@@ -326,12 +327,6 @@ class CorruptingOracle:
             self.proposed += len(draft)
             drafts.append(draft)
         return drafts
-
-    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
-        pass
-
-    def remove(self, request_id: str) -> None:
-        pass
 
 
 def test_speculative_drafts_are_checked_against_the_grammar(

@@ -272,6 +272,19 @@ def test_paged_decode_attention_gives_padding_rows_zeros() -> None:
     torch.testing.assert_close(out[1:], _reference(q[1:], cache, tables[1:], seq_lens[1:], 0.2))
 
 
+def test_paged_decode_attention_reads_a_view_of_a_wider_table() -> None:
+    """The runner passes its block-table buffer's first columns: rows with a stride."""
+    assert OPS is not None
+    q, cache, tables, seq_lens = _decode_case([40, 70], 9, 3, 64, 16, 1)
+    wide = torch.full((2, tables.shape[1] + 7), -1, dtype=torch.int32)
+    wide[:, : tables.shape[1]] = tables
+    view = wide[:, : tables.shape[1]]
+    assert not view.is_contiguous()
+    out = OPS.paged_decode_attention(q, cache.k, cache.v, view, seq_lens, 0.125, 2)
+    expected = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, 0.125, 2)
+    assert torch.equal(out, expected)
+
+
 def test_paged_decode_attention_refuses_what_it_cannot_take() -> None:
     assert OPS is not None
     q, cache, tables, seq_lens = _decode_case([20], 4, 2, 32, 16, 0)

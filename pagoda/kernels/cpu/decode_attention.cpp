@@ -26,7 +26,7 @@ namespace {
 constexpr int64_t MAX_CHUNK = 256;  // positions per work item at most
 
 struct Shape {
-  int64_t heads, kv_heads, group, dim, block_size, width, chunks;
+  int64_t heads, kv_heads, group, dim, block_size, width, table_stride, chunks;
   float scale;
 };
 
@@ -301,11 +301,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens: int32");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
-  const at::Tensor tables = block_tables.contiguous();
+  // a view of the runner's wider table buffer: rows read in place with their stride
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1, "block_tables: (B, W), rows contiguous");
+  const at::Tensor& tables = block_tables;
   const at::Tensor lens = seq_lens.contiguous();
   const int64_t batch = q.size(0);
-  Shape s{q.size(1), k_cache.size(2), 0, q.size(2), k_cache.size(1), tables.size(1), 0,
-          static_cast<float>(scale)};
+  Shape s{q.size(1), k_cache.size(2), 0, q.size(2), k_cache.size(1), tables.size(1),
+          tables.stride(0), 0, static_cast<float>(scale)};
   TORCH_CHECK(k_cache.size(3) == s.dim, "head_dim of q and the cache differ");
   TORCH_CHECK(s.heads % s.kv_heads == 0, "query heads must be a multiple of kv heads");
   s.group = s.heads / s.kv_heads;
@@ -318,7 +320,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= s.width * s.block_size, "seq_len beyond the block table");
     longest = std::max<int64_t>(longest, lp[b]);
     for (int64_t i = 0; i < (lp[b] + s.block_size - 1) / s.block_size; ++i) {
-      const int32_t block = tp[b * s.width + i];
+      const int32_t block = tp[b * s.table_stride + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " outside the cache");
     }
   }
@@ -340,9 +342,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       const float* qb = qp + b * s.heads * d;
       float* part = parts.data() + it * per_item;
       if (simd) {
-        attend_chunk_avx2(s, qb, kc, vc, tp + b * s.width, begin, end, part, scores.data());
+        attend_chunk_avx2(s, qb, kc, vc, tp + b * s.table_stride, begin, end, part, scores.data());
       } else {
-        attend_chunk_scalar(s, qb, kc, vc, tp + b * s.width, begin, end, part, scores.data());
+        attend_chunk_scalar(s, qb, kc, vc, tp + b * s.table_stride, begin, end, part, scores.data());
       }
     }
   });
