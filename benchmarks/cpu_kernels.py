@@ -3,12 +3,13 @@ runs without them, on SmolLM2-135M's layer shapes, the paged decode attention ag
 compiled reductions, and a decode A/B on the whole model.
 
 1. Matmuls, one layer at a time: 4-bit groups (GGUF Q4_1's form; torch: _weight_int4pack_mm
-   with bf16 activations) and int8 rows (the LM head; torch: _weight_int8pack_mm), for 1 to 64
-   rows; median microseconds of --repeats timings, and the weight bytes read per microsecond
-   against this machine's read bandwidth (a float32 sum over 1 GiB, measured here).
-2. Decode on the embedded SmolLM2 GGUF, eager (-O0): the same engine on the kernels (their row
-   caps, CPU_KERNEL_MAX_ROWS) and on torch's ops (caps 0), alternately, --rounds each; decode
-   tok/s and whether the greedy tokens agree.
+   with bf16 activations) and int8 rows (the LM head; torch: _weight_int8pack_mm), for 1 to 256
+   rows (decode steps to prefill chunks); median microseconds of --repeats timings, and the
+   weight bytes read per microsecond against this machine's read bandwidth (a float32 sum over
+   1 GiB, measured here).
+2. Decode on the embedded SmolLM2 GGUF, eager (-O0): two engines, one on the kernels' forms and
+   one on torch's (PAGODA_CPU_KERNELS=0 when it loads), alternately, --rounds each; decode tok/s
+   and whether the greedy tokens agree.
 
     python benchmarks/cpu_kernels.py \\
         --output-json benchmarks/results/issue22/cpu_kernels.json
@@ -34,14 +35,15 @@ from pagoda.layers.quant_forms import (
     int4_matmul,
     int4_pack,
     int8_matmul,
-    pack_q4_tiles,
+    pack_q4x16,
+    pack_q8x16,
     quantize_int8_rows,
 )
 
 # SmolLM2-135M: (name, N, K) of its linears (q/k/v packed, gate/up packed) and its head
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
 HEAD = ("lm_head", 49152, 576)
-ROWS = (1, 2, 4, 8, 16, 64)
+ROWS = (1, 2, 4, 8, 16, 64, 256)
 
 
 def median_us(fn: Callable[[], Any], repeats: int) -> float:
@@ -62,21 +64,21 @@ def matmuls(ops: Any, repeats: int, bandwidth: float) -> list[dict[str, Any]]:
         g = k // 32
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
         scale, offset = torch.rand(n, g, generator=gen) * 0.02, torch.randn(n, g, generator=gen)
-        packed, tiles = int4_pack(codes, scale, offset), pack_q4_tiles(codes, scale, offset)
+        packed, tiles = int4_pack(codes, scale, offset), pack_q4x16(codes, scale, offset)
         ours_bytes = tiles.numel()  # codes, fp16 scales and offsets
         out.append(_cold(ops, name, n, k, codes, scale, offset, repeats, bandwidth))
         for m in ROWS:
             x = torch.randn(m, k, generator=gen)
-            ours = median_us(lambda: ops.q4_matmul(x, tiles, n, 2), repeats)  # noqa: B023
+            ours = median_us(lambda: ops.q4x16_matmul(x, tiles, n, 2), repeats)  # noqa: B023
             theirs = median_us(lambda: int4_matmul(x, *packed, 32), repeats)  # noqa: B023
             out.append(_row(name, "4-bit groups", n, k, m, ours, theirs, ours_bytes, bandwidth))
     name, n, k = HEAD
     codes8, scale8 = quantize_int8_rows(torch.randn(n, k, generator=gen))
-    bf16, s32 = scale8.to(torch.bfloat16), scale8[:, None].contiguous()
-    for m in ROWS[:4]:
+    bf16, tiles8 = scale8.to(torch.bfloat16), pack_q8x16(codes8, scale8[:, None])
+    for m in ROWS[:6]:
         x = torch.randn(m, k, generator=gen)
-        ours = median_us(lambda: ops.q8_matmul(x, codes8, s32, 2), repeats)  # noqa: B023
-        theirs = median_us(lambda: int8_matmul(x, codes8, bf16), repeats)  # noqa: B023
+        ours = median_us(lambda: ops.q8x16_matmul(x, *tiles8, n, 2), repeats // 5)  # noqa: B023
+        theirs = median_us(lambda: int8_matmul(x, codes8, bf16), repeats // 5)  # noqa: B023
         out.append(_row(name, "int8 rows", n, k, m, ours, theirs, codes8.numel(), bandwidth))
     return out
 
@@ -94,14 +96,14 @@ def _cold(
 ) -> dict[str, Any]:
     """One row, the weights streamed from memory as in a decode step: each call reads the next
     of enough copies to overflow the caches (256 MB of them)."""
-    first = pack_q4_tiles(codes, scale, offset)
+    first = pack_q4x16(codes, scale, offset)
     ours_bytes = first.numel()  # codes, fp16 scales and offsets
     copies = max(2, 256 * 2**20 // ours_bytes)
     tiles = [first] + [first.clone() for _ in range(copies - 1)]
     packs = [int4_pack(codes, scale, offset) for _ in range(copies)]
     x = torch.randn(1, k)
     turn = iter(range(10**9))
-    ours = median_us(lambda: ops.q4_matmul(x, tiles[next(turn) % copies], n, 2), repeats)
+    ours = median_us(lambda: ops.q4x16_matmul(x, tiles[next(turn) % copies], n, 2), repeats)
     theirs = median_us(lambda: int4_matmul(x, *packs[next(turn) % copies], 32), repeats)
     torch_bytes = n * k // 2 + 4 * scale.numel()  # bf16 scale and zero
     row = _row(f"{name} cold", "4-bit groups", n, k, 1, ours, theirs, ours_bytes, bandwidth)
@@ -142,10 +144,12 @@ def decode_step_matmuls(ops: Any, repeats: int, bandwidth: float) -> dict[str, A
         for _, n, k in SHAPES:
             codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
             scale = torch.rand(n, k // 32, generator=gen) * 0.02
-            tiles = pack_q4_tiles(codes, scale, torch.randn(n, k // 32, generator=gen))
+            tiles = pack_q4x16(codes, scale, torch.randn(n, k // 32, generator=gen))
             layers.append((torch.randn(1, k, generator=gen), tiles, n))
     nbytes = sum(t.numel() for _, t, _ in layers)
-    us = median_us(lambda: [ops.q4_matmul(x, t, n, 2) for x, t, n in layers], max(5, repeats // 5))
+    us = median_us(
+        lambda: [ops.q4x16_matmul(x, t, n, 2) for x, t, n in layers], max(5, repeats // 5)
+    )
     row = {
         "weight_mb": round(nbytes / 1e6, 1),
         "step_ms": round(us / 1e3, 3),
@@ -214,28 +218,27 @@ def decode_attention(ops: Any, repeats: int) -> list[dict[str, Any]]:
 
 
 def decode_ab(rounds: int, max_tokens: int) -> dict[str, Any]:
-    import pagoda.layers.quant_forms as forms
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(optimization_level=0)
+    engines = {}
+    for side, enabled in (("kernels", "1"), ("torch", "0")):
+        os.environ["PAGODA_CPU_KERNELS"] = enabled  # read as the layers load
+        engines[side] = LLM(optimization_level=0, num_gpu_blocks_override=64, max_model_len=512)
+    os.environ["PAGODA_CPU_KERNELS"] = "1"
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(100, 228))}
-    llm.generate([prompt], params, use_tqdm=False)
-    caps = dict(forms.CPU_KERNEL_MAX_ROWS)
     rates: dict[str, list[float]] = {"torch": [], "kernels": []}
     tokens: dict[str, list[int]] = {}
-    for r in range(rounds):
+    for r in range(rounds + 1):  # round 0 warms both up, untimed
         for side in ("kernels", "torch") if r % 2 == 0 else ("torch", "kernels"):
-            forms.CPU_KERNEL_MAX_ROWS = caps if side == "kernels" else dict.fromkeys(caps, 0)
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            out = engines[side].generate([prompt], params, use_tqdm=False)[0]
             m = out.metrics
-            rates[side].append((max_tokens - 1) / (m.last_token_time - m.first_token_time))
+            if r > 0:
+                rates[side].append((max_tokens - 1) / (m.last_token_time - m.first_token_time))
             tokens[side] = list(out.outputs[0].token_ids)
-    forms.CPU_KERNEL_MAX_ROWS = caps
     plain, ours = statistics.median(rates["torch"]), statistics.median(rates["kernels"])
     return {
         "model": "SmolLM2-135M-Instruct Q4_1 GGUF kept quantized, -O0, batch 1, 128-token prompt",
-        "row_caps": caps,
         "decode_tok_s_torch_ops": [round(x, 2) for x in rates["torch"]],
         "decode_tok_s_cpu_kernels": [round(x, 2) for x in rates["kernels"]],
         "median_torch_ops": round(plain, 2),

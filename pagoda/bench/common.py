@@ -196,7 +196,8 @@ def pagoda_precision(quantization: str, dtype: str, gguf_type: str | None, devic
     from pagoda.kernels.cpu import kernels as cpu_kernels  # torch: only once a model is loaded
 
     if device == "cpu" and quantization != "none" and cpu_kernels() is not None:
-        act = "int8 (pagoda's CPU kernels, decode steps) or bf16"
+        # GGUF layers and int8 rows take the kernels' form (layers/quant_forms.py)
+        act = "int8 (pagoda's CPU kernels)" if quantization == "gguf" else act
     source = f"the GGUF {gguf_type}" if gguf_type else "the checkpoint"
     if quantization == "none":
         return f"{dtype} dequantized from {source}" if gguf_type else f"{dtype} ({source})"

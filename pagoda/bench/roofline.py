@@ -1,9 +1,8 @@
 """The roofline line of `bench latency`: bytes a batch-1 decode step reads, over its time, as a
 fraction of the machine's read bandwidth measured in the same run.
 
-Bytes of a step: the weights the decode path reads (for a layer on pagoda's CPU kernels their
-form only, not torch's form kept beside it for larger steps; the embedding one row, unless the
-LM head reads the same matrix) and the KV cache up to the request's mean length over its decode.
+Bytes of a step: the weights the decode path reads (the embedding one row, unless the LM head
+reads the same matrix) and the KV cache up to the request's mean length over its decode.
 Norm weights and biases count; activations and the logits do not (they stay in cache).
 """
 
@@ -33,11 +32,6 @@ def read_bandwidth_gb_s(device: torch.device, gib: float = 1.0, tries: int = 5) 
 
 def _read_by_decode(module: Any) -> list[torch.Tensor]:
     """The module's own tensors a decode step reads (not its children's)."""
-    form = getattr(module, "cpu_form", None)
-    if form == "q4":
-        return [module.cpu_q4]
-    if form == "q8":
-        return [module.qweight, module.cpu_scale]
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 

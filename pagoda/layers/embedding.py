@@ -1,7 +1,8 @@
 """Token embedding and LM head. With tied embeddings the head shares the embedding's weight.
 
 `quantize_int8()` (weight-quantized models) replaces the float weight with int8 rows and one scale
-per row: the embedding gathers and scales rows, the head runs the int8 matmul. A tied head reads
+per row (on CPU in the kernels' tiles, layers/quant_forms.py): the embedding gathers and scales
+rows, the head runs the int8 matmul. A tied head reads
 the embedding's stored form, so the vocabulary matrix exists once.
 
 Under tensor parallelism both hold this rank's rows of the vocabulary (TensorParallel.vocab_part,
@@ -19,7 +20,7 @@ from torch import nn
 
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.parallel import SINGLE, TensorParallel
-from pagoda.layers.quant_forms import apply_stored, set_int8, take_float_weight
+from pagoda.layers.quant_forms import apply_stored, cpu_q8_rows, set_int8, take_float_weight
 
 
 class _VocabRows(nn.Module):
@@ -85,6 +86,8 @@ class VocabEmbedding(_VocabRows):
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.kernel == "float":
             return F.embedding(ids, self.weight)
+        if self.kernel == "cpu_q8":
+            return cpu_q8_rows(self, ids).to(self.dtype)
         rows = F.embedding(ids, self.qweight).to(self.dtype)
         return rows * self.weight_scale[ids, None].to(self.dtype)
 

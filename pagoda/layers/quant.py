@@ -23,11 +23,11 @@ from pagoda.config import QUANTIZATION_METHODS
 from pagoda.layers import gguf
 from pagoda.layers.quant_forms import (
     apply_stored,
-    cpu_kernels_for,
     int4_supported,
     quantize_int4_groups,
     quantize_int8_groups,
     set_cpu_q4,
+    set_cpu_q8,
     set_int4,
     set_int8,
     set_int8_groups,
@@ -177,22 +177,32 @@ class GGUFMethod(QuantMethod):
             return
         qtypes = {p.qtype if isinstance(p, gguf.GGUFWeight) else "float" for p in parts}
         four_bit = qtypes <= set(gguf.FOUR_BIT_TYPES)
-        rows = layer.output_size if four_bit else 2 * layer.output_size
-        if (four_bit or qtypes == {"Q8_0"}) and int4_supported(rows, layer.input_size, gguf.GROUP):
+        if four_bit or qtypes == {"Q8_0"}:
             groups = [gguf.decode(p) for p in parts]
             codes = torch.cat([g.codes for g in groups])
             scale = torch.cat([g.scale for g in groups])
-            if not four_bit:
-                set_int8_groups(layer, codes, scale, gguf.GROUP)
+            offsets = [g.offset for g in groups if g.offset is not None]
+            offset = torch.cat(offsets) if four_bit else None
+            if self._kernel_form(layer, codes, scale, offset):
                 return
-            offset = torch.cat([g.offset for g in groups if g.offset is not None])
-            # scale * c + offset == (c - 8) * scale + (offset + 8 * scale)
-            set_int4(layer, codes, scale, offset + 8 * scale, gguf.GROUP)
-            if cpu_kernels_for(layer) is not None:
-                set_cpu_q4(layer, codes, scale, offset)
-            return
+            rows = layer.output_size if four_bit else 2 * layer.output_size
+            if int4_supported(rows, layer.input_size, gguf.GROUP):
+                if offset is None:
+                    set_int8_groups(layer, codes, scale, gguf.GROUP)
+                else:  # scale * c + offset == (c - 8) * scale + (offset + 8 * scale)
+                    set_int4(layer, codes, scale, offset + 8 * scale, gguf.GROUP)
+                return
         floats = [p.dequantize() if isinstance(p, gguf.GGUFWeight) else p.float() for p in parts]
         set_int8(layer, torch.cat(floats, dim=0))
+
+    @staticmethod
+    def _kernel_form(
+        layer: Any, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+    ) -> bool:
+        """The file's codes in the CPU kernels' form, any row count; False where they are off."""
+        if offset is None:
+            return set_cpu_q8(layer, codes, scale)
+        return set_cpu_q4(layer, codes, scale, offset)
 
 
 # (dimension of the stored tensor, indices of the float weight per entry: "1", "8" or "group")

@@ -20,11 +20,14 @@ kept quantized; scales and zero points in the model's dtype:
     w8a16 (kernel "w8a16"):  qweight (N, K) int8, scale (N, K // g); int8 and Q8_0 groups
     int8 rows (kernel "int8"): qweight (N, K) int8, weight_scale (N,), as on CPU
 
-On CPU, where pagoda's C++ kernels build (pagoda/kernels/cpu), GGUF Q4_0 / Q4_1 / Q4_K and the
-int8 rows also keep the kernels' form (`cpu_form`): codes in 32-wide groups (4-bit packed as
-GGUF packs them), float32 scales and offsets, multiplied against int8-quantized activations.
-Unless PAGODA_CPU_KERNELS=0 (pagoda/kernels/cpu/__init__.py); steps of at most
-CPU_KERNEL_MAX_ROWS rows (decode) run there, larger ones on torch's ops.
+On CPU, where pagoda's C++ kernels build (pagoda/kernels/cpu) and PAGODA_CPU_KERNELS is not 0,
+GGUF layers (Q4_0 / Q4_1 / Q4_K, Q8_0) and the int8 rows keep the kernels' form instead of
+torch's: codes in tiles of 16 rows laid out for VNNI dot products, multiplied against
+int8-quantized activations, for every step size (pagoda/kernels/cpu/quant_gemm.cpp):
+
+    cpu_q4:  packed (ceil(N / 16), K // 32, 320) uint8, w = scale * code + offset (fp16)
+    cpu_q8:  packed (ceil(N / 16), K // 32, 512) uint8 (code + 128), packed_scales float32
+             (ceil(N / 16), K // 32 or 1, 16): w = scale * code, per group or per row
 
 GPTQ act-order (g_idx not sorted) permutes input channels so groups are contiguous and applies the
 same permutation to x (`perm`). On devices other than CPU and CUDA the integer schemes dequantize
@@ -38,12 +41,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-# Steps of up to this many rows run on pagoda's CPU kernels where a layer has their form, per
-# form: where benchmarks/cpu_kernels.py measured them faster than torch's ops on every layer
-# shape of SmolLM2 (4-bit tiles: 1.12-2.3x up to 4 rows, 0.96x on one shape at 8; int8 rows,
-# the LM head: 1.8-2.2x up to 8).
-CPU_KERNEL_MAX_ROWS = {"q4": 4, "q8": 8}
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -202,19 +199,19 @@ def set_dense(layer: Any, w: torch.Tensor) -> None:
 
 def set_int8(layer: Any, w: torch.Tensor) -> None:
     codes, scale = quantize_int8_rows(w)
+    if set_cpu_q8(layer, codes, scale[:, None]):
+        return
     device = layer.device
     # The CPU op takes bf16 scales; the CUDA kernel any float (kept in the model's dtype).
     scale_dtype = layer.dtype if triton_weights(device) else torch.bfloat16
     layer.register_buffer("qweight", codes.to(device))
     layer.register_buffer("weight_scale", scale.to(scale_dtype).to(device))
     layer.kernel = "int8"
-    if cpu_kernels_for(layer) is not None:
-        set_cpu_q8_rows(layer)
 
 
 def cpu_kernels_for(layer: Any) -> Any | None:
     """torch.ops.pagoda_cpu where the layer lives on CPU in torch's forms (not the Triton
-    kernels') and the kernels are built, else None."""
+    kernels') and the kernels are built and enabled, else None."""
     if layer.device.type != "cpu" or triton_weights(layer.device):
         return None
     from pagoda.kernels.cpu import kernels
@@ -222,66 +219,88 @@ def cpu_kernels_for(layer: Any) -> Any | None:
     return kernels()
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """codes (N, K) in [0, 15] -> (N, K // 2) uint8, GGUF's order: in each group of 32, byte j
-    holds code j (low nibble) and code j + 16 (high nibble)."""
+def pack_q4x16(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The CPU kernels' 4-bit form, w = scale * code + offset per group of 32: codes (N, K) in
+    [0, 15], scale and offset (N, K // 32) -> uint8 (ceil(N / 16), K // 32, 320), per tile of 16
+    rows and group: 4 blocks of 64 bytes (block s, byte 4j + b: row j's code 8s + b in the low
+    nibble, 8s + 4 + b in the high one), then the 16 scales and the 16 offsets as fp16 (N padded
+    with zero rows). ValueError where a scale or offset does not fit fp16."""
     n, k = codes.shape
-    g = codes.to(torch.uint8).reshape(n, k // 32, 32)
-    return (g[..., :16] | (g[..., 16:] << 4)).reshape(n, k // 2).contiguous()
-
-
-def pack_q4_tiles(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """The CPU kernels' 4-bit form (pagoda/kernels/cpu/quant_gemv.cpp): w = scale * code + offset
-    per group of 32, codes (N, K) in [0, 15], scale and offset (N, K // 32) -> uint8
-    (ceil(N / 4), K // 32, 80): per tile of 4 rows and group, the 4 rows' packed codes, then
-    their scales and offsets as fp16 (N padded with zero rows). ValueError where a scale or
-    offset does not fit fp16."""
-    n, k = codes.shape
-    groups = k // 32
-    half = torch.stack([scale, offset]).to(torch.float16)  # (2, N, G)
+    groups, pad = k // 32, -n % 16
+    tiles = (n + pad) // 16
+    half = F.pad(torch.stack([scale, offset]).to(torch.float16), (0, 0, 0, pad))  # (2, N', G)
     if not torch.isfinite(half).all():
         raise ValueError("4-bit scales or offsets beyond fp16's range")
-    pad = -n % 4
-    nib = torch.nn.functional.pad(pack_nibbles(codes), (0, 0, 0, pad))  # (N', G * 16)
-    half = torch.nn.functional.pad(half, (0, 0, 0, pad))
-    tiles = (n + pad) // 4
-    code_part = nib.view(tiles, 4, groups, 16).permute(0, 2, 1, 3).reshape(tiles, groups, 64)
-    sd = half.view(2, tiles, 4, groups).permute(1, 3, 0, 2).contiguous()  # (T, G, 2, 4)
-    return torch.cat([code_part, sd.view(torch.uint8).reshape(tiles, groups, 16)], -1).contiguous()
+    c = F.pad(codes.to(torch.uint8), (0, 0, 0, pad)).view(tiles, 16, groups, 4, 2, 4)
+    nibbles = c[..., 0, :] | (c[..., 1, :] << 4)  # (T, j, G, s, b)
+    code_part = nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
+    sd = half.view(2, tiles, 16, groups).permute(1, 3, 0, 2).contiguous()  # (T, G, 2, 16)
+    return torch.cat([code_part, sd.view(torch.uint8).reshape(tiles, groups, 64)], -1).contiguous()
 
 
-def set_cpu_q4(layer: Any, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
-    """The CPU kernels' 4-bit form beside the layer's torch form (kept for larger steps). The
-    scales and offsets are held in fp16: exact for Q4_0 / Q4_1 (fp16 in the file), rounded to
-    11 bits for Q4_K's products of a scale and a 6-bit sub-scale (torch's form keeps 8: bf16).
-    A layer whose scales do not fit fp16 keeps only torch's form."""
+def pack_q8x16(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU kernels' 8-bit form, w = scale * code: codes (N, K) int8, scale (N, K // 32) or
+    (N, 1) -> (uint8 (ceil(N / 16), K // 32, 512): per tile of 16 rows and group, 8 blocks of
+    64 bytes, block s byte 4j + b holding row j's code 4s + b plus 128; float32 scales
+    (ceil(N / 16), K // 32 or 1, 16)), N padded with zero rows."""
+    n, k = codes.shape
+    groups, pad = k // 32, -n % 16
+    tiles = (n + pad) // 16
+    c = F.pad(codes.to(torch.int16) + 128, (0, 0, 0, pad), value=128).to(torch.uint8)
+    packed = c.view(tiles, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
+    s = F.pad(scale.float(), (0, 0, 0, pad)).view(tiles, 16, -1).permute(0, 2, 1)
+    return packed.contiguous(), s.contiguous()
+
+
+def set_cpu_q4(layer: Any, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> bool:
+    """Leave the CPU kernels' 4-bit form on the layer (w = scale * code + offset, groups of 32);
+    False where the kernels are off or a scale does not fit fp16 (the caller keeps torch's form).
+    fp16 holds Q4_0 / Q4_1's scales exactly (the file's) and rounds Q4_K's products of a scale
+    and a 6-bit sub-scale to 11 bits (torch's form keeps 8: bf16)."""
+    if cpu_kernels_for(layer) is None:
+        return False
     try:
-        packed = pack_q4_tiles(codes, scale.float(), offset.float())
+        packed = pack_q4x16(codes, scale.float(), offset.float())
     except ValueError:
-        return
-    layer.register_buffer("cpu_q4", packed)
+        return False
+    layer.register_buffer("packed", packed)
     layer.cpu_rows = codes.shape[0]
-    layer.cpu_form = "q4"
+    layer.kernel = "cpu_q4"
+    return True
 
 
-def set_cpu_q8_rows(layer: Any) -> None:
-    """The CPU kernels' view of an int8-rows layer: the same codes, float32 scales (N, 1)."""
-    layer.register_buffer("cpu_scale", layer.weight_scale.float()[:, None].contiguous())
-    layer.cpu_form = "q8"
+def set_cpu_q8(layer: Any, codes: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Leave the CPU kernels' 8-bit form on the layer (w = scale * code; scale (N, K // 32) or
+    (N, 1)); False where the kernels are off."""
+    if cpu_kernels_for(layer) is None:
+        return False
+    packed, scales = pack_q8x16(codes.to(torch.int8), scale)
+    layer.register_buffer("packed", packed)
+    layer.register_buffer("packed_scales", scales)
+    layer.cpu_rows = codes.shape[0]
+    layer.kernel = "cpu_q8"
+    return True
 
 
-def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor | None:
-    """x @ w^T on pagoda's CPU kernels where the layer has their form and the step is small;
-    None otherwise (the caller runs its torch op)."""
-    form = getattr(layer, "cpu_form", None)
-    if form is None or x.dim() != 2 or x.shape[0] > CPU_KERNEL_MAX_ROWS[form]:
-        return None
+def cpu_q8_rows(layer: Any, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a "cpu_q8" layer's weight, float32 (the embedding's lookup)."""
+    tiles, groups, _ = layer.packed.shape
+    tile, lane = ids // 16, ids % 16
+    codes = layer.packed.view(tiles, groups, 8, 16, 4)[tile, :, :, lane, :]  # (n, G, 8, 4)
+    codes = codes.reshape(ids.shape[0], groups, 32).to(torch.int16) - 128
+    scales = layer.packed_scales[tile, :, lane]  # (n, G or 1)
+    return (codes * scales[..., None]).reshape(ids.shape[0], groups * 32)
+
+
+def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """x @ w^T on pagoda's CPU kernels, float32 (M, N); x (..., K) is flattened to rows."""
     ops = torch.ops.pagoda_cpu
-    if form == "q4":
-        y = ops.q4_matmul(x, layer.cpu_q4, layer.cpu_rows, 2)
+    rows = x.reshape(-1, x.shape[-1])
+    if layer.kernel == "cpu_q4":
+        y = ops.q4x16_matmul(rows, layer.packed, layer.cpu_rows, 2)
     else:
-        y = ops.q8_matmul(x, layer.qweight, layer.cpu_scale, 2)
-    return y.to(x.dtype)
+        y = ops.q8x16_matmul(rows, layer.packed, layer.packed_scales, layer.cpu_rows, 2)
+    return y.view(*x.shape[:-1], layer.cpu_rows)
 
 
 def take_float_weight(module: Any) -> torch.Tensor:
@@ -296,9 +315,8 @@ def take_float_weight(module: Any) -> torch.Tensor:
 
 def apply_stored(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """The matmul of whatever `set_int4` / `set_int8` left on the layer (no bias)."""
-    y = cpu_matmul(layer, x)
-    if y is not None:
-        return y
+    if layer.kernel in ("cpu_q4", "cpu_q8"):
+        return cpu_matmul(layer, x).to(x.dtype)
     if layer.kernel == "float":
         return F.linear(x, layer.weight)
     if layer.kernel == "w4a16":

@@ -233,11 +233,10 @@ def test_precision_labels(monkeypatch: pytest.MonkeyPatch) -> None:
     assert pagoda_precision("gguf", "float32", "Q4_1", "cuda") == (
         "gguf Q4_1 (4-bit weights, float32 activations)"
     )
-    if built() is not None:  # pagoda's CPU kernels: int8 activations in decode steps
+    if built() is not None:  # pagoda's CPU kernels: int8 activations
         monkeypatch.setenv("PAGODA_CPU_KERNELS", "1")
         assert pagoda_precision("gguf", "float32", "Q4_1", "cpu") == (
-            "gguf Q4_1 (4-bit weights, int8 (pagoda's CPU kernels, decode steps) or bf16 "
-            "activations)"
+            "gguf Q4_1 (4-bit weights, int8 (pagoda's CPU kernels) activations)"
         )
     assert hf_precision("Q4_1") == "float32 dequantized from the GGUF Q4_1"
     assert llama_cpp_precision("Q4_1").startswith("gguf Q4_1, the same file")

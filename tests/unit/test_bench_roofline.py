@@ -1,6 +1,6 @@
 """bench latency's roofline line (pagoda/bench/roofline.py): the weight bytes a decode step reads
-count a layer's kernel form only, the vocabulary matrix once (and only where the LM head reads
-it), norms and biases in full."""
+count a layer's stored form, the vocabulary matrix once (and only where the LM head reads it),
+norms and biases in full."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from pagoda.layers.embedding import LMHead, VocabEmbedding
 
 
 class _KernelLinear(nn.Module):
-    """A layer holding torch's form and the CPU kernels' (as quant_forms.set_cpu_q4 leaves it)."""
+    """A layer in the CPU kernels' 4-bit form (as quant_forms.set_cpu_q4 leaves it)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("qweight", torch.zeros(64, 16, dtype=torch.uint8))  # torch's form
-        self.register_buffer("cpu_q4", torch.zeros(16, 2, 80, dtype=torch.uint8))
-        self.cpu_form = "q4"
+        self.register_buffer("packed", torch.zeros(4, 2, 320, dtype=torch.uint8))
+        self.kernel = "cpu_q4"
 
 
 class _Model(nn.Module):
@@ -35,7 +34,7 @@ class _Model(nn.Module):
 
 def test_a_decode_step_reads_the_kernel_form_and_the_head_once() -> None:
     vocab = 100 * 64 * 4
-    kernel_form, norm = 16 * 2 * 80, 64 * 4
+    kernel_form, norm = 4 * 2 * 320, 64 * 4
     assert decode_weight_bytes(_Model(tied=True)) == vocab + kernel_form + norm
     # untied: the head's own matrix; the embedding gives one row a token
     assert decode_weight_bytes(_Model(tied=False)) == vocab + kernel_form + norm

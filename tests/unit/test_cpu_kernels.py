@@ -17,13 +17,22 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType, quantize
 
 from pagoda.kernels.cpu import built
 from pagoda.layers import gguf
 from pagoda.layers.attention import paged_attention_torch
+from pagoda.layers.embedding import LMHead, VocabEmbedding
 from pagoda.layers.forward_context import AttentionMetadata
 from pagoda.layers.kv_cache import KVCache
-from pagoda.layers.quant_forms import pack_nibbles, pack_q4_tiles, quantize_int8_rows
+from pagoda.layers.linear import Linear, MergedLinear
+from pagoda.layers.quant import GGUFMethod
+from pagoda.layers.quant_forms import (
+    cpu_q8_rows,
+    pack_q4x16,
+    pack_q8x16,
+    quantize_int8_rows,
+)
 
 OPS = built()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the CPU kernels cannot be built here")
@@ -68,10 +77,11 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _run(qtype: str, x: torch.Tensor, weight: gguf.GGUFWeight, isa: int) -> torch.Tensor:
     assert OPS is not None
     g = gguf.decode(weight)
+    n = g.codes.shape[0]
     if qtype == "Q8_0":
-        return OPS.q8_matmul(x, g.codes.to(torch.int8).contiguous(), g.scale.contiguous(), isa)
+        return OPS.q8x16_matmul(x, *pack_q8x16(g.codes, g.scale), n, isa)
     assert g.offset is not None
-    return OPS.q4_matmul(x, pack_q4_tiles(g.codes, g.scale, g.offset), g.codes.shape[0], isa)
+    return OPS.q4x16_matmul(x, pack_q4x16(g.codes, g.scale, g.offset), n, isa)
 
 
 def _held(qtype: str, weight: gguf.GGUFWeight) -> torch.Tensor:
@@ -87,7 +97,7 @@ def _held(qtype: str, weight: gguf.GGUFWeight) -> torch.Tensor:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 @pytest.mark.parametrize(
-    ("m", "n", "k"), [(1, 37, 256), (3, 64, 512), (5, 1538, 256), (9, 20, 768)]
+    ("m", "n", "k"), [(1, 37, 256), (3, 64, 512), (5, 1538, 256), (9, 20, 768), (67, 48, 256)]
 )
 def test_gguf_formats_match_the_reference(
     threads: int, isa: int, qtype: str, m: int, n: int, k: int
@@ -115,51 +125,136 @@ def test_gguf_formats_match_the_reference(
     assert (plain <= _bound(x, w) * 1.001 + x.double().abs() @ rounding.T + 1e-5).all()
 
 
-def test_q4_tiles_hold_four_rows_per_group_with_fp16_scales() -> None:
-    n, k = 6, 64  # two tiles, the second padded with two zero rows
-    codes = torch.randint(
-        0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)
-    )
+def test_q4x16_tiles_lay_out_sixteen_rows_per_group_for_dot_products() -> None:
+    n, k = 20, 64  # two tiles, the second padded with 12 zero rows
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
     scale = torch.arange(1, n * 2 + 1, dtype=torch.float32).view(n, 2) / 64
     offset = -scale * 8
-    packed = pack_q4_tiles(codes, scale, offset)
-    assert packed.shape == (2, 2, 80) and packed.dtype == torch.uint8
-    nib = pack_nibbles(codes)
+    packed = pack_q4x16(codes, scale, offset)
+    assert packed.shape == (2, 2, 320) and packed.dtype == torch.uint8
     for row in range(n):
-        tile, r = divmod(row, 4)
+        tile, j = divmod(row, 16)
         for g in range(2):
             group = packed[tile, g]
-            assert torch.equal(group[16 * r : 16 * r + 16], nib[row, 16 * g : 16 * g + 16])
-            halves = group[64:].view(torch.float16).float()
-            assert halves[r] == scale[row, g] and halves[4 + r] == offset[row, g]
-    assert packed[1, :, 32:64].eq(0).all()  # padding rows: codes 0
+            for c in range(32):  # block c // 8; low nibble for c % 8 < 4
+                s, e = divmod(c, 8)
+                byte = int(group[64 * s + 4 * j + e % 4])
+                assert (byte >> 4 if e >= 4 else byte & 15) == codes[row, 32 * g + c]
+            halves = group[256:].view(torch.float16).float()
+            assert halves[j] == scale[row, g] and halves[16 + j] == offset[row, g]
+    assert packed[1, :, :256].view(2, 4, 16, 4)[:, :, 4:].eq(0).all()  # padding rows: codes 0
     with pytest.raises(ValueError, match="fp16"):
-        pack_q4_tiles(codes, scale * 1e6, offset)
+        pack_q4x16(codes, scale * 1e6, offset)
 
 
-def test_q4_tiles_refuse_a_mismatched_shape() -> None:
+def test_q8x16_tiles_hold_codes_plus_128_and_float_scales() -> None:
+    n, k = 18, 64
+    codes, scale = quantize_int8_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
+    packed, scales = pack_q8x16(codes, scale[:, None])
+    assert packed.shape == (2, 2, 512) and scales.shape == (2, 1, 16)
+    for row in range(n):
+        tile, j = divmod(row, 16)
+        for c in range(k):
+            g, s, e = c // 32, (c % 32) // 4, c % 4
+            assert int(packed[tile, g, 64 * s + 4 * j + e]) - 128 == codes[row, c]
+        assert scales[tile, 0, j] == scale[row]
+    assert packed[1].view(2, 8, 16, 4)[:, :, 2:].eq(128).all() and scales[1, 0, 2:].eq(0).all()
+    ids = torch.tensor([17, 0, 5, 17])
+    assert torch.equal(cpu_q8_rows(_Held(packed, scales), ids), codes[ids] * scale[ids, None])
+
+
+class _Held:
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        self.packed, self.packed_scales = packed, scales
+
+
+def test_tiles_of_the_wrong_shape_are_refused() -> None:
     assert OPS is not None
-    packed = pack_q4_tiles(
-        torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2)
+    packed = pack_q4x16(
+        torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2)
     )
     with pytest.raises(RuntimeError, match="packed shape"):
-        OPS.q4_matmul(torch.randn(1, 64), packed, 12, 2)  # 12 rows need 3 tiles
+        OPS.q4x16_matmul(torch.randn(1, 64), packed, 20, 2)  # 20 rows need 2 tiles
     with pytest.raises(RuntimeError, match="packed shape"):
-        OPS.q4_matmul(torch.randn(1, 96), packed, 8, 2)  # K of 96: 3 groups
+        OPS.q4x16_matmul(torch.randn(1, 96), packed, 16, 2)  # K of 96: 3 groups
+    codes, scales = pack_q8x16(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 1))
+    with pytest.raises(RuntimeError, match="scales"):
+        OPS.q8x16_matmul(torch.randn(1, 64), codes, torch.ones(1, 3, 16), 16, 2)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        OPS.q8x16_matmul(torch.randn(1, 40), codes, scales, 16, 2)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", [1, 2, 6])
+@pytest.mark.parametrize("m", [1, 2, 6, 33])
 def test_int8_rows_match_the_reference(threads: int, isa: int, m: int) -> None:
     assert OPS is not None
     gen = torch.Generator().manual_seed(m)
-    w = torch.randn(203, 576, generator=gen)  # an LM head's shape: rows not in 4s or 16s
+    w = torch.randn(203, 576, generator=gen)  # an LM head's shape: rows not in 16s
+    w[7] = 0  # a zero row: scale 1e-12 / 127
     codes, scale = quantize_int8_rows(w)
     x = torch.randn(m, 576, generator=gen)
-    y = OPS.q8_matmul(x, codes, scale[:, None].contiguous(), isa)
+    y = OPS.q8x16_matmul(x, *pack_q8x16(codes, scale[:, None]), 203, isa)
     wq = codes.double() * scale.double()[:, None]
     exact = _activations(x) @ wq.T
     torch.testing.assert_close(y.double(), exact, rtol=0, atol=2e-6 * exact.abs().amax().item())
+
+
+# ---- layers holding the kernels' forms (layers/quant.py, quant_forms.py, embedding.py) -------
+
+
+@pytest.fixture
+def kernels_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "1")
+
+
+def _gguf_layer(sizes: dict[str, int], qtype: str, cols: int) -> tuple[MergedLinear, torch.Tensor]:
+    """A packed GGUF layer loaded shard by shard, and the file's weights."""
+    layer = MergedLinear(cols, sizes)
+    layer.set_quant_method(GGUFMethod())
+    parts = {s: _blocks(qtype, rows, cols, seed=rows) for s, rows in sizes.items()}
+    for shard in reversed(sizes):  # any arrival order
+        layer.load("weight", parts[shard], shard)
+    layer.finalize()
+    return layer, torch.cat([_held(qtype, parts[s]) for s in sizes])
+
+
+@pytest.mark.usefixtures("kernels_on")
+@pytest.mark.parametrize(
+    ("qtype", "kernel"), [("Q4_1", "cpu_q4"), ("Q4_K", "cpu_q4"), ("Q8_0", "cpu_q8")]
+)
+def test_a_gguf_layer_keeps_only_the_kernel_form_for_any_row_count(qtype: str, kernel: str) -> None:
+    # 88 rows: not in 16s (torch's int4 op would not take them: int8 rows, re-quantized)
+    layer, held = _gguf_layer({"q": 40, "k": 24, "v": 24}, qtype, 256)
+    assert layer.kernel == kernel and layer.cpu_rows == 88
+    assert {n for n, _ in layer.named_buffers()} <= {"packed", "packed_scales"}
+    for m in (1, 7):
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        exact = _activations(x) @ held.T
+        torch.testing.assert_close(layer(x).double(), exact, rtol=0, atol=2e-6 * exact.abs().max())
+
+
+@pytest.mark.usefixtures("kernels_on")
+def test_other_gguf_types_and_the_tied_vocabulary_are_int8_rows_once() -> None:
+    data = np.random.default_rng(5).standard_normal((40, 64)).astype(np.float32)
+    q5 = Linear(64, 40)
+    q5.set_quant_method(GGUFMethod())
+    q5.load("weight", gguf.GGUFWeight("Q5_0", quantize(data, GGMLQuantizationType.Q5_0), (40, 64)))
+    q5.finalize()  # no group decoding for Q5_0: re-quantized per row
+    assert q5.kernel == "cpu_q8" and q5.packed_scales.shape == (3, 1, 16)
+    emb, head = VocabEmbedding(1000, 64), LMHead(1000, 64)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(1000, 64, generator=torch.Generator().manual_seed(0)))
+    head.tie_to(emb)
+    codes, scale = quantize_int8_rows(emb.weight.detach())
+    emb.quantize_int8()
+    head.quantize_int8()
+    assert emb.kernel == "cpu_q8" and not list(head.buffers()) and not list(head.parameters())
+    ids = torch.tensor([0, 5, 999, 5])
+    assert torch.equal(emb(ids), codes[ids].float() * scale[ids, None])
+    x = torch.randn(3, 64)
+    exact = _activations(x) @ (codes.double() * scale.double()[:, None]).T
+    torch.testing.assert_close(head(x).double(), exact, rtol=0, atol=2e-6 * exact.abs().max())
 
 
 def test_activations_are_quantized_per_group_of_32() -> None:
@@ -176,21 +271,13 @@ def test_activations_are_quantized_per_group_of_32() -> None:
     assert q.abs().max() == 127
 
 
-def test_shapes_it_cannot_take_are_refused() -> None:
-    assert OPS is not None
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        OPS.q8_matmul(torch.randn(1, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4, 1), 2)
-    with pytest.raises(RuntimeError, match="scale shape"):
-        OPS.q8_matmul(torch.randn(1, 64), torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 3), 2)
-
-
 def test_torch_compile_keeps_the_op_in_its_graph() -> None:
     assert OPS is not None
     codes, scale = quantize_int8_rows(torch.randn(16, 64))
-    s = scale[:, None].contiguous()
+    packed, scales = pack_q8x16(codes, scale[:, None])
 
     def f(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.pagoda_cpu.q8_matmul(x * 2, codes, s, 2) + 1
+        return torch.ops.pagoda_cpu.q8x16_matmul(x * 2, packed, scales, 16, 2) + 1
 
     compiled = torch.compile(f, fullgraph=True, backend="eager")
     x = torch.randn(2, 64)

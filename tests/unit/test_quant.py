@@ -6,6 +6,9 @@ Tolerances: the packed CPU ops take bf16 activations and bf16 scales and return 
 quantized matmul is compared with the float32 matmul of its dequantized weight on the same
 bf16-rounded input; the rest is bf16 rounding of scales and output, bounded here by 1% of the
 largest |output| (measured: at most 0.8%).
+
+These are torch's forms, so pagoda's CPU kernels are off here (PAGODA_CPU_KERNELS=0); layers
+on the kernels' forms are tested in test_cpu_kernels.py.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ from pagoda.layers.quant_forms import (
     split_int8_groups,
     stored_bytes,
 )
+
+
+@pytest.fixture(autouse=True)
+def _torch_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
+
 
 REAL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2 qkv, o, gate_up, down
 

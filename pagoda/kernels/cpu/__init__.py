@@ -1,27 +1,26 @@
-"""pagoda's CPU kernels: a C++ extension (quant_gemv.cpp, decode_attention.cpp) built on first
+"""pagoda's CPU kernels: a C++ extension (quant_gemm.cpp, decode_attention.cpp) built on first
 use with torch's cpp_extension and cached (TORCH_EXTENSIONS_DIR, by default under
 ~/.cache/torch_extensions), with a log line saying so; `python -m pagoda.kernels.cpu` builds it
 ahead (the Makefile's setup does). Where it cannot be built (no compiler), `kernels()` is None
 and pagoda keeps its torch path, with a warning.
 
-The layers use them unless PAGODA_CPU_KERNELS=0 (benchmarks/README.md, issue 22: batch-1 decode
-of SmolLM2's GGUF at -O2 1.06-1.16x llama.cpp's in the same runs), at the cost of keeping the
-kernels' form of each 4-bit layer beside torch's (for larger steps and prefill): SmolLM2's
-weights take 156 MiB instead of 92.5; PAGODA_CPU_KERNELS=0 gives that memory back. `built()`
-gives the ops either way (the tests use it).
+The layers use them unless PAGODA_CPU_KERNELS=0: then the quantized layers keep torch's packed
+forms instead (bf16 activations), read at load, so the switch takes effect for engines built
+after it is set. `built()` gives the ops either way (the tests use it).
 
 The kernels are torch custom ops (torch.ops.pagoda_cpu, so torch.compile keeps them in its
-graph): `q4_matmul(x, packed, n, isa_limit)` (4-bit codes in tiles of 4 rows with fp16 scales
-and offsets, layers/quant_forms.py: pack_q4_tiles) and `q8_matmul(x, codes, scale, isa_limit)`
-(int8 rows), y = x @ w^T in float32 for weights in 32-wide groups of integer codes (see the
-.cpp), with x quantized per 32-wide group to int8; `paged_decode_attention(q, k_cache, v_cache,
-block_tables, seq_lens, scale, isa_limit)` over a float32 paged cache, read in place; `isa()`
-names the instruction set picked at run time (0 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI);
-`isa_limit` caps it (tests run every path; the attention has scalar and AVX2 paths).
+graph): `q4x16_matmul(x, packed, n, isa_limit)` and `q8x16_matmul(x, packed, scales, n,
+isa_limit)`, y = x @ w^T in float32 for 4-bit and 8-bit codes in tiles of 16 rows (laid out in
+quant_gemm.cpp, packed by layers/quant_forms.py), with x quantized per 32-wide group to int8;
+`paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, isa_limit)` over a
+float32 paged cache, read in place; `isa()` names the instruction set picked at run time (0
+scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI); `isa_limit` caps it (tests run every path; the attention
+has scalar and AVX2 paths).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -33,7 +32,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("quant_gemv.cpp", "decode_attention.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("quant_gemm.cpp", "decode_attention.cpp")]
+HEADER = Path(__file__).with_name("common.h")
 ISA_NAMES = ("scalar", "AVX2 + FMA", "AVX-512 VNNI")
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -64,7 +64,8 @@ def _build() -> Any | None:
         cpp_extension.load(
             name="pagoda_cpu_kernels",
             sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
+            # the header's hash among the flags: the extension cache rebuilds when it changes
+            extra_cflags=["-O3", "-fopenmp", "-std=c++17", f"-DPAGODA_COMMON_H={_header_hash()}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -82,11 +83,19 @@ def _build() -> Any | None:
     return ops
 
 
+def _header_hash() -> str:
+    return hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+
+
 def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing."""
 
-    @torch.library.register_fake("pagoda_cpu::q4_matmul")  # type: ignore[misc]
+    @torch.library.register_fake("pagoda_cpu::q4x16_matmul")  # type: ignore[misc]
     def _q4(x: Any, packed: Any, n: int, isa_limit: int) -> Any:
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+    @torch.library.register_fake("pagoda_cpu::q8x16_matmul")  # type: ignore[misc]
+    def _q8(x: Any, packed: Any, scales: Any, n: int, isa_limit: int) -> Any:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("pagoda_cpu::paged_decode_attention")  # type: ignore[misc]
@@ -94,7 +103,3 @@ def _register_fakes() -> None:
         q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, isa_limit: int
     ) -> Any:
         return torch.empty_like(q)
-
-    @torch.library.register_fake("pagoda_cpu::q8_matmul")  # type: ignore[misc]
-    def _q8(x: Any, codes: Any, scale: Any, isa_limit: int) -> Any:
-        return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)

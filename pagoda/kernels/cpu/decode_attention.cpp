@@ -21,6 +21,8 @@
 #include <limits>
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
 constexpr int64_t MAX_CHUNK = 256;  // positions per work item at most
@@ -189,14 +191,6 @@ inline float exp_shifted_sum_scalar(float* s, int64_t n, float shift) {
   return r;
 }
 
-bool cpu_has_avx2() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return yes;
-}
-
 // ---- one work item -----------------------------------------------------------------------------
 
 // Positions [begin, end) of one request (its query heads q, block-table row `table`), every kv
@@ -329,7 +323,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t d = s.dim, per_item = s.heads * (d + 2);
   auto out = at::zeros({batch, s.heads, d}, at::kFloat);
   std::vector<float> parts(batch * s.chunks * per_item);  // (request, chunk, head, max|sum|D)
-  const bool simd = isa_limit >= 1 && cpu_has_avx2();
+  const bool simd = pagoda_cpu::pick_isa(isa_limit) != pagoda_cpu::Isa::kScalar;
   const float* qp = q.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();

@@ -1,0 +1,133 @@
+// What the CPU kernels share: the instruction set picked at run time, and activations quantized
+// per 32-wide group to int8 (as GGUF's Q8 activations): x[m, k] ~ xd[m, g] * q[m, k], with
+// xs[m, g] = xd[m, g] * qsum[m, g] and qsum the group's sum of codes.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <immintrin.h>
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace pagoda_cpu {
+
+constexpr int64_t GROUP = 32;
+
+enum class Isa { kScalar = 0, kAvx2 = 1, kVnni = 2 };
+
+inline Isa best_isa() {
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
+        return Isa::kVnni;
+      }
+      return Isa::kAvx2;
+    }
+    return Isa::kScalar;
+  }();
+  return isa;
+}
+
+// The best instruction set, capped at isa_limit (0 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI).
+inline Isa pick_isa(int64_t isa_limit) {
+  return static_cast<Isa>(std::min<int64_t>(static_cast<int64_t>(best_isa()), isa_limit));
+}
+
+inline float fp16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline void quantize_group_scalar(const float* src, int8_t* q, float* xd, float* xs,
+                                  int32_t* qsum) {
+  float amax = 0.f;
+  for (int j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(src[j]));
+  const float d = amax / 127.f;
+  const float inv = d > 0.f ? 1.f / d : 0.f;
+  int sum = 0;
+  for (int j = 0; j < GROUP; ++j) {
+    const int v = static_cast<int>(std::nearbyint(src[j] * inv));
+    q[j] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  *xd = d;
+  *xs = d * static_cast<float>(sum);
+  *qsum = sum;
+}
+
+// The scalar path's arithmetic (x * (1 / d), rounded to nearest even), 32 values at a time.
+__attribute__((target("avx2,fma"))) inline void quantize_group_avx2(const float* src, int8_t* q,
+                                                                    float* xd, float* xs,
+                                                                    int32_t* qsum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(src + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  const float d = _mm_cvtss_f32(m) / 127.f;
+  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  __m256i c[4];
+  for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  // packs interleave 128-bit lanes; the permute puts the 32 values back in order
+  const __m256i p16a = _mm256_packs_epi32(c[0], c[1]);
+  const __m256i p16b = _mm256_packs_epi32(c[2], c[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  *xd = d;
+  *qsum = _mm_cvtsi128_si32(s);
+  *xs = d * static_cast<float>(*qsum);
+}
+
+struct Activations {
+  at::Tensor q, xd, xs, qsum;  // (M, K) int8, (M, K / 32) float32 twice, (M, K / 32) int32
+};
+
+// x: contiguous float32 (M, K), K a multiple of 32
+inline Activations quantize(const at::Tensor& x, Isa isa) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
+  Activations a{at::empty({m, k}, at::kChar), at::empty({m, groups}, at::kFloat),
+                at::empty({m, groups}, at::kFloat), at::empty({m, groups}, at::kInt)};
+  const float* src = x.data_ptr<float>();
+  int8_t* q = a.q.data_ptr<int8_t>();
+  float* xd = a.xd.data_ptr<float>();
+  float* xs = a.xs.data_ptr<float>();
+  int32_t* qsum = a.qsum.data_ptr<int32_t>();
+  for (int64_t i = 0; i < m * groups; ++i) {
+    if (isa != Isa::kScalar) {
+      quantize_group_avx2(src + i * GROUP, q + i * GROUP, xd + i, xs + i, qsum + i);
+    } else {
+      quantize_group_scalar(src + i * GROUP, q + i * GROUP, xd + i, xs + i, qsum + i);
+    }
+  }
+  return a;
+}
+
+inline void check_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
+  TORCH_CHECK(x.size(1) % GROUP == 0, "K must be a multiple of 32, got ", x.size(1));
+}
+
+inline at::Tensor float_rows(const at::Tensor& x) {
+  check_rows(x);
+  return x.to(at::kFloat).contiguous();
+}
+
+}  // namespace pagoda_cpu

@@ -1,0 +1,370 @@
+// Quantized matmuls on CPU, every step size: y (M, N) = x (M, K) @ w (N, K)^T with w kept as
+// 32-wide groups of integer codes and x quantized per 32-wide group to int8 (common.h).
+//
+// Weights come in tiles of 16 output rows; per tile, its groups one after the other. Inside a
+// group the codes are laid out for VNNI's dpbusd: one 64-byte block holds 4 consecutive codes of
+// each of the 16 rows (bytes 4j..4j+3: row j), so one dpbusd against 4 broadcast activation bytes
+// adds 4 products to each row's 32-bit lane, and a group's epilogue (convert, scale, add) is
+// shared by 16 rows. The tile's unpacked codes stay in registers across up to 4 activation rows.
+//
+//   4-bit (q4x16_matmul), w[n, k] = scale[n, g] * code[n, k] + offset[n, g], code in [0, 15]:
+//     320 bytes a group: 4 blocks of 64 (block s, byte 4j + b: code[j, 8s + b] in the low nibble,
+//     code[j, 8s + 4 + b] in the high one), then the 16 rows' scales, then their offsets, fp16.
+//     y[m, n] = sum_g scale * xd * dot(code, q) + offset * xs
+//   8-bit (q8x16_matmul), w[n, k] = scale[n, g] * code[n, k], code in [-128, 127]: 512 bytes a
+//     group, 8 blocks of 64 (block s, byte 4j + b: code[j, 4s + b] + 128, as uint8); scales apart,
+//     float32 (tiles, groups, 16) or (tiles, 1, 16) for one scale a row.
+//     dot(code, q) = dot(code + 128, q) - 128 * qsum (dpbusd multiplies unsigned by signed)
+//
+// AVX-512 VNNI, AVX2 (maddubs + madd on the 8-row halves) and scalar paths, chosen at run time;
+// tiles are split over torch's intra-op threads.
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace pagoda_cpu {
+namespace {
+
+constexpr int64_t ROWS = 16;       // output rows per tile
+constexpr int64_t Q4_BYTES = 320;  // a tile's group of 4-bit codes, scales and offsets
+constexpr int64_t Q8_BYTES = 512;  // a tile's group of 8-bit codes
+constexpr int MAX_M = 4;           // activation rows per pass over a tile
+
+// Activation rows [0, M) of one pass, and where their 16 outputs go.
+struct Pass {
+  const int8_t* q;  // row r at q + r * k
+  int64_t k;
+  const float* xd;  // row r at + r * groups
+  const float* xs;
+  const int32_t* qsum;
+  int64_t groups;
+  float* y;  // row r at y + r * ldy
+  int64_t ldy;
+  int64_t valid;  // outputs of the tile that exist (the last tile may be partial)
+};
+
+inline void load_words(const int8_t* q, int32_t* words, int count) {
+  std::memcpy(words, q, 4 * count);
+}
+
+#define PAGODA_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define PAGODA_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// ---- 4-bit ----------------------------------------------------------------------------------
+
+template <int M>
+PAGODA_VNNI void q4_tile_vnni(const uint8_t* tile, const Pass& p) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const uint8_t* b = tile + g * Q4_BYTES;
+    __m512i w[8];
+    for (int s = 0; s < 4; ++s) {
+      const __m512i v = _mm512_loadu_si512(b + 64 * s);
+      w[2 * s] = _mm512_and_si512(v, mask);
+      w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256)));
+    const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 288)));
+    for (int r = 0; r < M; ++r) {
+      int32_t qw[8];
+      load_words(p.q + r * p.k + g * GROUP, qw, 8);
+      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+      for (int s = 0; s < 4; ++s) {
+        d0 = _mm512_dpbusd_epi32(d0, w[2 * s], _mm512_set1_epi32(qw[2 * s]));
+        d1 = _mm512_dpbusd_epi32(d1, w[2 * s + 1], _mm512_set1_epi32(qw[2 * s + 1]));
+      }
+      const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+      const int64_t i = r * p.groups + g;
+      acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(scale, _mm512_set1_ps(p.xd[i])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(p.xs[i]), acc[r]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << p.valid) - 1u);
+  for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(p.y + r * p.ldy, keep, acc[r]);
+}
+
+PAGODA_AVX2 inline void store_half(float* y, int64_t valid, __m256 v) {
+  if (valid >= 8) {
+    _mm256_storeu_ps(y, v);
+  } else if (valid > 0) {
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    std::memcpy(y, tmp, valid * sizeof(float));
+  }
+}
+
+// maddubs of a code (<= 15) and an activation (|q| <= 127) pair: <= 3810; the 8 blocks of a
+// group add up to <= 30480, inside int16.
+template <int M>
+PAGODA_AVX2 void q4_tile_avx2(const uint8_t* tile, const Pass& p) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const uint8_t* b = tile + g * Q4_BYTES;
+      __m256i w[8];
+      for (int s = 0; s < 4; ++s) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
+        w[2 * s] = _mm256_and_si256(v, mask);
+        w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 256 + 16 * h)));
+      const __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 288 + 16 * h)));
+      for (int r = 0; r < M; ++r) {
+        int32_t qw[8];
+        load_words(p.q + r * p.k + g * GROUP, qw, 8);
+        __m256i pairs = _mm256_setzero_si256();
+        for (int s = 0; s < 8; ++s) {
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[s], _mm256_set1_epi32(qw[s])));
+        }
+        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        const int64_t i = r * p.groups + g;
+        acc[r] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale, _mm256_set1_ps(p.xd[i])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(p.xs[i]), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
+  }
+}
+
+void q4_tile_scalar(const uint8_t* tile, const Pass& p, int m) {
+  for (int r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < p.valid; ++j) {
+      float sum = 0.f;
+      for (int64_t g = 0; g < p.groups; ++g) {
+        const uint8_t* b = tile + g * Q4_BYTES;
+        const int8_t* q = p.q + r * p.k + g * GROUP;
+        int dot = 0;
+        for (int s = 0; s < 4; ++s) {
+          for (int e = 0; e < 4; ++e) {
+            const uint8_t byte = b[64 * s + 4 * j + e];
+            dot += (byte & 0x0F) * q[8 * s + e] + (byte >> 4) * q[8 * s + 4 + e];
+          }
+        }
+        const int64_t i = r * p.groups + g;
+        sum += static_cast<float>(dot) * (fp16(b + 256 + 2 * j) * p.xd[i]) +
+               fp16(b + 288 + 2 * j) * p.xs[i];
+      }
+      p.y[r * p.ldy + j] = sum;
+    }
+  }
+}
+
+// ---- 8-bit ----------------------------------------------------------------------------------
+
+// scales: the tile's (groups, 16) float32, or (1, 16) when one scale serves a whole row
+template <int M, bool kRowScale>
+PAGODA_VNNI void q8_tile_vnni(const uint8_t* tile, const float* scales, const Pass& p) {
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const uint8_t* b = tile + g * Q8_BYTES;
+    __m512i w[8];
+    for (int s = 0; s < 8; ++s) w[s] = _mm512_loadu_si512(b + 64 * s);
+    const __m512 scale = kRowScale ? _mm512_setzero_ps() : _mm512_loadu_ps(scales + 16 * g);
+    for (int r = 0; r < M; ++r) {
+      int32_t qw[8];
+      load_words(p.q + r * p.k + g * GROUP, qw, 8);
+      const int64_t i = r * p.groups + g;
+      __m512i d0 = _mm512_set1_epi32(-128 * p.qsum[i]), d1 = _mm512_setzero_si512();
+      for (int s = 0; s < 8; s += 2) {
+        d0 = _mm512_dpbusd_epi32(d0, w[s], _mm512_set1_epi32(qw[s]));
+        d1 = _mm512_dpbusd_epi32(d1, w[s + 1], _mm512_set1_epi32(qw[s + 1]));
+      }
+      const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+      const __m512 xd = _mm512_set1_ps(p.xd[i]);
+      acc[r] = _mm512_fmadd_ps(d, kRowScale ? xd : _mm512_mul_ps(scale, xd), acc[r]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << p.valid) - 1u);
+  for (int r = 0; r < M; ++r) {
+    const __m512 out = kRowScale ? _mm512_mul_ps(acc[r], _mm512_loadu_ps(scales)) : acc[r];
+    _mm512_mask_storeu_ps(p.y + r * p.ldy, keep, out);
+  }
+}
+
+// Signed codes: |w| as unsigned, w's sign moved onto the activations (maddubs pair <= 32512).
+template <int M>
+PAGODA_AVX2 void q8_tile_avx2(const uint8_t* tile, const float* scales, int64_t sstep,
+                              const Pass& p) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const uint8_t* b = tile + g * Q8_BYTES;
+      __m256i w[8];
+      for (int s = 0; s < 8; ++s) {
+        w[s] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h)), flip);
+      }
+      const __m256 scale = _mm256_loadu_ps(scales + g * sstep + 8 * h);
+      for (int r = 0; r < M; ++r) {
+        int32_t qw[8];
+        load_words(p.q + r * p.k + g * GROUP, qw, 8);
+        __m256i dot = _mm256_setzero_si256();
+        for (int s = 0; s < 8; ++s) {
+          const __m256i u = _mm256_sign_epi8(w[s], w[s]);
+          const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(qw[s]), w[s]);
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u, sq), ones));
+        }
+        const __m256 xd = _mm256_set1_ps(p.xd[r * p.groups + g]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, xd), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
+  }
+}
+
+void q8_tile_scalar(const uint8_t* tile, const float* scales, int64_t sstep, const Pass& p,
+                    int m) {
+  for (int r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < p.valid; ++j) {
+      float sum = 0.f;
+      for (int64_t g = 0; g < p.groups; ++g) {
+        const uint8_t* b = tile + g * Q8_BYTES;
+        const int8_t* q = p.q + r * p.k + g * GROUP;
+        int dot = 0;
+        for (int s = 0; s < 8; ++s) {
+          for (int e = 0; e < 4; ++e) {
+            dot += (static_cast<int>(b[64 * s + 4 * j + e]) - 128) * q[4 * s + e];
+          }
+        }
+        sum += static_cast<float>(dot) * (scales[g * sstep + j] * p.xd[r * p.groups + g]);
+      }
+      p.y[r * p.ldy + j] = sum;
+    }
+  }
+}
+
+// ---- dispatch -------------------------------------------------------------------------------
+
+// Calls fn(std::integral_constant<int, M>) for M = m (1 .. MAX_M).
+template <typename Fn>
+void with_rows(int m, Fn&& fn) {
+  switch (m) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// Runs tile_fn(tile index, pass of up to MAX_M rows, rows in it) over every tile and row block.
+template <typename TileFn>
+at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, TileFn&& tile_fn) {
+  const at::Tensor x = float_rows(x_in);
+  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
+  const Activations a = quantize(x, isa);
+  auto y = at::empty({m, n}, at::kFloat);
+  const int8_t* q = a.q.data_ptr<int8_t>();
+  const float* xd = a.xd.data_ptr<float>();
+  const float* xs = a.xs.data_ptr<float>();
+  const int32_t* qsum = a.qsum.data_ptr<int32_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t r = 0; r < m; r += MAX_M) {
+        const Pass pass{q + r * k, k, xd + r * groups, xs + r * groups, qsum + r * groups,
+                        groups, yp + r * n + t * ROWS, n, std::min(ROWS, n - t * ROWS)};
+        tile_fn(t, pass, static_cast<int>(std::min<int64_t>(MAX_M, m - r)));
+      }
+    }
+  });
+  return y;
+}
+
+void check_packed(const at::Tensor& packed, int64_t tiles, int64_t groups, int64_t bytes,
+                  int64_t n, int64_t k) {
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.is_contiguous() && packed.dim() == 3,
+              "packed: contiguous uint8 (tiles, groups, ", bytes, ")");
+  TORCH_CHECK(packed.size(0) == tiles && packed.size(1) == groups && packed.size(2) == bytes,
+              "packed shape: expected (", tiles, ", ", groups, ", ", bytes, ") for N=", n, ", K=",
+              k, ", got ", packed.sizes());
+}
+
+// packed: (ceil(n / 16), K / 32, 320) uint8, the 4-bit tiles described at the top
+at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                        int64_t isa_limit) {
+  check_rows(x);
+  const int64_t tiles = (n + ROWS - 1) / ROWS, k = x.size(-1);
+  check_packed(packed, tiles, k / GROUP, Q4_BYTES, n, k);
+  const Isa isa = pick_isa(isa_limit);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const int64_t tile_bytes = (k / GROUP) * Q4_BYTES;
+  return run_tiles(x, n, tiles, isa, [&](int64_t t, const Pass& p, int m) {
+    const uint8_t* tile = w + t * tile_bytes;
+    if (isa == Isa::kVnni) {
+      with_rows(m, [&](auto rows) { q4_tile_vnni<decltype(rows)::value>(tile, p); });
+    } else if (isa == Isa::kAvx2) {
+      with_rows(m, [&](auto rows) { q4_tile_avx2<decltype(rows)::value>(tile, p); });
+    } else {
+      q4_tile_scalar(tile, p, m);
+    }
+  });
+}
+
+// packed: (ceil(n / 16), K / 32, 512) uint8; scales: (ceil(n / 16), K / 32 or 1, 16) float32
+at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                        int64_t n, int64_t isa_limit) {
+  check_rows(x);
+  const int64_t tiles = (n + ROWS - 1) / ROWS, k = x.size(-1), groups = k / GROUP;
+  check_packed(packed, tiles, groups, Q8_BYTES, n, k);
+  TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == tiles && scales.size(2) == ROWS &&
+                  (scales.size(1) == groups || scales.size(1) == 1),
+              "scales: contiguous float32 (", tiles, ", ", groups, " or 1, 16), got ",
+              scales.sizes());
+  const bool row_scale = scales.size(1) == 1;
+  const int64_t sstep = row_scale ? 0 : ROWS;
+  const Isa isa = pick_isa(isa_limit);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  return run_tiles(x, n, tiles, isa, [&](int64_t t, const Pass& p, int m) {
+    const uint8_t* tile = w + t * groups * Q8_BYTES;
+    const float* s = sc + t * scales.size(1) * ROWS;
+    if (isa == Isa::kVnni) {
+      with_rows(m, [&](auto rows) {
+        constexpr int M = decltype(rows)::value;
+        row_scale ? q8_tile_vnni<M, true>(tile, s, p) : q8_tile_vnni<M, false>(tile, s, p);
+      });
+    } else if (isa == Isa::kAvx2) {
+      with_rows(m, [&](auto rows) { q8_tile_avx2<decltype(rows)::value>(tile, s, sstep, p); });
+    } else {
+      q8_tile_scalar(tile, s, sstep, p, m);
+    }
+  });
+}
+
+// The activations as the kernels quantize them (for the tests): (q, xd, xs)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+  const Activations a = quantize(float_rows(x), best_isa());
+  return {a.q, a.xd, a.xs};
+}
+
+int64_t isa() { return static_cast<int64_t>(best_isa()); }
+
+}  // namespace
+}  // namespace pagoda_cpu
+
+// torch.ops.pagoda_cpu.*: custom ops, so torch.compile keeps them in its graph (their shapes are
+// registered in Python, pagoda/kernels/cpu/__init__.py).
+TORCH_LIBRARY(pagoda_cpu, m) {
+  m.def("q4x16_matmul(Tensor x, Tensor packed, int n, int isa_limit) -> Tensor");
+  m.def("q8x16_matmul(Tensor x, Tensor packed, Tensor scales, int n, int isa_limit) -> Tensor");
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("isa() -> int", &pagoda_cpu::isa);
+}
+
+TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
+  m.impl("q4x16_matmul", &pagoda_cpu::q4x16_matmul);
+  m.impl("q8x16_matmul", &pagoda_cpu::q8x16_matmul);
+  m.impl("quantize_activations", &pagoda_cpu::quantize_activations);
+}
