@@ -327,7 +327,7 @@ def _reference(
     return paged_attention_torch(q, cache, meta, scale)
 
 
-@pytest.mark.parametrize("isa", ISAS[:2])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(
     ("lens", "heads", "kv_heads", "dim", "block_size"),
     [

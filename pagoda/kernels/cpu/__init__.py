@@ -14,8 +14,8 @@ isa_limit)`, y = x @ w^T in float32 for 4-bit and 8-bit codes in tiles of 16 row
 quant_gemm.cpp, packed by layers/quant_forms.py), with x quantized per 32-wide group to int8;
 `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, isa_limit)` over a
 float32 paged cache, read in place; `isa()` names the instruction set picked at run time (0
-scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI); `isa_limit` caps it (tests run every path; the attention
-has scalar and AVX2 paths).
+scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
+caps it (tests run every path).
 """
 
 from __future__ import annotations

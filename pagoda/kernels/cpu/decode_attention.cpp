@@ -8,7 +8,7 @@
 // split over torch's intra-op threads, so that one long request still uses every thread; each
 // item keeps its chunk's max, sum of exponentials and weighted values per query head, and a
 // request's chunks are merged afterwards (flash-decoding). A request with seq_len 0 (a padding
-// row) gets zeros.
+// row) gets zeros. Scalar, AVX2 + FMA and (head width a multiple of 16) AVX-512 paths.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -32,7 +32,7 @@ struct Shape {
   float scale;
 };
 
-// ---- math: scalar and AVX2 -----------------------------------------------------------------
+// ---- math: scalar, AVX2, AVX-512 --------------------------------------------------------------
 
 inline float exp_nonpositive(float x);
 
@@ -191,13 +191,53 @@ inline float exp_shifted_sum_scalar(float* s, int64_t n, float shift) {
   return r;
 }
 
+#define PAGODA_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512vl")))
+// The four-position steps with 512-bit registers, where d is a multiple of 16 (AVX-512).
+PAGODA_AVX512 inline void scores4_avx512(const float* q, const float* const* k, int64_t group,
+                                         int64_t d, float scale, float* scores, int64_t n) {
+  for (int64_t j = 0; j < group; ++j) {
+    const float* qj = q + j * d;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
+           a3 = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 qv = _mm512_loadu_ps(qj + i);
+      a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[0] + i), a0);
+      a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[1] + i), a1);
+      a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[2] + i), a2);
+      a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[3] + i), a3);
+    }
+    scores[j * n + 0] = scale * _mm512_reduce_add_ps(a0);
+    scores[j * n + 1] = scale * _mm512_reduce_add_ps(a1);
+    scores[j * n + 2] = scale * _mm512_reduce_add_ps(a2);
+    scores[j * n + 3] = scale * _mm512_reduce_add_ps(a3);
+  }
+}
+
+PAGODA_AVX512 inline void weighted4_avx512(const float* w, const float* const* v, int64_t group,
+                                           int64_t d, float* out, int64_t stride, int64_t n) {
+  for (int64_t j = 0; j < group; ++j) {
+    const float* wj = w + j * n;
+    const __m512 w0 = _mm512_set1_ps(wj[0]), w1 = _mm512_set1_ps(wj[1]), w2 = _mm512_set1_ps(wj[2]),
+                 w3 = _mm512_set1_ps(wj[3]);
+    float* o = out + j * stride;
+    for (int64_t i = 0; i < d; i += 16) {
+      __m512 acc = _mm512_loadu_ps(o + i);
+      acc = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v[0] + i), acc);
+      acc = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v[1] + i), acc);
+      acc = _mm512_fmadd_ps(w2, _mm512_loadu_ps(v[2] + i), acc);
+      acc = _mm512_fmadd_ps(w3, _mm512_loadu_ps(v[3] + i), acc);
+      _mm512_storeu_ps(o + i, acc);
+    }
+  }
+}
 // ---- one work item -----------------------------------------------------------------------------
 
 // Positions [begin, end) of one request (its query heads q, block-table row `table`), every kv
 // head: part holds, per query head, the max score, the sum of exponentials, then D weighted
 // values. A position's keys (and values) of all kv heads are one contiguous row, read in
-// position order, so the memory is streamed. Defined once per instruction set (SUFFIX).
-#define PAGODA_ATTEND_CHUNK(SUFFIX)                                                             \
+// position order, so the memory is streamed. Defined once per instruction set: WIDE for the
+// four-position steps, SUFFIX for the rest.
+#define PAGODA_ATTEND_CHUNK(WIDE, SUFFIX)                                                             \
   const int64_t n = end - begin, d = s.dim, row = s.kv_heads * d;                              \
   auto at = [&](const float* cache, int64_t p) {                                               \
     const int64_t pos = begin + p;                                                             \
@@ -209,7 +249,7 @@ inline float exp_shifted_sum_scalar(float* s, int64_t n, float shift) {
     const float* r4[4] = {at(kc, p), at(kc, p + 1), at(kc, p + 2), at(kc, p + 3)};             \
     for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                              \
       const float* k4[4] = {r4[0] + kh * d, r4[1] + kh * d, r4[2] + kh * d, r4[3] + kh * d};   \
-      scores4_##SUFFIX(q + kh * s.group * d, k4, s.group, d, s.scale,                          \
+      scores4_##WIDE(q + kh * s.group * d, k4, s.group, d, s.scale,                          \
                        scores + kh * s.group * n + p, n);                                      \
     }                                                                                          \
   }                                                                                            \
@@ -230,7 +270,7 @@ inline float exp_shifted_sum_scalar(float* s, int64_t n, float shift) {
     const float* r4[4] = {at(vc, p), at(vc, p + 1), at(vc, p + 2), at(vc, p + 3)};             \
     for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                              \
       const float* v4[4] = {r4[0] + kh * d, r4[1] + kh * d, r4[2] + kh * d, r4[3] + kh * d};   \
-      weighted4_##SUFFIX(scores + kh * s.group * n + p, v4, s.group, d,                        \
+      weighted4_##WIDE(scores + kh * s.group * n + p, v4, s.group, d,                        \
                          part + kh * s.group * (d + 2) + 2, d + 2, n);                         \
     }                                                                                          \
   }                                                                                            \
@@ -245,13 +285,19 @@ __attribute__((target("avx2,fma"))) void attend_chunk_avx2(const Shape& s, const
                                                            const float* kc, const float* vc,
                                                            const int32_t* table, int64_t begin,
                                                            int64_t end, float* part, float* scores) {
-  PAGODA_ATTEND_CHUNK(avx2)
+  PAGODA_ATTEND_CHUNK(avx2, avx2)
+}
+
+PAGODA_AVX512 void attend_chunk_avx512(const Shape& s, const float* q, const float* kc,
+                                       const float* vc, const int32_t* table, int64_t begin,
+                                       int64_t end, float* part, float* scores) {
+  PAGODA_ATTEND_CHUNK(avx512, avx2)
 }
 
 void attend_chunk_scalar(const Shape& s, const float* q, const float* kc, const float* vc,
                          const int32_t* table, int64_t begin, int64_t end, float* part,
                          float* scores) {
-  PAGODA_ATTEND_CHUNK(scalar)
+  PAGODA_ATTEND_CHUNK(scalar, scalar)
 }
 
 // Merges a request's chunks into its query heads' outputs: exp(m_c - M) rescales each.
@@ -323,7 +369,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const int64_t d = s.dim, per_item = s.heads * (d + 2);
   auto out = at::zeros({batch, s.heads, d}, at::kFloat);
   std::vector<float> parts(batch * s.chunks * per_item);  // (request, chunk, head, max|sum|D)
-  const bool simd = pagoda_cpu::pick_isa(isa_limit) != pagoda_cpu::Isa::kScalar;
+  const pagoda_cpu::Isa isa = pagoda_cpu::pick_isa(isa_limit);
+  const bool simd = isa != pagoda_cpu::Isa::kScalar;
+  const bool wide = isa == pagoda_cpu::Isa::kVnni && d % 16 == 0;  // AVX-512 F among VNNI's
   const float* qp = q.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
@@ -335,7 +383,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
       if (begin >= end) continue;
       const float* qb = qp + b * s.heads * d;
       float* part = parts.data() + it * per_item;
-      if (simd) {
+      if (wide) {
+        attend_chunk_avx512(s, qb, kc, vc, tp + b * s.table_stride, begin, end, part, scores.data());
+      } else if (simd) {
         attend_chunk_avx2(s, qb, kc, vc, tp + b * s.table_stride, begin, end, part, scores.data());
       } else {
         attend_chunk_scalar(s, qb, kc, vc, tp + b * s.table_stride, begin, end, part, scores.data());
