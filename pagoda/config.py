@@ -63,8 +63,14 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
+    # finished requests whose timelines `explain` keeps (scheduling/explain.py)
+    max_explained_requests: int = 256
 
     def __post_init__(self) -> None:
+        if self.max_explained_requests < 0:
+            raise ValueError(
+                f"max_explained_requests must be >= 0, got {self.max_explained_requests}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 from pagoda.config import SchedulerConfig
 from pagoda.scheduling.block_pool import KVCacheBlock
+from pagoda.scheduling.explain import Explainer
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
 from pagoda.scheduling.messages import (
     PLACEHOLDER_TOKEN_ID,
@@ -73,12 +74,17 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted = 0
         self.spec_accepted_per_position: list[int] = []
+        self.explainer = Explainer(  # scheduling/explain.py
+            scheduler_config.max_explained_requests, scheduler_config.policy == "priority"
+        )
 
     # ---- queues -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a validated request and its n > 1 siblings (which wait for the leader)."""
         self.requests[request.request_id] = request
         self._enqueue(request)
+        for r in (request, *request.siblings):
+            self.explainer.arrived(r, self.step_id + 1)
         for sibling in request.siblings:
             sibling.status = RequestStatus.WAITING_FOR_FORK
             self.requests[sibling.request_id] = sibling
@@ -133,6 +139,7 @@ class Scheduler:
         self.runner_blocks.pop(request.request_id, None)
         del self.requests[request.request_id]
         self.finished_ids.append(request.request_id)
+        self.explainer.finished_request(request.request_id, self.step_id, status.finish_reason)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -157,8 +164,10 @@ class Scheduler:
         preempted), within the token budget; then the step as plain data."""
         num_new: dict[str, int] = {}  # tokens scheduled per request id, in batch order
         preempted = self._schedule_running(num_new)
-        if not preempted:
-            self._schedule_waiting(num_new)
+        blocked = "preemption" if preempted else self._schedule_waiting(num_new)
+        idle = [r for r in self.running if r.request_id not in num_new]
+        idle = [r for r in idle if not self._finishes_in_flight(r)]  # not waiting: done
+        self.explainer.step(self.step_id + 1, self.requests, num_new, idle, self.waiting, blocked)
         return self._emit(num_new, preempted)
 
     def _schedule_running(self, num_new: dict[str, int]) -> list[Request]:
@@ -181,6 +190,7 @@ class Scheduler:
                     i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
+                self.explainer.preempted(victim.request_id, self.step_id + 1, request.request_id)
                 if victim.request_id in num_new:
                     budget += num_new.pop(victim.request_id)
                 if victim is request:
@@ -193,9 +203,10 @@ class Scheduler:
             # else: `request` left self.running, so index i now holds the next one.
         return preempted
 
-    def _schedule_waiting(self, num_new: dict[str, int]) -> None:
+    def _schedule_waiting(self, num_new: dict[str, int]) -> str | None:
         """Admit waiting requests in policy order while seats, budget and blocks last (prefix
-        cache hits first advance a new request's num_computed_tokens)."""
+        cache hits first advance a new request's num_computed_tokens); returns why the first
+        request left waiting was not admitted (explain.WAIT_REASONS), None if none is left."""
         budget = self.config.max_num_batched_tokens - sum(num_new.values())
         # Seats: the running requests and the n > 1 siblings their prompts will fork.
         seats = len(self.running) + sum(len(self._waiting_siblings(r)) for r in self.running)
@@ -206,7 +217,7 @@ class Scheduler:
             assert request.num_output_placeholders == 0, request
             need = 1 + len(self._waiting_siblings(request))
             if seats + need > self.config.max_num_seqs:
-                break
+                return "max_num_seqs"
             hits: list[KVCacheBlock] = []
             num_hit_tokens = 0
             if request.num_computed_tokens == 0:
@@ -214,8 +225,10 @@ class Scheduler:
             n = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
             lookahead = self._lookahead(request, n + num_hit_tokens)
             if not self.kv.allocate_slots(request, n + lookahead, hits):
-                break
+                return "no_free_blocks"
             self.waiting.pop(0)
+            block_ids = [b.block_id for b in hits]
+            self.explainer.admitted(request.request_id, self.step_id + 1, num_hit_tokens, block_ids)
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -225,6 +238,7 @@ class Scheduler:
             num_new[request.request_id] = n
             budget -= n
             seats += need
+        return "token_budget" if self.waiting else None
 
     def _lookahead(self, request: Request, n: int) -> int:
         """The lookahead slots of a request given n tokens now: only a step that samples it

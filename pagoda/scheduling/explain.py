@@ -1,0 +1,193 @@
+"""Per-request timelines, for `explain`: why a request waited at each step, what it found in
+the prefix cache, its prefill chunks, decode steps and preemptions, and how it finished.
+
+The scheduler reports arrivals, admissions, preemptions, finishes and every step it builds
+(scheduling/scheduler.py); this keeps one RequestTimeline per live request and the last `keep`
+finished ones. Steps are the scheduler's step ids. Consecutive steps a request waited for the
+same reason, or decoded, are one entry with a count.
+
+Why a request waited in a step (`WAIT_REASONS`): the first waiting request that was not admitted
+gives the step's reason (the token budget was spent, no free KV blocks, max_num_seqs requests
+already run, or the step preempted, which admits nobody); requests behind it wait for the same
+reason, or, under the priority policy, because a request of higher priority is ahead of them. A
+running request that got no tokens waited for the token budget.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+WAIT_REASONS = ("token_budget", "no_free_blocks", "max_num_seqs", "preemption", "lower_priority")
+
+
+class _Request(Protocol):
+    request_id: str
+    arrival_time: float
+    priority: int
+    num_computed_tokens: int
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def num_tokens_with_placeholders(self) -> int: ...
+
+
+@dataclass
+class TimelineEntry:
+    event: str  # arrived | waited | admitted | prefill | decode | preempted | finished
+    step: int  # the first step of the entry
+    num_steps: int = 1
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": self.event, "step": self.step, "num_steps": self.num_steps, **self.detail}
+
+
+@dataclass
+class RequestTimeline:
+    request_id: str
+    arrival_time: float
+    arrival_step: int
+    entries: list[TimelineEntry] = field(default_factory=list)
+    steps_waited: dict[str, int] = field(default_factory=dict)
+    num_cached_prompt_tokens: int = 0
+    cached_block_ids: list[int] = field(default_factory=list)
+    num_prefill_chunks: int = 0
+    num_decode_steps: int = 0
+    num_preemptions: int = 0
+    num_steps_scheduled: int = 0
+    finish_reason: str | None = None
+    finish_step: int | None = None
+
+    def add(self, event: str, step: int, detail: dict[str, Any] | None = None) -> None:
+        """Append an entry, or extend the last one when it is the same event and detail in
+        the step before."""
+        detail = detail or {}
+        last = self.entries[-1] if self.entries else None
+        if (
+            last is not None
+            and event in ("waited", "decode")
+            and last.event == event
+            and last.detail == detail
+            and last.step + last.num_steps == step
+        ):
+            last.num_steps += 1
+            return
+        self.entries.append(TimelineEntry(event, step, 1, detail))
+
+    def to_dict(self, current_step: int) -> dict[str, Any]:
+        last = self.finish_step if self.finish_step is not None else current_step
+        span = max(last - self.arrival_step + 1, 1)
+        return {
+            "request_id": self.request_id,
+            "arrival_time": self.arrival_time,
+            "arrival_step": self.arrival_step,
+            "finish_step": self.finish_step,
+            "finish_reason": self.finish_reason,
+            "steps_waited": dict(self.steps_waited),
+            "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
+            "cached_block_ids": list(self.cached_block_ids),
+            "num_prefill_chunks": self.num_prefill_chunks,
+            "num_decode_steps": self.num_decode_steps,
+            "num_preemptions": self.num_preemptions,
+            "num_steps_scheduled": self.num_steps_scheduled,
+            "share_of_steps": round(self.num_steps_scheduled / span, 4),
+            "timeline": [e.to_dict() for e in self.entries],
+        }
+
+
+class Explainer:
+    """The timelines of live requests and of the last `keep` finished ones."""
+
+    def __init__(self, keep: int, priority_policy: bool = False) -> None:
+        self.keep = keep
+        self.priority_policy = priority_policy
+        self.live: dict[str, RequestTimeline] = {}
+        self.finished: OrderedDict[str, RequestTimeline] = OrderedDict()
+
+    def arrived(self, request: _Request, step: int) -> None:
+        t = RequestTimeline(request.request_id, request.arrival_time, step)
+        t.add("arrived", step, {"num_prompt_tokens": request.num_prompt_tokens})
+        self.live[request.request_id] = t
+
+    def admitted(self, request_id: str, step: int, num_cached: int, block_ids: list[int]) -> None:
+        t = self.live.get(request_id)
+        if t is None:
+            return
+        if t.num_preemptions == 0:  # the first admission's cache hits are the prompt's
+            t.num_cached_prompt_tokens, t.cached_block_ids = num_cached, list(block_ids)
+        t.add("admitted", step, {"num_cached_tokens": num_cached, "cached_block_ids": block_ids})
+
+    def preempted(self, request_id: str, step: int, for_request_id: str) -> None:
+        t = self.live.get(request_id)
+        if t is None:
+            return
+        t.num_preemptions += 1
+        # the blocks were needed by `for_request_id` (itself when it had to give its own up)
+        t.add("preempted", step, {"reason": "no_free_blocks", "for_request_id": for_request_id})
+
+    def scheduled(self, request_id: str, step: int, num_tokens: int, decode: bool) -> None:
+        t = self.live.get(request_id)
+        if t is None:
+            return
+        t.num_steps_scheduled += 1
+        if decode:
+            t.num_decode_steps += 1
+            t.add("decode", step)
+        else:
+            t.num_prefill_chunks += 1
+            t.add("prefill", step, {"num_tokens": num_tokens})
+
+    def waited(self, request_id: str, step: int, reason: str) -> None:
+        t = self.live.get(request_id)
+        if t is None:
+            return
+        t.steps_waited[reason] = t.steps_waited.get(reason, 0) + 1
+        t.add("waited", step, {"reason": reason})
+
+    def step(
+        self,
+        step: int,
+        requests: Mapping[str, _Request],
+        num_new: dict[str, int],
+        idle_running: Sequence[_Request],
+        waiting: Sequence[_Request],
+        blocked: str | None,
+    ) -> None:
+        """One step as scheduled (before it advances num_computed_tokens): the tokens each
+        request got (a decode step when only its last token was missing), the running requests
+        the token budget left out, and why each request still waiting waits (`blocked`: why the
+        first of them was not admitted)."""
+        for rid, n in num_new.items():
+            r = requests[rid]
+            self.scheduled(
+                rid, step, n, r.num_tokens_with_placeholders - r.num_computed_tokens == 1
+            )
+        for r in idle_running:
+            self.waited(r.request_id, step, "token_budget")
+        if not waiting or blocked is None:
+            return
+        head = waiting[0].priority
+        for i, r in enumerate(waiting):
+            lower = self.priority_policy and i > 0 and r.priority > head
+            self.waited(r.request_id, step, "lower_priority" if lower else blocked)
+
+    def finished_request(self, request_id: str, step: int, reason: str | None) -> None:
+        t = self.live.pop(request_id, None)
+        if t is None or self.keep == 0:
+            return
+        t.finish_reason, t.finish_step = reason, step
+        t.add("finished", step, {"finish_reason": reason})
+        self.finished[request_id] = t
+        while len(self.finished) > self.keep:
+            self.finished.popitem(last=False)
+
+    def explain(self, request_id: str, current_step: int) -> dict[str, Any] | None:
+        """A live or recently finished request's timeline; None when it is unknown (never
+        seen, or finished longer ago than the last `keep`)."""
+        t = self.live.get(request_id) or self.finished.get(request_id)
+        return None if t is None else t.to_dict(current_step)
