@@ -303,7 +303,7 @@ class EngineConfig:
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineConfig:
         """Build from flat engine arguments as LLM(...) and the CLI take them (vLLM names)."""
         cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
-        sched_fields = {"max_num_seqs", "max_num_batched_tokens"}
+        sched_fields = {"max_num_seqs", "max_num_batched_tokens", "max_explained_requests"}
         own_fields = {f.name for f in dataclasses.fields(cls)} - {"cache", "scheduler", "model"}
         cache_kwargs: dict[str, Any] = {}
         sched_kwargs: dict[str, Any] = {}

@@ -36,6 +36,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto (the model dtype), int8 or fp8 (alias fp8_e4m3): a scale per token and head",
     )
     g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
+    g.add_argument(
+        "--max-explained-requests",
+        type=int,
+        default=None,
+        help="finished requests whose timelines GET /v1/requests/{id}/explain keeps (256)",
+    )
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument(
         "--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"]
@@ -133,6 +139,7 @@ ENGINE_ARG_NAMES = (
     "gpu_memory_utilization",
     "kv_cache_dtype",
     "scheduling_policy",
+    "max_explained_requests",
     "device",
     "load_format",
     "quantization",

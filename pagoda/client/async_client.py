@@ -27,6 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagoda.client.finished import Explanations, finish_line
 from pagoda.client.output_processor import RequestState
 from pagoda.client.tokenizer import (
     CompletionPrompt,
@@ -140,6 +141,7 @@ class AsyncEngine:
         self.stats = SchedulerStats(0, 0, 0.0, 0, 0, 0)
         self.dead_reason: str | None = None
         self.streams: dict[str, RequestStream] = {}
+        self.explanations = Explanations(config.scheduler.max_explained_requests)
         self._unacked: set[str] = set()
         self._launch = launch
         self._process: Any = None if launch is None else launch.process
@@ -409,6 +411,8 @@ class AsyncEngine:
             if stream is None or stream.state.finished:
                 continue
             state = stream.state
+            if out.explain is not None:
+                self.explanations.add(out.parent_id, out.explain)
             previous = state.metrics.last_token_time
             abort_id = state.add(out)
             self.metrics.observe_tokens(state, len(out.new_token_ids), previous, now)
@@ -425,25 +429,8 @@ class AsyncEngine:
     def _record_finished(self, state: RequestState) -> None:
         self.metrics.observe_finished(state)
         if self.log_requests:
-            logger.info("%s", _finish_line(state))
-
-
-def _finish_line(state: RequestState) -> str:
-    m = state.metrics
-    end = m.finished_time or time.time()
-    queue = (m.first_scheduled_time - m.arrival_time) if m.first_scheduled_time else None
-    ttft = m.time_to_first_token
-    reasons = ",".join(str(s.finish_reason) for s in state.samples)
-    return (
-        f"finished request {state.request_id}: {reasons}, prompt {len(state.prompt_token_ids)} "
-        f"tokens ({state.num_cached_tokens} cached), output "
-        f"{sum(len(s.token_ids) for s in state.samples)} tokens, queue {_ms(queue)}, "
-        f"TTFT {_ms(ttft)}, E2E {_ms(end - m.arrival_time)}"
-    )
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+            logger.info("%s", finish_line(state))
+        self.explanations.log(state.request_id)
 
 
 def _wait_ready(conn: Any, process: Any) -> tuple[str, Any]:

@@ -170,6 +170,10 @@ class EngineCore:
             outputs = self._step()
             if self.remote_prefill is not None:
                 self.remote_prefill.stage_finished(outputs)
+            explainer = self.scheduler.explainer
+            for o in outputs:  # a finished sample's timeline rides on its last output
+                if o.finish_reason is not None:
+                    o.explain = explainer.explain(o.request_id, self.scheduler.step_id)
             return outputs
 
     def _step(self) -> list[EngineCoreOutput]:

@@ -157,6 +157,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # finish_reason "stop" because the sample's grammar ended (structured outputs), not on a
     # stop token: the last token is text like any other.
     grammar_ended: bool = False
+    # with finish_reason: the sample's timeline (scheduling/explain.py), for explain
+    explain: dict[str, Any] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

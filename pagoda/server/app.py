@@ -61,6 +61,7 @@ def build_app(state: ServerState) -> FastAPI:
     deps = [Depends(_guard(state))]
     _add_open_routes(app, state)
     _add_model_routes(app, state, deps)
+    _add_request_routes(app, state, deps)
 
     @app.post("/v1/completions", dependencies=deps)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -158,6 +159,23 @@ def _add_model_routes(app: FastAPI, state: ServerState, deps: Sequence[params.De
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         state.check_model(body.model)
         return {"prompt": state.engine.detokenize(body.tokens)}
+
+
+def _add_request_routes(app: FastAPI, state: ServerState, deps: Sequence[params.Depends]) -> None:
+    @app.get("/v1/requests/{request_id}/explain", dependencies=deps)
+    async def explain(request_id: str) -> dict[str, Any]:
+        """A finished request's timeline per sample (scheduling/explain.py); the request id is
+        the response's `id` (`<id>-<i>` for prompt i of a completion with several)."""
+        found = state.engine.explanations.get(request_id)
+        if found is None:
+            keep = state.engine.explanations.keep
+            raise APIError(
+                404,
+                f"no finished request {request_id!r} is kept (the last {keep} are; "
+                "--max-explained-requests)",
+                "request_id",
+            )
+        return found
 
 
 def _token_ids(state: ServerState, body: TokenizeRequest) -> list[int]:
