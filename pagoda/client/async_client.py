@@ -46,7 +46,9 @@ from pagoda.scheduling.messages import (
     EngineInfo,
     EngineInput,
     EngineRequest,
+    EngineSnapshot,
     SchedulerStats,
+    WatchRequest,
 )
 
 logger = logging.getLogger(__name__)
@@ -142,6 +144,7 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self.streams: dict[str, RequestStream] = {}
         self.explanations = Explanations(config.scheduler.max_explained_requests)
+        self.snapshot: EngineSnapshot | None = None  # the latest, while watch() is on
         self._unacked: set[str] = set()
         self._launch = launch
         self._process: Any = None if launch is None else launch.process
@@ -376,6 +379,10 @@ class AsyncEngine:
             stream.event.set()
             self._send(AbortRequest([request_id]))
 
+    def watch(self, interval_s: float) -> None:
+        """Ask the engine for a snapshot (`self.snapshot`) every interval_s; 0 stops them."""
+        self._send(WatchRequest(interval_s))
+
     def _send(self, msg: EngineInput) -> None:
         self._to_engine.send(self._encoder.encode(msg))
 
@@ -390,6 +397,8 @@ class AsyncEngine:
             self._handle(msg)
 
     def _handle(self, msg: EngineCoreOutputs) -> None:
+        if msg.snapshot is not None:
+            self.snapshot = msg.snapshot
         if msg.stats is not None:
             self.stats = msg.stats
             self.metrics.set_engine_stats(msg.stats)

@@ -28,7 +28,10 @@ from pagoda.scheduling.messages import (
     EngineInfo,
     EngineInput,
     EngineRequest,
+    EngineSnapshot,
+    WatchRequest,
 )
+from pagoda.scheduling.snapshot import build_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +47,18 @@ class EngineLoop:
         self.encoder = msgspec.msgpack.Encoder()
         self.num_inputs = 0
         self.parent_pid = os.getppid()
+        self.watch_interval_s = 0.0  # WatchRequest: 0 while nobody watches
+        self.last_snapshot = 0.0
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.in_socket, zmq.POLLIN)
         while True:
             busy = self.engine.has_unfinished_requests()
-            # Idle: block on input (wake up now and then so a dead parent is noticed).
-            if busy or poller.poll(timeout=1000):
+            # Idle: block on input (wake up now and then so a dead parent is noticed, and a
+            # watching client gets its snapshots).
+            wake_ms = int(1000 * self.watch_interval_s) if self.watch_interval_s else 1000
+            if busy or poller.poll(timeout=wake_ms):
                 self._drain_inputs()
             elif os.getppid() != self.parent_pid:
                 return
@@ -59,7 +66,21 @@ class EngineLoop:
                 self.engine.check_health()  # a dead tensor-parallel rank ends the process
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
-                self._send(EngineCoreOutputs(self.num_inputs, self.engine.stats(), outputs=outputs))
+                out = EngineCoreOutputs(self.num_inputs, self.engine.stats(), outputs=outputs)
+                out.snapshot = self._snapshot_due()
+                self._send(out)
+            elif self.watch_interval_s:
+                snapshot = self._snapshot_due()
+                if snapshot is not None:
+                    self._send(EngineCoreOutputs(self.num_inputs, snapshot=snapshot))
+
+    def _snapshot_due(self) -> EngineSnapshot | None:
+        """A snapshot when a client watches and its interval has passed since the last."""
+        now = time.monotonic()
+        if not self.watch_interval_s or now - self.last_snapshot < self.watch_interval_s:
+            return None
+        self.last_snapshot = now
+        return build_snapshot(self.engine.scheduler)
 
     def _drain_inputs(self) -> None:
         accepted: list[str] = []
@@ -73,7 +94,9 @@ class EngineLoop:
             got = True
             self.num_inputs += 1
             msg = self.decoder.decode(raw)
-            if isinstance(msg, EngineRequest):
+            if isinstance(msg, WatchRequest):
+                self.watch_interval_s, self.last_snapshot = max(0.0, msg.interval_s), 0.0
+            elif isinstance(msg, EngineRequest):
                 try:
                     self.engine.add_request(msg)
                     accepted.append(msg.request_id)

@@ -51,8 +51,14 @@ class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=T
     all_samples: bool = True
 
 
+class WatchRequest(msgspec.Struct, tag="watch", array_like=True):
+    """Send an EngineSnapshot at most every interval_s seconds (0: stop; none is built then)."""
+
+    interval_s: float
+
+
 # What a client sends to the engine process.
-EngineInput = EngineRequest | AbortRequest
+EngineInput = EngineRequest | AbortRequest | WatchRequest
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -183,6 +189,34 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     rank_step_seconds: list[float] = []
 
 
+class SnapshotRequest(msgspec.Struct, array_like=True):
+    request_id: str
+    queue: str  # running | waiting | preempted (waiting to recompute)
+    num_computed_tokens: int
+    num_tokens: int  # prompt + outputs so far
+    priority: int
+    num_preemptions: int
+
+
+class EngineSnapshot(msgspec.Struct, array_like=True):
+    """The KV block pool and the queues at one moment (scheduling/snapshot.py). Per block:
+    state 0 free, 1 free but holding a cached prefix (evictable), 2 held; its ref count; the
+    index in `requests` of the first request holding it (-1: none)."""
+
+    time: float
+    step_id: int
+    block_size: int
+    block_state: list[int]
+    block_ref_cnt: list[int]
+    block_owner: list[int]
+    requests: list[SnapshotRequest]  # running in admission order, then waiting in queue order
+    num_scheduled_tokens: int  # in the last step
+    max_num_batched_tokens: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """Engine process -> client: what happened since the last message."""
 
@@ -192,6 +226,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     accepted: list[str] = []
     errors: dict[str, str] = {}  # request id -> why add_request refused it
     fatal: str | None = None  # the engine died of this
+    snapshot: EngineSnapshot | None = None  # while a client watches (WatchRequest)
 
 
 class EngineInfo(msgspec.Struct):

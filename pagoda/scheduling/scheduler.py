@@ -63,6 +63,7 @@ class Scheduler:
         self.finished_ids: list[str] = []
         self.num_preemptions = 0
         self.step_id = 0
+        self.last_num_scheduled_tokens = 0
         # The Request of each entry of a step's `scheduled`, until update() matches outputs to them.
         self.in_flight: dict[int, list[Request]] = {}
         # The block ids each request's row in the runner holds (the list last sent: block id
@@ -168,6 +169,7 @@ class Scheduler:
         idle = [r for r in self.running if r.request_id not in num_new]
         idle = [r for r in idle if not self._finishes_in_flight(r)]  # not waiting: done
         self.explainer.step(self.step_id + 1, self.requests, num_new, idle, self.waiting, blocked)
+        self.last_num_scheduled_tokens = sum(num_new.values())  # for snapshot.py
         return self._emit(num_new, preempted)
 
     def _schedule_running(self, num_new: dict[str, int]) -> list[Request]:

@@ -26,6 +26,7 @@ from pagoda.config import EngineConfig
 from pagoda.server.chat import conversation, create_chat_completion
 from pagoda.server.completions import create_completion
 from pagoda.server.errors import APIError, error_response, install_error_handlers
+from pagoda.server.live import Watchers, event_stream
 from pagoda.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,6 +63,12 @@ def build_app(state: ServerState) -> FastAPI:
     _add_open_routes(app, state)
     _add_model_routes(app, state, deps)
     _add_request_routes(app, state, deps)
+    watchers = Watchers(state.engine)
+
+    @app.get("/v1/engine/events", dependencies=deps)
+    async def engine_events(request: Request) -> Response:
+        """Server-sent events of the engine's state for the live view (server/live.py)."""
+        return event_stream(request, state.engine, state.metrics, watchers)
 
     @app.post("/v1/completions", dependencies=deps)
     async def completions(body: CompletionRequest, request: Request) -> Response:

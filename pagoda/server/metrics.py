@@ -258,6 +258,17 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def totals(self) -> dict[str, float]:
+        """Token totals since start, the queues and KV usage of the engine's last stats."""
+        stats = self._last_stats
+        return {
+            "prompt_tokens_total": self._prompt_total,
+            "generation_tokens_total": self._generation_total,
+            "num_running": stats.num_running,
+            "num_waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+        }
+
     def stats_line(self) -> str | None:
         """vLLM's periodic log line: throughputs since the last call, queues, KV usage; None
         when the server has been idle since the last call."""

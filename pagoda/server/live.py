@@ -1,0 +1,116 @@
+"""The live view's feed: GET /v1/engine/events, server-sent events of the engine's state (the
+KV block pool, the queues, the last step's token budget; scheduling/snapshot.py) and of the
+numbers /metrics serves (latency percentiles, token totals, queues, KV usage), at most every
+INTERVAL_S. The engine builds snapshots only while at least one client is connected: the first
+to connect turns them on (AsyncEngine.watch), the last to leave turns them off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from pagoda.client.async_client import AsyncEngine
+from pagoda.scheduling.messages import EngineSnapshot
+from pagoda.server.metrics import Metrics
+
+INTERVAL_S = 0.2
+# /metrics histograms whose percentiles an event carries
+LATENCIES = {
+    "ttft": "pagoda:time_to_first_token_seconds",
+    "itl": "pagoda:inter_token_latency_seconds",
+    "e2e": "pagoda:e2e_request_latency_seconds",
+}
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+class Watchers:
+    """How many clients read the feed; snapshots are on while there is one."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.count = 0
+
+    def join(self) -> None:
+        self.count += 1
+        if self.count == 1:
+            self.engine.watch(INTERVAL_S)
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.engine.watch(0.0)
+            self.engine.snapshot = None
+
+
+def event_stream(
+    request: Request, engine: AsyncEngine, metrics: Metrics, watchers: Watchers
+) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        watchers.join()
+        try:
+            last: EngineSnapshot | None = None
+            while not await request.is_disconnected():
+                snapshot = engine.snapshot
+                if snapshot is not None and snapshot is not last:
+                    last = snapshot
+                    yield f"data: {json.dumps(payload(snapshot, metrics))}\n\n"
+                await asyncio.sleep(INTERVAL_S / 4)
+        finally:
+            watchers.leave()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def payload(snapshot: EngineSnapshot, metrics: Metrics) -> dict[str, Any]:
+    """One event: {"engine": the snapshot's fields, "metrics": live_numbers(metrics)}."""
+    engine = {f: getattr(snapshot, f) for f in snapshot.__struct_fields__}
+    engine["requests"] = [
+        {f: getattr(r, f) for f in r.__struct_fields__} for r in snapshot.requests
+    ]
+    return {"engine": msgspec.to_builtins(engine), "metrics": live_numbers(metrics)}
+
+
+def live_numbers(metrics: Metrics) -> dict[str, Any]:
+    """From the same collectors /metrics renders: p50 / p90 / p99 of TTFT, ITL and E2E (as
+    Prometheus' histogram_quantile estimates them from the buckets; None before any sample),
+    token totals, queues and KV usage."""
+    families = {f.name: f for f in metrics.registry.collect()}
+    out: dict[str, Any] = {}
+    for key, name in LATENCIES.items():
+        family = families.get(name)
+        buckets = sorted(
+            (float(s.labels["le"]), s.value)
+            for s in (family.samples if family else [])
+            if s.name.endswith("_bucket")
+        )
+        out[key] = {f"p{round(q * 100)}": histogram_quantile(q, buckets) for q in QUANTILES}
+    out.update(metrics.totals())
+    return out
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' estimate from cumulative buckets (upper bound, count), sorted by bound:
+    linear within the bucket holding the rank; the largest finite bound past it."""
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
+                count - lower_count
+            )
+        lower_bound, lower_count = bound, count
+    return lower_bound

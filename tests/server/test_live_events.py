@@ -1,0 +1,72 @@
+"""GET /v1/engine/events on a real server: server-sent events of the engine's block pool and
+queues while a client reads them, with the /metrics numbers (latency percentiles, token
+totals); a request in flight shows as running with its blocks held; --api-key guards it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+
+from tests.server.conftest import ServerProcess
+
+
+def _events(server: ServerProcess, until: Any, limit: int = 200) -> list[dict[str, Any]]:
+    """Events read until `until(event)` holds (or `limit` events)."""
+    seen: list[dict[str, Any]] = []
+    with httpx.stream(
+        "GET", server.url + "/v1/engine/events", headers=server.headers, timeout=60
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            seen.append(json.loads(line[len("data: ") :]))
+            if until(seen[-1]) or len(seen) >= limit:
+                break
+    return seen
+
+
+def test_the_feed_shows_a_request_running_on_its_blocks(tiny_server: ServerProcess) -> None:
+    model = tiny_server.get("/v1/models").json()["data"][0]["id"]
+    first = _events(tiny_server, lambda e: True)[0]  # idle: snapshots still come
+    engine = first["engine"]
+    n = len(engine["block_state"])
+    assert n == len(engine["block_ref_cnt"]) == len(engine["block_owner"]) > 0
+    assert set(first["metrics"]) >= {"ttft", "itl", "e2e", "generation_tokens_total"}
+    assert set(first["metrics"]["ttft"]) == {"p50", "p90", "p99"}
+
+    body = {"model": model, "prompt": "hello " * 20, "max_tokens": 400, "ignore_eos": True}
+    done = threading.Event()
+
+    def send() -> None:
+        tiny_server.post("/v1/completions", body)
+        done.set()
+
+    threading.Thread(target=send, daemon=True).start()
+
+    def running(e: dict[str, Any]) -> bool:
+        return any(r["queue"] == "running" for r in e["engine"]["requests"])
+
+    seen = _events(tiny_server, running)
+    assert running(seen[-1]), "no event showed the request running"
+    engine = seen[-1]["engine"]
+    (req,) = [r for r in engine["requests"] if r["queue"] == "running"]
+    assert 0 < req["num_computed_tokens"] <= req["num_tokens"]
+    owned = [i for i, o in enumerate(engine["block_owner"]) if o == 0]
+    assert owned and all(engine["block_state"][i] == 2 for i in owned)
+    assert all(engine["block_ref_cnt"][i] >= 1 for i in owned)
+    assert engine["num_scheduled_tokens"] <= engine["max_num_batched_tokens"]
+    assert done.wait(120)
+    after = _events(tiny_server, lambda e: not e["engine"]["requests"])
+    assert after[-1]["metrics"]["generation_tokens_total"] >= 400
+    assert after[-1]["metrics"]["ttft"]["p50"] is not None
+
+
+def test_the_feed_needs_the_api_key(start_server: Any, tiny_llama_dir: str) -> None:
+    server = start_server(tiny_llama_dir, "--num-gpu-blocks-override", "64", api_key="sk-live")
+    r = httpx.get(server.url + "/v1/engine/events", timeout=10)
+    assert r.status_code == 401
+    assert _events(server, lambda e: True)[0]["engine"]["block_state"]
