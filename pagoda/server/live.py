@@ -18,7 +18,6 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagoda.client.async_client import AsyncEngine
-from pagoda.scheduling.messages import EngineSnapshot
 from pagoda.server.metrics import Metrics
 
 INTERVAL_S = 0.2
@@ -56,7 +55,7 @@ def event_stream(
     async def events() -> AsyncIterator[str]:
         watchers.join()
         try:
-            last: EngineSnapshot | None = None
+            last: Any = None  # the client's latest EngineSnapshot
             while not await request.is_disconnected():
                 snapshot = engine.snapshot
                 if snapshot is not None and snapshot is not last:
@@ -69,8 +68,9 @@ def event_stream(
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def payload(snapshot: EngineSnapshot, metrics: Metrics) -> dict[str, Any]:
-    """One event: {"engine": the snapshot's fields, "metrics": live_numbers(metrics)}."""
+def payload(snapshot: Any, metrics: Metrics) -> dict[str, Any]:
+    """One event: {"engine": the EngineSnapshot's fields (scheduling/messages.py), "metrics":
+    live_numbers(metrics)}."""
     engine = {f: getattr(snapshot, f) for f in snapshot.__struct_fields__}
     engine["requests"] = [
         {f: getattr(r, f) for f in r.__struct_fields__} for r in snapshot.requests

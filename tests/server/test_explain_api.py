@@ -39,9 +39,11 @@ def test_a_finished_chat_explains_each_sample(tiny_server: ServerProcess) -> Non
         assert t["num_decode_steps"] == 4
         assert 0 < t["share_of_steps"] <= 1
     leader = next(t for t in e["samples"] if t["num_prefill_chunks"] > 0)
-    assert sum(x["num_tokens"] for x in leader["timeline"] if x["event"] == "prefill") == (
-        prompt_tokens
-    )
+    cached = leader["num_cached_prompt_tokens"]  # the session's earlier requests share a prefix
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    assert cached == details.get("cached_tokens", 0)
+    prefilled = sum(x["num_tokens"] for x in leader["timeline"] if x["event"] == "prefill")
+    assert cached + prefilled == prompt_tokens
 
 
 def test_unknown_ids_are_404_and_only_the_last_n_are_kept(
