@@ -12,7 +12,7 @@ from typing import Any
 
 from pagoda.client.output_processor import RequestState
 
-logger = logging.getLogger("pagoda.client.async_client")
+logger = logging.getLogger("pagoda.client.async_client")  # the finish lines keep their logger
 
 
 class Explanations:

@@ -1,10 +1,14 @@
 """GET /v1/requests/{id}/explain on a real server: a finished request's timeline per sample
 (scheduling/explain.py), 404 in OpenAI's shape for an id not kept, the last
---max-explained-requests kept, guarded by --api-key like the other /v1 routes."""
+--max-explained-requests kept, guarded by --api-key like the other /v1 routes (and the live
+feed, GET /v1/engine/events, on the same keyed server)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+
+import httpx
 
 from tests.server.conftest import SMALL_POOL, ServerProcess
 
@@ -67,3 +71,11 @@ def test_unknown_ids_are_404_and_only_the_last_n_are_kept(
     assert server.get("/v1/requests/nope/explain").status_code == 404
     no_key = server.get(f"/v1/requests/{ids[1]}/explain", headers={"Authorization": ""})
     assert no_key.status_code == 401
+    # the live feed too
+    assert httpx.get(server.url + "/v1/engine/events", timeout=10).status_code == 401
+    with httpx.stream(
+        "GET", server.url + "/v1/engine/events", headers=server.headers, timeout=30
+    ) as feed:
+        assert feed.status_code == 200
+        first = next(line for line in feed.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[len("data: ") :])["engine"]["block_state"]

@@ -1,6 +1,7 @@
 """GET /v1/engine/events on a real server: server-sent events of the engine's block pool and
 queues while a client reads them, with the /metrics numbers (latency percentiles, token
-totals); a request in flight shows as running with its blocks held; --api-key guards it."""
+totals); a request in flight shows as running with its blocks held. (--api-key guarding it:
+test_explain_api.py, on its keyed server.)"""
 
 from __future__ import annotations
 
@@ -63,10 +64,3 @@ def test_the_feed_shows_a_request_running_on_its_blocks(tiny_server: ServerProce
     after = _events(tiny_server, lambda e: not e["engine"]["requests"])
     assert after[-1]["metrics"]["generation_tokens_total"] >= 400
     assert after[-1]["metrics"]["ttft"]["p50"] is not None
-
-
-def test_the_feed_needs_the_api_key(start_server: Any, tiny_llama_dir: str) -> None:
-    server = start_server(tiny_llama_dir, "--num-gpu-blocks-override", "64", api_key="sk-live")
-    r = httpx.get(server.url + "/v1/engine/events", timeout=10)
-    assert r.status_code == 401
-    assert _events(server, lambda e: True)[0]["engine"]["block_state"]
