@@ -2,8 +2,8 @@
 
 `quantize_int8()` (weight-quantized models) replaces the float weight with int8 rows and one scale
 per row (on CPU in the kernels' tiles, layers/quant_forms.py): the embedding gathers and scales
-rows, the head runs the int8 matmul. A tied head reads
-the embedding's stored form, so the vocabulary matrix exists once.
+rows, the head runs the int8 matmul. A tied head reads the embedding's stored form, so the
+vocabulary matrix exists once.
 
 Under tensor parallelism both hold this rank's rows of the vocabulary (TensorParallel.vocab_part,
 ceil(V / N) rows, the last rank's padded with zeros): the embedding zeroes the rows of ids it does

@@ -293,7 +293,7 @@ def cpu_q8_rows(layer: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """x @ w^T on pagoda's CPU kernels, float32 (M, N); x (..., K) is flattened to rows."""
+    """x @ w^T on pagoda's CPU kernels: x (..., K) -> float32 (..., N)."""
     ops = torch.ops.pagoda_cpu
     rows = x.reshape(-1, x.shape[-1])
     if layer.kernel == "cpu_q4":
