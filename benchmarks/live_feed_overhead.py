@@ -21,36 +21,20 @@ from typing import Any
 
 import httpx
 
-from pagoda.bench.common import write_json
-
-PORT = 8765
-URL = f"http://127.0.0.1:{PORT}"
-
-
-def start_server(flags: list[str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "pagoda.cli", "serve", "--port", str(PORT), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(URL + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("pagoda serve did not start")
+from pagoda.bench.common import started_server, write_json
 
 
 class FeedReader(threading.Thread):
     """Reads the feed until stopped, as a page would; counts events."""
 
-    def __init__(self) -> None:
+    def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
+        self.url = url
         self.events = 0
         self.stop = threading.Event()
 
     def run(self) -> None:
-        with httpx.stream("GET", URL + "/v1/engine/events", timeout=None) as r:
+        with httpx.stream("GET", self.url + "/v1/engine/events", timeout=None) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     json.loads(line[6:])  # a page parses every event
@@ -59,11 +43,11 @@ class FeedReader(threading.Thread):
                     return
 
 
-def run_load(seed: int) -> float:
+def run_load(url: str, seed: int) -> float:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "serve.json")
         cmd = [
-            sys.executable, "-m", "pagoda.cli", "bench", "serve", "--base-url", URL,
+            sys.executable, "-m", "pagoda.cli", "bench", "serve", "--base-url", url,
             "--num-prompts", "64", "--input-len-range", "16,256", "--output-len-range", "16,256",
             "--max-concurrency", "64", "--seed", str(seed), "--output-json", out,
         ]  # fmt: skip
@@ -79,25 +63,21 @@ def main() -> int:
     p.add_argument("--server-flags", default="-O2", help="flags for pagoda serve")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
-    server = start_server(args.server_flags.split())
-    try:
-        run_load(seed=100)  # warm-up (compiles the step graphs' shapes)
-        runs: dict[str, list[float]] = {"closed": [], "open": []}
-        events: list[int] = []
+    runs: dict[str, list[float]] = {"closed": [], "open": []}
+    events: list[int] = []
+    with started_server(args.server_flags.split()) as server:
+        run_load(server.url, seed=100)  # warm-up (compiles the step graphs' shapes)
         for r in range(args.rounds):
             for side in ("closed", "open") if r % 2 == 0 else ("open", "closed"):
-                reader = FeedReader() if side == "open" else None
+                reader = FeedReader(server.url) if side == "open" else None
                 if reader is not None:
                     reader.start()
                     time.sleep(1.0)
-                runs[side].append(run_load(seed=0))
+                runs[side].append(run_load(server.url, seed=0))
                 if reader is not None:
                     reader.stop.set()
                     events.append(reader.events)
                 print(f"round {r} feed {side}: {runs[side][-1]:.1f} output tok/s", flush=True)
-    finally:
-        server.terminate()
-        server.wait(30)
     closed, opened = statistics.median(runs["closed"]), statistics.median(runs["open"])
     record: dict[str, Any] = {
         "bench": "live_feed_overhead",

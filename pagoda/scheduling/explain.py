@@ -64,20 +64,21 @@ class RequestTimeline:
     finish_step: int | None = None
 
     def add(self, event: str, step: int, detail: dict[str, Any] | None = None) -> None:
-        """Append an entry, or extend the last one when it is the same event and detail in
-        the step before."""
-        detail = detail or {}
+        self.entries.append(TimelineEntry(event, step, 1, detail or {}))
+
+    def repeat(self, event: str, step: int, reason: str | None = None) -> None:
+        """Extend the last entry when it is this event (with this reason) in the step before,
+        else add one: the per-step path, which builds no entry while nothing changes."""
         last = self.entries[-1] if self.entries else None
         if (
             last is not None
-            and event in ("waited", "decode")
             and last.event == event
-            and last.detail == detail
             and last.step + last.num_steps == step
+            and last.detail.get("reason") == reason
         ):
             last.num_steps += 1
-            return
-        self.entries.append(TimelineEntry(event, step, 1, detail))
+        else:
+            self.add(event, step, None if reason is None else {"reason": reason})
 
     def to_dict(self, current_step: int) -> dict[str, Any]:
         last = self.finish_step if self.finish_step is not None else current_step
@@ -110,6 +111,8 @@ class Explainer:
         self.finished: OrderedDict[str, RequestTimeline] = OrderedDict()
 
     def arrived(self, request: _Request, step: int) -> None:
+        if self.keep == 0:  # nothing is kept: record nothing
+            return
         t = RequestTimeline(request.request_id, request.arrival_time, step)
         t.add("arrived", step, {"num_prompt_tokens": request.num_prompt_tokens})
         self.live[request.request_id] = t
@@ -137,7 +140,7 @@ class Explainer:
         t.num_steps_scheduled += 1
         if decode:
             t.num_decode_steps += 1
-            t.add("decode", step)
+            t.repeat("decode", step)
         else:
             t.num_prefill_chunks += 1
             t.add("prefill", step, {"num_tokens": num_tokens})
@@ -147,7 +150,7 @@ class Explainer:
         if t is None:
             return
         t.steps_waited[reason] = t.steps_waited.get(reason, 0) + 1
-        t.add("waited", step, {"reason": reason})
+        t.repeat("waited", step, reason)
 
     def step(
         self,
@@ -178,7 +181,7 @@ class Explainer:
 
     def finished_request(self, request_id: str, step: int, reason: str | None) -> None:
         t = self.live.pop(request_id, None)
-        if t is None or self.keep == 0:
+        if t is None:
             return
         t.finish_reason, t.finish_step = reason, step
         t.add("finished", step, {"finish_reason": reason})

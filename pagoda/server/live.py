@@ -71,11 +71,9 @@ def event_stream(
 def payload(snapshot: Any, metrics: Metrics) -> dict[str, Any]:
     """One event: {"engine": the EngineSnapshot's fields (scheduling/messages.py), "metrics":
     live_numbers(metrics)}."""
-    engine = {f: getattr(snapshot, f) for f in snapshot.__struct_fields__}
-    engine["requests"] = [
-        {f: getattr(r, f) for f in r.__struct_fields__} for r in snapshot.requests
-    ]
-    return {"engine": msgspec.to_builtins(engine), "metrics": live_numbers(metrics)}
+    engine = msgspec.structs.asdict(snapshot)
+    engine["requests"] = [msgspec.structs.asdict(r) for r in snapshot.requests]
+    return {"engine": engine, "metrics": live_numbers(metrics)}
 
 
 def live_numbers(metrics: Metrics) -> dict[str, Any]:
