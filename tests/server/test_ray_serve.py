@@ -3,8 +3,9 @@ stopped here (loopback only): two replicas of the tiny Llama behind one route.
 
 - The OpenAI client's completions, streaming and errors come back as from `pagoda serve`, and
   greedy outputs equal a `pagoda serve` process's on the same weights and flags.
-- Prefix-aware routing: a shared-prefix load keeps every group of prompts on one replica, so the
-  cached tokens equal the single server's exactly, and both replicas get groups.
+- Prefix-aware routing: a shared-prefix load sends every group of prompts to the replica its
+  prefix's rendezvous hash picks, so the cached tokens equal the single server's exactly; the
+  groups are picked four for each replica, so the test does not hang on which ids Ray drew.
 - Slow: the SLO autoscaler drives a deployment from 1 to 2 replicas under load and back to 1;
   a replica killed under load fails or finishes every request (none hangs) and Ray replaces it.
   Their fast variants are unit tests: tests/unit/test_slo_autoscaling.py drives the policy with
@@ -28,6 +29,7 @@ from ray import serve
 from pagoda.config import EngineConfig
 from pagoda.distributed.autoscaling import SLOPolicyConfig
 from pagoda.distributed.ray_serve import RayServeOptions, build_application
+from pagoda.distributed.routing import prefix_key, rendezvous_order
 from pagoda.server.state import ServerConfig
 from tests.server.conftest import SMALL_POOL, ServerProcess, free_port
 
@@ -124,15 +126,28 @@ def test_errors_come_back_in_openai_s_shape(two_replicas: RayApp, reference: Ser
         client.completions.create(model="no-such-model", prompt="hi")
 
 
+def engine_replica_ids(app: str = APP) -> list[str]:
+    """The engine replicas' full ids, as the request router names them (Ray names each replica's
+    actor by its full id: SERVE_REPLICA::<app>#<deployment>#<unique id>)."""
+    names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(True)]
+    return sorted(n for n in names if n.startswith(f"SERVE_REPLICA::{app}#PagodaEngine#"))
+
+
 def test_prefix_aware_routing_keeps_the_single_server_s_cache_hits(
     two_replicas: RayApp, reference: ServerProcess
 ) -> None:
     """Eight groups of four prompts, each group sharing a 300-character prefix, sent in turn:
-    every group stays on one replica, so each replica holds its groups' prefixes and the cached
-    tokens equal one server's exactly; the groups spread over both replicas."""
-    groups = [
-        f"Group {g}: " + f"shared system text number {g} with context. " * 8 for g in range(8)
+    every group goes to the replica its prefix's rendezvous hash picks (four groups picked for
+    each replica), so each replica holds its groups' prefixes and the cached tokens equal one
+    server's exactly."""
+    replicas = engine_replica_ids()
+    assert len(replicas) == 2, replicas
+    candidates = [
+        f"Group {g}: " + f"shared system text number {g} with context. " * 8 for g in range(64)
     ]
+    winner = {p: rendezvous_order(prefix_key(p), replicas)[0] for p in candidates}
+    groups = [p for r in replicas for p in [p for p in candidates if winner[p] == r][:4]]
+    assert len(groups) == 8
     order = [(g, r) for r in range(4) for g in range(8)]
 
     def cached(post: Any, g: int, r: int) -> tuple[int, str]:
@@ -147,10 +162,8 @@ def test_prefix_aware_routing_keeps_the_single_server_s_cache_hits(
     want = [cached(reference.post, g, r)[0] for g, r in order]
     assert [c for c, _ in got] == want
     assert sum(want) > 0
-    replica_of = {}
-    for (g, _), (_, replica) in zip(order, got):
-        assert replica_of.setdefault(g, replica) == replica, f"group {g} moved replicas"
-    assert len(set(replica_of.values())) == 2
+    served_by = [replica for _, replica in got]
+    assert served_by == [winner[groups[g]].rsplit("#", 1)[1] for g, _ in order]
 
 
 # ---- slow: autoscaling and a killed replica ----------------------------------------------------
