@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pagoda-installed
 
-.PHONY: setup serve demo test lint typecheck unit bench clean lock
+.PHONY: setup serve demo test lint typecheck browser unit bench clean lock
 
 # The test install is pinned: requirements/test-constraints.txt holds every resolved version
 # (pyproject keeps ranges for users). No build isolation: the pinned setuptools builds pagoda.
@@ -36,10 +36,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy pagoda
 
+# Debian's chromium for the browser tests (tests/server/test_web_ui.py), driven by Playwright
+# (the [test] extra); Playwright's own browser download does not work on these machines.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium; }
+
 # One pytest-xdist worker per core (at most 4); each test file runs whole on one worker
 # (--dist loadfile), so its module-scoped engines and servers start once. (--dist loadgroup with
 # xdist_group marks did not group anything under pytest 9.2 / xdist 3.8: files were split.)
-test: lint typecheck
+test: lint typecheck browser
 	$(BIN)/python -m pytest -q -x --durations=15 -n auto --maxprocesses 4 --dist loadfile
 
 bench: $(STAMP)

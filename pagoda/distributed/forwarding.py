@@ -39,6 +39,20 @@ class ForwardedRequest:
     headers: list[tuple[bytes, bytes]]
     body: bytes
     prefix_key: bytes | None = None  # read by the request router (ray_router.py)
+    replica: str | None = None  # the replica asked for (REPLICA_HEADER), read by the router
+
+
+# A request with this header goes to that engine replica (its unique id, as every response of
+# the Ray Serve app names it in the same header): the live view's feed and a request's
+# explanation are each replica's own.
+REPLICA_HEADER = b"x-pagoda-replica"
+
+
+def pinned_replica(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name.lower() == REPLICA_HEADER and value:
+            return value.decode("latin-1")
+    return None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,10 @@ view of each replica's queue (its requests in flight), so prefix caching survive
 
 Configured on the engine deployment as `RequestRouterConfig(request_router_class=
 "pagoda.distributed.ray_router:PrefixAwareRouter", request_router_kwargs={"max_imbalance": 4})`.
-The request's routing key is the `prefix_key` of its first argument (a ForwardedRequest).
+The request's routing key is the `prefix_key` of its first argument (a ForwardedRequest); a
+request that names a replica (its `replica`, from the x-pagoda-replica header) goes to that one
+while it is a candidate, and is routed by its key when it is not (the response names the replica
+that served it).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pinned = _pin_of(pending_request)
+        for r in candidate_replicas:
+            if pinned is not None and r.replica_id.unique_id == pinned:
+                return [[r]]
         loads = await self._loads(candidate_replicas)
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         key = _key_of(pending_request)
@@ -60,6 +67,13 @@ class PrefixAwareRouter(FIFOMixin, RequestRouter):
                 full = r.max_ongoing_requests
                 loads[r.replica_id.to_full_id_str()] = full if queue_len is None else queue_len
         return loads
+
+
+def _pin_of(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    replica = getattr(pending_request.args[0], "replica", None)
+    return replica if isinstance(replica, str) else None
 
 
 def _key_of(pending_request: PendingRequest | None) -> bytes | None:

@@ -3,7 +3,9 @@
     PagodaIngress   Ray's HTTP entry (a light replica, no engine). It reads the request, keys it
                     by its prompt's prefix (forwarding.routing_key) and streams it to an engine
                     replica through a DeploymentHandle; Ray's request router for the engine
-                    deployment (ray_router.PrefixAwareRouter) picks the replica.
+                    deployment (ray_router.PrefixAwareRouter) picks the replica, or takes the
+                    one the x-pagoda-replica header names. It answers GET /v1/replicas itself
+                    (the replicas' ids), so the browser view (/ui) shows each replica's engine.
     PagodaEngine    one replica: pagoda's own FastAPI app (server/app.py) over its own engine
                     process, so endpoints, errors and streams are those of `pagoda serve`. It
                     reports its SLO window to Ray's autoscaler (autoscaling.py) and its engine's
@@ -26,6 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
+import ray
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
@@ -35,14 +38,17 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from pagoda.config import EngineConfig
 from pagoda.distributed.autoscaling import SLOPolicyConfig, SLOWindow
 from pagoda.distributed.forwarding import (
+    REPLICA_HEADER,
     ASGIApp,
     ForwardedRequest,
     Message,
     ResponseStart,
     lifespan,
+    pinned_replica,
     routing_key,
     run_asgi,
 )
+from pagoda.server.auth import bearer_matches, key_digest
 from pagoda.server.state import ServerConfig
 
 logger = logging.getLogger("pagoda.ray_serve")
@@ -51,8 +57,6 @@ ROUTERS = {
     "prefix": "pagoda.distributed.ray_router:PrefixAwareRouter",
     "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
 }
-# Every response names the engine replica that served it.
-REPLICA_HEADER = b"x-pagoda-replica"
 # A replica whose actor died or cannot be reached: the request may go to another one.
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
@@ -149,9 +153,12 @@ class PagodaEngine:
 
 # ---- the ingress ------------------------------------------------------------------------------
 class PagodaIngress:
-    def __init__(self, engine: DeploymentHandle, prefix_tokens: int) -> None:
+    def __init__(
+        self, engine: DeploymentHandle, prefix_tokens: int, api_key: str | None = None
+    ) -> None:
         self.engine = engine.options(method_name="forward", stream=True)
         self.prefix_tokens = prefix_tokens
+        self.key_digest = None if api_key is None else key_digest(api_key.encode())
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         # A plain coroutine function: uvicorn takes a bound method for an ASGI2 app.
@@ -185,15 +192,43 @@ class PagodaIngress:
         path, root = scope["path"], scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
+        headers = list(scope.get("headers", []))
+        if path == "/v1/replicas" and scope["method"] == "GET":
+            await self._list_replicas(headers, send)
+            return
         request = ForwardedRequest(
             method=scope["method"],
             path=path,
             query_string=scope.get("query_string", b""),
-            headers=list(scope.get("headers", [])),
+            headers=headers,
             body=bytes(body),
             prefix_key=routing_key(path, bytes(body), self.prefix_tokens),
+            replica=pinned_replica(headers),
         )
         await self._forward(request, send)
+
+    async def _list_replicas(
+        self, headers: list[tuple[bytes, bytes]], send: Callable[[Message], Awaitable[None]]
+    ) -> None:
+        """GET /v1/replicas: the engine replicas' ids (what x-pagoda-replica names), guarded
+        by the API key like the replicas' /v1 routes."""
+        if self.key_digest is not None:
+            authorization = dict(headers).get(b"authorization")
+            presented = None if authorization is None else authorization.decode("latin-1")
+            if not bearer_matches(presented, self.key_digest):
+                message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
+                await _send_error(send, 401, message)
+                return
+        ids = await asyncio.to_thread(engine_replica_ids, serve.get_replica_context().app_name)
+        body = json.dumps({"object": "list", "replicas": ids}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _forward(
         self, request: ForwardedRequest, send: Callable[[Message], Awaitable[None]]
@@ -230,6 +265,15 @@ class PagodaIngress:
                     await _send_error(send, 500, "the engine replica failed this request")
                 return
         await _send_error(send, 503, "the replica serving this request died; retry later")
+
+
+def engine_replica_ids(app_name: str) -> list[str]:
+    """The unique ids of the application's engine replicas, from the names Ray gives their
+    actors (the replicas' full ids: SERVE_REPLICA::<app>#PagodaEngine#<unique id>)."""
+    prefix = f"SERVE_REPLICA::{app_name}#PagodaEngine#"
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    names = [a["name"] if isinstance(a, dict) else a for a in actors]
+    return sorted(n[len(prefix) :] for n in names if n.startswith(prefix))
 
 
 async def _send_start(
@@ -295,7 +339,9 @@ def build_application(
         max_ongoing_requests=100_000,
     )
     app: serve.Application = ingress.bind(
-        engine.bind(engine_config, server_config, options.slo), options.prefix_tokens
+        engine.bind(engine_config, server_config, options.slo),
+        options.prefix_tokens,
+        server_config.api_key,
     )
     return app
 

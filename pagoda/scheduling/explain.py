@@ -1,5 +1,6 @@
 """Per-request timelines, for `explain`: why a request waited at each step, what it found in
-the prefix cache, its prefill chunks, decode steps and preemptions, and how it finished.
+the prefix cache, its prefill chunks, decode steps and preemptions, the speculative drafts its
+decode steps verified and accepted, and how it finished.
 
 The scheduler reports arrivals, admissions, preemptions, finishes and every step it builds
 (scheduling/scheduler.py); this keeps one RequestTimeline per live request and the last `keep`
@@ -60,6 +61,9 @@ class RequestTimeline:
     num_decode_steps: int = 0
     num_preemptions: int = 0
     num_steps_scheduled: int = 0
+    num_verifications: int = 0  # decode steps that verified speculative drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     finish_reason: str | None = None
     finish_step: int | None = None
 
@@ -97,7 +101,19 @@ class RequestTimeline:
             "num_preemptions": self.num_preemptions,
             "num_steps_scheduled": self.num_steps_scheduled,
             "share_of_steps": round(self.num_steps_scheduled / span, 4),
+            "speculative": self._speculative(),
             "timeline": [e.to_dict() for e in self.entries],
+        }
+
+    def _speculative(self) -> dict[str, Any] | None:
+        """Drafts verified and accepted; None when no step of the request verified any."""
+        if not self.num_verifications:
+            return None
+        return {
+            "num_verifications": self.num_verifications,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": round(self.num_accepted_tokens / max(self.num_draft_tokens, 1), 4),
         }
 
 
@@ -144,6 +160,14 @@ class Explainer:
         else:
             t.num_prefill_chunks += 1
             t.add("prefill", step, {"num_tokens": num_tokens})
+
+    def verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        t = self.live.get(request_id)
+        if t is None:
+            return
+        t.num_verifications += 1
+        t.num_draft_tokens += num_drafts
+        t.num_accepted_tokens += num_accepted
 
     def waited(self, request_id: str, step: int, reason: str) -> None:
         t = self.live.get(request_id)

@@ -434,6 +434,7 @@ class Scheduler:
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_drafts
         self.spec_num_accepted += num_accepted
+        self.explainer.verified(request.request_id, num_drafts, num_accepted)
         per_position = self.spec_accepted_per_position
         per_position.extend([0] * (num_drafts - len(per_position)))
         for i in range(num_accepted):

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: the FastAPI app over AsyncEngine, its API-key check, and
 running it under uvicorn (the first SIGTERM drains).
 
-Routes: /health, /metrics, /version (open), /v1/models, /tokenize, /detokenize,
+Routes: /health, /metrics, /version and /ui (open; webui.py), /v1/models, /tokenize, /detokenize,
 /v1/completions (completions.py) and /v1/chat/completions (chat.py). Every error leaves in
 OpenAI's shape (errors.py).
 """
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -23,6 +21,7 @@ from fastapi.responses import Response
 
 from pagoda.client.async_client import EngineLaunch
 from pagoda.config import EngineConfig
+from pagoda.server.auth import bearer_matches, key_digest
 from pagoda.server.chat import conversation, create_chat_completion
 from pagoda.server.completions import create_completion
 from pagoda.server.errors import APIError, error_response, install_error_handlers
@@ -36,6 +35,7 @@ from pagoda.server.protocol import (
     TokenizeRequest,
 )
 from pagoda.server.state import ServerConfig, ServerState
+from pagoda.server.webui import add_ui_routes
 from pagoda.version import __version__
 
 logger = logging.getLogger("pagoda.server")
@@ -61,6 +61,7 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     deps = [Depends(_guard(state))]
     _add_open_routes(app, state)
+    add_ui_routes(app)
     _add_model_routes(app, state, deps)
     _add_request_routes(app, state, deps)
     watchers = Watchers(state.engine)
@@ -84,40 +85,19 @@ def build_app(state: ServerState) -> FastAPI:
 # ---- auth --------------------------------------------------------------------------------------
 def _guard(state: ServerState) -> Callable[[Request], Awaitable[None]]:
     key = state.config.api_key
-    key_digest = None if key is None else _digest(key.encode())
+    digest = None if key is None else key_digest(key.encode())
 
     async def guard(request: Request) -> None:
         """401 without the API key, 503 while unavailable (open paths excepted)."""
         if request.url.path in OPEN_PATHS:
             return
-        if key_digest is not None and not bearer_matches(
-            request.headers.get("authorization"), key_digest
-        ):
+        if digest is not None and not bearer_matches(request.headers.get("authorization"), digest):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
         reason = state.unavailable_reason
         if reason is not None:
             raise APIError(503, reason)
 
     return guard
-
-
-def _digest(secret: bytes) -> bytes:
-    return hashlib.sha256(secret).digest()
-
-
-def bearer_matches(authorization: str | None, key_digest: bytes) -> bool:
-    """Whether an Authorization header carries the key whose SHA-256 is `key_digest`.
-
-    The comparison takes the same time whatever the token (vLLM's way): both sides are hashed
-    to 32 bytes, so neither the key's content nor its length leaks through response times, and
-    hmac.compare_digest does not stop at the first differing byte. Starlette decodes headers as
-    latin-1, so encoding back to latin-1 recovers the bytes the client sent.
-    """
-    if authorization is None:
-        return False
-    scheme, _, token = authorization.partition(" ")
-    presented = _digest(token.encode("latin-1"))
-    return hmac.compare_digest(presented, key_digest) and scheme.lower() == "bearer"
 
 
 # ---- the model and its tokenizer, health ------------------------------------------------------------------------------

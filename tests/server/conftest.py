@@ -21,6 +21,8 @@ import httpx
 import openai
 import pytest
 
+from tests.server.browser import browser, open_page  # noqa: F401  (fixtures)
+
 START_TIMEOUT_S = 180.0
 SMALL_POOL = ("--num-gpu-blocks-override", "512")
 

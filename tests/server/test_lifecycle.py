@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from pagoda.server import app
+from pagoda.server import app, auth
 from tests.server.conftest import SMALL_POOL, ServerProcess
 
 StartServer = Callable[..., ServerProcess]
@@ -167,10 +167,10 @@ def test_api_key_check_is_constant_time(monkeypatch: pytest.MonkeyPatch) -> None
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
     digest = hashlib.sha256(b"sekret").digest()
-    assert app.bearer_matches("Bearer sekret", digest)
-    assert not app.bearer_matches("Bearer sekre", digest)
-    assert not app.bearer_matches("Bearer sekret-and-more", digest)
-    assert not app.bearer_matches(None, digest)
+    assert auth.bearer_matches("Bearer sekret", digest)
+    assert not auth.bearer_matches("Bearer sekre", digest)
+    assert not auth.bearer_matches("Bearer sekret-and-more", digest)
+    assert not auth.bearer_matches(None, digest)
     assert len(calls) == 3
     assert all(len(a) == len(b) == 32 for a, b in calls)
 

@@ -6,6 +6,9 @@ stopped here (loopback only): two replicas of the tiny Llama behind one route.
 - Prefix-aware routing: a shared-prefix load sends every group of prompts to the replica its
   prefix's rendezvous hash picks, so the cached tokens equal the single server's exactly; the
   groups are picked four for each replica, so the test does not hang on which ids Ray drew.
+- Each replica's view: GET /v1/replicas lists them; the x-pagoda-replica header pins the live
+  feed and a request's explanation to one; /ui in a browser (tests/server/browser.py) picks a
+  replica, follows its feed, and names the replica that served its chat.
 - Slow: the SLO autoscaler drives a deployment from 1 to 2 replicas under load and back to 1;
   a replica killed under load fails or finishes every request (none hangs) and Ray replaces it.
   Their fast variants are unit tests: tests/unit/test_slo_autoscaling.py drives the policy with
@@ -15,9 +18,10 @@ stopped here (loopback only): two replicas of the tiny Llama behind one route.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -28,9 +32,10 @@ from ray import serve
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.autoscaling import SLOPolicyConfig
-from pagoda.distributed.ray_serve import RayServeOptions, build_application
+from pagoda.distributed.ray_serve import RayServeOptions, build_application, engine_replica_ids
 from pagoda.distributed.routing import prefix_key, rendezvous_order
 from pagoda.server.state import ServerConfig
+from tests.server.browser import Page
 from tests.server.conftest import SMALL_POOL, ServerProcess, free_port
 
 BLOCKS = int(SMALL_POOL[1])
@@ -126,13 +131,6 @@ def test_errors_come_back_in_openai_s_shape(two_replicas: RayApp, reference: Ser
         client.completions.create(model="no-such-model", prompt="hi")
 
 
-def engine_replica_ids(app: str = APP) -> list[str]:
-    """The engine replicas' full ids, as the request router names them (Ray names each replica's
-    actor by its full id: SERVE_REPLICA::<app>#<deployment>#<unique id>)."""
-    names = [a["name"] if isinstance(a, dict) else a for a in ray.util.list_named_actors(True)]
-    return sorted(n for n in names if n.startswith(f"SERVE_REPLICA::{app}#PagodaEngine#"))
-
-
 def test_prefix_aware_routing_keeps_the_single_server_s_cache_hits(
     two_replicas: RayApp, reference: ServerProcess
 ) -> None:
@@ -140,7 +138,8 @@ def test_prefix_aware_routing_keeps_the_single_server_s_cache_hits(
     every group goes to the replica its prefix's rendezvous hash picks (four groups picked for
     each replica), so each replica holds its groups' prefixes and the cached tokens equal one
     server's exactly."""
-    replicas = engine_replica_ids()
+    # the request router ranks replicas by their full ids (ReplicaID.to_full_id_str)
+    replicas = [f"SERVE_REPLICA::{APP}#PagodaEngine#{i}" for i in engine_replica_ids(APP)]
     assert len(replicas) == 2, replicas
     candidates = [
         f"Group {g}: " + f"shared system text number {g} with context. " * 8 for g in range(64)
@@ -164,6 +163,61 @@ def test_prefix_aware_routing_keeps_the_single_server_s_cache_hits(
     assert sum(want) > 0
     served_by = [replica for _, replica in got]
     assert served_by == [winner[groups[g]].rsplit("#", 1)[1] for g, _ in order]
+
+
+def test_each_replica_s_live_view_and_explanations_by_id(two_replicas: RayApp) -> None:
+    """GET /v1/replicas lists the engine replicas; x-pagoda-replica pins a request to one: its
+    live feed, and the explanation of a request it served (which the other one does not keep).
+    The browser view is served through the ingress too."""
+    listed = httpx.get(two_replicas.url + "/v1/replicas", timeout=30).json()
+    assert listed["object"] == "list" and listed["replicas"] == engine_replica_ids(APP)
+    assert len(listed["replicas"]) == 2
+    for replica in listed["replicas"]:
+        pin = {"x-pagoda-replica": replica}
+        with httpx.stream(
+            "GET", two_replicas.url + "/v1/engine/events", headers=pin, timeout=30
+        ) as r:
+            assert r.status_code == 200 and r.headers["x-pagoda-replica"] == replica
+            line = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(line[len("data: ") :])["engine"]["block_size"] > 0
+    reply = two_replicas.post("/v1/completions", {"prompt": "Explain me", "max_tokens": 3})
+    served_by, rid = reply.headers["x-pagoda-replica"], reply.json()["id"]
+    other = next(r for r in listed["replicas"] if r != served_by)
+    url = f"{two_replicas.url}/v1/requests/{rid}/explain"
+    here = httpx.get(url, headers={"x-pagoda-replica": served_by}, timeout=30)
+    assert here.status_code == 200 and here.headers["x-pagoda-replica"] == served_by
+    assert here.json()["samples"][0]["finish_reason"] == "length"
+    there = httpx.get(url, headers={"x-pagoda-replica": other}, timeout=30)
+    assert there.status_code == 404 and there.headers["x-pagoda-replica"] == other
+    page = httpx.get(two_replicas.url + "/ui", timeout=30)
+    assert page.status_code == 200 and "<title>pagoda</title>" in page.text
+
+
+def test_the_browser_view_shows_the_replica_picked(
+    two_replicas: RayApp, open_page: Callable[[str], Page]
+) -> None:
+    """/ui through the ingress: the page lists both replicas, its feed follows the one picked,
+    and a chat sent from it names the replica that served it, whose explanation the page shows."""
+    ui = open_page(two_replicas.url)
+    page = ui.page
+    page.wait_for_selector("#feed-state.live", timeout=30_000)
+    replicas = page.eval_on_selector_all("#replica option", "os => os.map(o => o.value)")
+    assert replicas == engine_replica_ids(APP) and len(replicas) == 2
+    for replica in reversed(replicas):
+        page.select_option("#replica", replica)
+        page.wait_for_selector(f"#feed-state.live[data-replica='{replica}']", timeout=30_000)
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "6")
+    page.fill("#prompt", "Which replica are you?")
+    page.click("#send")
+    page.wait_for_function(
+        "document.querySelector('#request-info').textContent.includes('replica')"
+    )
+    served_by = page.text_content("#request-info").rsplit("replica ", 1)[1]
+    assert served_by in replicas
+    page.click("#explain")
+    page.wait_for_selector("#explanation tr[data-event=finished]", timeout=30_000)
+    assert ui.errors == []
 
 
 # ---- slow: autoscaling and a killed replica ----------------------------------------------------

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda.scheduling.explain import Explainer
+from pagoda.scheduling.messages import RunnerOutput
 from pagoda.scheduling.scheduler import Scheduler
-from tests.unit.test_scheduler import make_request, make_scheduler, prompt, step
+from tests.unit.test_scheduler import TOK, make_request, make_scheduler, prompt, step
 
 
 def _events(t: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -134,3 +135,31 @@ def test_the_last_n_finished_are_kept() -> None:
     assert sched.explainer.explain("a", sched.step_id) is None
     assert _explain(sched, "b")["finish_step"] == 2
     assert sched.explainer.explain("never", sched.step_id) is None
+
+
+def test_speculative_drafts_verified_and_accepted() -> None:
+    """A request whose decode steps verify drafts (as the runner's proposer leaves them in
+    spec_token_ids): each verification's drafts and accepted drafts add up; a request that
+    verified none reports no speculative part."""
+    sched = make_scheduler()
+    a = make_request("a", prompt(1, 5), arrival=0, max_tokens=10)
+    b = make_request("b", prompt(2, 5), arrival=1, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # both prefill
+    for drafts, sampled in (([7, 8, 9], [7, 8, 5]), ([4, 4], [6])):  # 2 of 3, then 0 of 2
+        a.spec_token_ids = drafts
+        out = sched.schedule()
+        assert {s.request_id: s.num_draft_tokens for s in out.scheduled} == {
+            "a": len(drafts),
+            "b": 0,
+        }
+        sched.update(out, RunnerOutput({"a": sampled, "b": [TOK]}, logprobs={}, prompt_logprobs={}))
+    assert _explain(sched, "a")["speculative"] == {
+        "num_verifications": 2,
+        "num_draft_tokens": 5,
+        "num_accepted_tokens": 2,
+        "acceptance_rate": 0.4,
+    }
+    assert _explain(sched, "a")["num_decode_steps"] == 2
+    assert _explain(sched, "b")["speculative"] is None

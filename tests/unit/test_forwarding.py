@@ -1,7 +1,9 @@
 """The Ray Serve app's parts that need no cluster: the routing key of a request's body, a
 forwarded request run through an ASGI app (plain, streamed, the client leaving), the app's
 lifespan, and the ingress's answer when a replica dies (retried once while nothing was sent, an
-error event mid-stream, a 503 after two losses) with a fake DeploymentHandle."""
+error event mid-stream, a 503 after two losses) with a fake DeploymentHandle; the replica a
+request asks for (x-pagoda-replica) reaches the router, and the ingress's own GET /v1/replicas
+checks the API key."""
 
 from __future__ import annotations
 
@@ -122,6 +124,7 @@ class FakeHandle:
     def __init__(self, script: list[list[Any]]) -> None:
         self.script = script
         self.calls = 0
+        self.requests: list[ForwardedRequest] = []
 
     def options(self, **kwargs: Any) -> FakeHandle:
         return self
@@ -129,6 +132,7 @@ class FakeHandle:
     def remote(self, request: ForwardedRequest) -> AsyncIterator[Any]:
         items = self.script[self.calls]
         self.calls += 1
+        self.requests.append(request)
 
         async def replies() -> AsyncIterator[Any]:
             for item in items:
@@ -139,9 +143,15 @@ class FakeHandle:
         return replies()
 
 
-def _ingress_reply(script: list[list[Any]]) -> tuple[list[dict[str, Any]], int]:
-    handle = FakeHandle(script)
-    ingress = PagodaIngress(handle, prefix_tokens=64)  # type: ignore[arg-type]
+def _ingress_reply(
+    script: list[list[Any]],
+    headers: list[tuple[bytes, bytes]] | None = None,
+    handle: FakeHandle | None = None,
+    api_key: str | None = None,
+    path: str = "/v1/completions",
+) -> tuple[list[dict[str, Any]], int]:
+    handle = handle or FakeHandle(script)
+    ingress = PagodaIngress(handle, prefix_tokens=64, api_key=api_key)  # type: ignore[arg-type]
     app = ingress.__serve_build_asgi_app__()
     sent: list[dict[str, Any]] = []
 
@@ -151,7 +161,8 @@ def _ingress_reply(script: list[list[Any]]) -> tuple[list[dict[str, Any]], int]:
     async def send(message: Any) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    method = "GET" if path == "/v1/replicas" else "POST"
+    scope = {"type": "http", "method": method, "path": path, "headers": headers or []}
     asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
     return sent, handle.calls
 
@@ -204,3 +215,18 @@ def test_bad_ray_serve_options_are_value_errors() -> None:
         RayServeOptions(router="random")
     assert RayServeOptions(min_replicas=1, max_replicas=3).autoscaling
     assert not RayServeOptions(min_replicas=2, max_replicas=2).autoscaling
+
+
+def test_the_replica_header_pins_a_request_for_the_router() -> None:
+    handle = FakeHandle([[JSON, b"{}"], [JSON, b"{}"]])
+    _ingress_reply([], [(b"X-Pagoda-Replica", b"abc123")], handle)
+    _ingress_reply([], [], handle)
+    assert [r.replica for r in handle.requests] == ["abc123", None]
+    assert handle.requests[0].prefix_key == routing_key("/v1/completions", body({"prompt": "hi"}))
+
+
+def test_the_replica_list_is_guarded_by_the_api_key() -> None:
+    handle = FakeHandle([])
+    sent, calls = _ingress_reply([], [], handle, api_key="sk-ray", path="/v1/replicas")
+    assert sent[0]["status"] == 401 and calls == 0
+    assert json.loads(sent[1]["body"])["error"]["code"] == 401
