@@ -46,7 +46,9 @@ browser:
 # One pytest-xdist worker per core (at most 4); each test file runs whole on one worker
 # (--dist loadfile), so its module-scoped engines and servers start once. (--dist loadgroup with
 # xdist_group marks did not group anything under pytest 9.2 / xdist 3.8: files were split.)
-test: lint typecheck browser
+# The checks and the browser install run side by side (mypy takes one core, apt the network).
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck browser
 	$(BIN)/python -m pytest -q -x --durations=15 -n auto --maxprocesses 4 --dist loadfile
 
 bench: $(STAMP)

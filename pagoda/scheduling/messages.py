@@ -196,6 +196,7 @@ class SnapshotRequest(msgspec.Struct, array_like=True):
     num_tokens: int  # prompt + outputs so far
     priority: int
     num_preemptions: int
+    num_cached_tokens: int  # prompt tokens found in the prefix cache (-1: not admitted yet)
 
 
 class EngineSnapshot(msgspec.Struct, array_like=True):

@@ -26,6 +26,7 @@ def build_snapshot(scheduler: Any) -> EngineSnapshot:
             r.num_tokens,
             r.priority,
             r.num_preemptions,
+            r.num_cached_tokens,
         )
         for r in queued
     ]

@@ -1,6 +1,6 @@
-"""Headless Chromium for the browser tests (Debian's `chromium`, which `make test` installs),
-driven by Playwright; its own browser download does not work on these machines. The fixtures
-`browser` (one per module) and `open_page` are registered by tests/server/conftest.py."""
+"""Headless Chromium for the browser tests (pagoda/bench/browser.py: Debian's `chromium`, which
+`make test` installs, driven by Playwright). tests/server/conftest.py registers the fixtures
+`browser` (one per module) and `open_page`."""
 
 from __future__ import annotations
 
@@ -12,29 +12,19 @@ from typing import Any
 
 import pytest
 
-# Chromium on a machine with a closed network: no background connections, no sandbox (root).
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+from pagoda.bench.browser import launch_chromium
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    path = shutil.which("chromium")
-    if path is None:
+    if shutil.which("chromium") is None:
         if os.environ.get("CI"):
             pytest.fail("Debian's chromium is not installed: `make test` installs it")
         pytest.skip("Debian's chromium is not installed (apt-get install chromium; make test does)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=path, args=CHROMIUM_ARGS)
+        launched = launch_chromium(playwright)
         yield launched
         launched.close()
 

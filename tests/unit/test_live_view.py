@@ -44,6 +44,26 @@ def test_a_snapshot_shows_each_block_its_owner_and_the_queues() -> None:
     assert (snap.prefix_cache_queries, snap.prefix_cache_hits) == (8 + 7, 0)
 
 
+def test_prefix_cache_hits_show_per_request_and_as_shared_blocks() -> None:
+    sched = make_scheduler(num_blocks=8)
+    shared = prompt(1, 8)  # two full blocks of 4
+    a = make_request("a", [*shared, 50], arrival=0, max_tokens=4)
+    sched.add_request(a)
+    step(sched)
+    b = make_request("b", [*shared, 60], arrival=1, max_tokens=4)
+    sched.add_request(b)
+    waiting = build_snapshot(sched).requests[1]
+    assert (waiting.request_id, waiting.num_cached_tokens) == ("b", -1)  # not admitted yet
+    step(sched)
+    snap = build_snapshot(sched)
+    assert [(r.request_id, r.num_cached_tokens) for r in snap.requests] == [("a", 0), ("b", 8)]
+    common = sched.kv.get_block_ids("a")[:2]
+    assert common == sched.kv.get_block_ids("b")[:2]
+    for i in common:  # held by both: a (index 0 in requests) is its owner
+        assert (snap.block_state[i], snap.block_ref_cnt[i], snap.block_owner[i]) == (HELD, 2, 0)
+    assert snap.prefix_cache_hits == 8
+
+
 class _Engine:
     def __init__(self) -> None:
         self.scheduler = make_scheduler()

@@ -8,7 +8,7 @@
 const { LinePlot, formatSeconds, formatNumber, formatPercent } = window.PagodaPlots;
 const $ = (id) => document.getElementById(id);
 const FREE = 0, CACHED = 1;
-const MAX_QUEUE_ROWS = 60;
+const MAX_QUEUE_ROWS = 40;
 
 const state = {
   key: localStorage.getItem("pagoda.apiKey") || "",
@@ -135,38 +135,71 @@ function restartFeed() {
   if (state.feedAbort) state.feedAbort.abort();
 }
 
+// The block pool follows every snapshot; the numbers, the queue table and the plots (two
+// minutes wide; they take every sample) are redrawn once a second, which keeps the page cheap
+// for the machine it watches when both share one host (benchmarks/live_feed_overhead.py).
+const SLOW_REDRAW_S = 1.0;
+let slowDrawn = 0;
+
 function render(event) {
   const engine = event.engine, numbers = event.metrics;
   state.snapshot = engine;
-  renderStats(engine, numbers);
+  const slow = !document.hidden && Math.abs(engine.time - slowDrawn) >= SLOW_REDRAW_S;
+  if (slow) slowDrawn = engine.time;
+  pushPlots(engine, numbers, slow);
+  if (document.hidden) return; // nothing to draw for: the plots keep their samples
   drawPool(engine);
+  if (!slow) return;
+  renderStats(engine);
   renderQueues(engine);
-  pushPlots(engine, numbers);
 }
 
-function stat(value, label, fraction) {
-  const bar = fraction === undefined ? "" :
-    `<div class="bar"><i style="width:${Math.min(100, fraction * 100).toFixed(1)}%"></i></div>`;
-  return `<div class="stat"><b>${value}</b><span>${label}</span>${bar}</div>`;
+// The stat boxes, built once: [value, label, bar fill or null] elements by key
+const statBoxes = {};
+
+function stat(key, value, label, fraction) {
+  let box = statBoxes[key];
+  if (!box) {
+    const div = document.createElement("div");
+    div.className = "stat";
+    div.dataset.stat = key;
+    div.innerHTML = "<b></b><span></span>" + (fraction === undefined ? "" : '<div class="bar"><i></i></div>');
+    $("stats").append(div);
+    box = statBoxes[key] = [div.querySelector("b"), div.querySelector("span"), div.querySelector("i")];
+  }
+  setText(box[0], String(value));
+  setText(box[1], label);
+  if (box[2]) {
+    const width = Math.min(100, fraction * 100).toFixed(1) + "%";
+    if (box[2].style.width !== width) box[2].style.width = width;
+  }
 }
 
-function renderStats(engine, numbers) {
+function renderStats(engine) {
   const queues = { running: 0, waiting: 0, preempted: 0 };
   for (const r of engine.requests) queues[r.queue] += 1;
-  const held = engine.block_state.filter((s) => s > CACHED).length;
-  const cached = engine.block_state.filter((s) => s === CACHED).length;
+  let held = 0, cached = 0;
+  for (const s of engine.block_state) { if (s > CACHED) held += 1; else if (s === CACHED) cached += 1; }
+  const n = engine.block_state.length;
   const hitRate = engine.prefix_cache_queries ? engine.prefix_cache_hits / engine.prefix_cache_queries : 0;
   const budget = engine.num_scheduled_tokens / engine.max_num_batched_tokens;
-  $("stats").innerHTML = [
-    stat(queues.running, "running"),
-    stat(queues.waiting + queues.preempted, `waiting (${queues.preempted} preempted)`),
-    stat(engine.num_preemptions, "preemptions"),
-    stat(`${engine.num_scheduled_tokens} / ${engine.max_num_batched_tokens}`, "token budget, last step", budget),
-    stat(`${held} / ${engine.block_state.length}`, "KV blocks in use", held / engine.block_state.length),
-    stat(cached, "cached, evictable"),
-    stat(formatPercent(hitRate), "prefix cache hits", hitRate),
-    stat(engine.step_id, "step"),
-  ].join("");
+  stat("running", queues.running, "running");
+  stat("waiting", queues.waiting + queues.preempted, `waiting (${queues.preempted} preempted)`);
+  stat("preemptions", engine.num_preemptions, "preemptions");
+  stat("budget", `${engine.num_scheduled_tokens} / ${engine.max_num_batched_tokens}`, "token budget, last step", budget);
+  stat("blocks", `${held} / ${n}`, "KV blocks in use", held / n);
+  stat("cached", cached, "cached, evictable");
+  stat("hits", formatPercent(hitRate), "prefix cache hits", hitRate);
+  stat("step", engine.step_id, "step");
+}
+
+// Writes only what changed: every write makes the browser lay out and paint again.
+function setText(element, text) {
+  if (element.textContent !== text) element.textContent = text;
+}
+
+function setData(element, values) {
+  for (const [k, v] of Object.entries(values)) if (element.dataset[k] !== String(v)) element.dataset[k] = v;
 }
 
 // hue of a request, stable across snapshots
@@ -183,38 +216,63 @@ function poolGeometry(canvas, count) {
   return { cell, cols, rows: Math.ceil(count / cols), width };
 }
 
+// The colour of each block last drawn ("" before any), so a snapshot repaints only the cells
+// that changed: the page stays cheap on the machine it watches.
+const pool = { key: "", painted: [], colours: new Map() };
+
+function blockColour(engine, b) {
+  const s = engine.block_state[b], owner = engine.block_owner[b];
+  let colour = s === FREE ? "#2a2f38" : s === CACHED ? "#5d6b7d" : "#b0b6c0";
+  if (s > CACHED && owner >= 0) {
+    const id = engine.requests[owner].request_id;
+    colour = pool.colours.get(id);
+    if (colour === undefined) {
+      colour = `hsl(${hue(id)} 65% 55%)`;
+      if (pool.colours.size > 4096) pool.colours.clear();
+      pool.colours.set(id, colour);
+    }
+  }
+  return engine.block_ref_cnt[b] > 1 ? colour + "|shared" : colour;
+}
+
 function drawPool(engine) {
   const canvas = $("pool");
   const n = engine.block_state.length;
   const { cell, cols, rows, width } = poolGeometry(canvas, n);
   const ratio = window.devicePixelRatio || 1;
-  canvas.style.height = rows * cell + "px";
-  canvas.width = Math.round(width * ratio);
-  canvas.height = Math.round(rows * cell * ratio);
   const g = canvas.getContext("2d");
-  g.setTransform(ratio, 0, 0, ratio, 0, 0);
+  const key = [n, cell, cols, width, ratio].join(",");
+  if (key !== pool.key) { // a new size: resize (which clears) and paint every cell
+    canvas.style.height = rows * cell + "px";
+    canvas.width = Math.round(width * ratio);
+    canvas.height = Math.round(rows * cell * ratio);
+    g.setTransform(ratio, 0, 0, ratio, 0, 0);
+    pool.key = key;
+    pool.painted = new Array(n).fill("");
+  }
   const gap = cell > 5 ? 1 : 0;
   const owners = new Set();
   let held = 0, shared = 0;
   for (let b = 0; b < n; b++) {
-    const x = (b % cols) * cell, y = Math.floor(b / cols) * cell;
-    const s = engine.block_state[b], owner = engine.block_owner[b];
-    if (s === FREE) g.fillStyle = "#2a2f38";
-    else if (s === CACHED) g.fillStyle = "#5d6b7d";
-    else if (owner >= 0) g.fillStyle = `hsl(${hue(engine.requests[owner].request_id)} 65% 55%)`;
-    else g.fillStyle = "#b0b6c0";
-    if (s > CACHED) { held += 1; if (owner >= 0) owners.add(owner); }
+    const s = engine.block_state[b];
+    if (s > CACHED) { held += 1; if (engine.block_owner[b] >= 0) owners.add(engine.block_owner[b]); }
     if (engine.block_ref_cnt[b] > 1) shared += 1;
+    const colour = blockColour(engine, b);
+    if (colour === pool.painted[b]) continue;
+    pool.painted[b] = colour;
+    const x = (b % cols) * cell, y = Math.floor(b / cols) * cell;
+    const [fill, outline] = colour.split("|");
+    g.fillStyle = fill;
     g.fillRect(x, y, cell - gap, cell - gap);
-    if (engine.block_ref_cnt[b] > 1 && cell >= 5) {
+    if (outline && cell >= 5) {
       g.strokeStyle = "#ffffff";
       g.lineWidth = 1;
       g.strokeRect(x + 1.5, y + 1.5, cell - gap - 3, cell - gap - 3);
     }
   }
   // what the canvas shows, for the page's tests
-  Object.assign(canvas.dataset, { blocks: n, held, shared, owners: owners.size });
-  $("pool-caption").textContent = `${n} blocks of ${engine.block_size} tokens`;
+  setData(canvas, { blocks: n, held, shared, owners: owners.size });
+  setText($("pool-caption"), `${n} blocks of ${engine.block_size} tokens`);
 }
 
 function poolTip(e) {
@@ -233,30 +291,36 @@ function poolTip(e) {
   tip.hidden = false;
 }
 
+// One table row per queued request (the first MAX_QUEUE_ROWS), reused from snapshot to snapshot.
+function queueRow() {
+  const tr = document.createElement("tr");
+  tr.innerHTML = '<td class="id"></td><td></td><td><span class="bar"><i></i></span><span></span></td><td></td><td></td><td></td>';
+  return tr;
+}
+
 function renderQueues(engine) {
   const body = $("queues").tBodies[0];
-  const rows = engine.requests.slice(0, MAX_QUEUE_ROWS).map((r) => {
+  const shown = engine.requests.slice(0, MAX_QUEUE_ROWS);
+  while (body.rows.length > shown.length) body.deleteRow(-1);
+  while (body.rows.length < shown.length) body.append(queueRow());
+  shown.forEach((r, i) => {
+    const tr = body.rows[i], cells = tr.cells;
+    setData(tr, { queue: r.queue });
+    if (cells[0].title !== r.request_id) {
+      cells[0].title = cells[0].textContent = r.request_id;
+      cells[0].style.color = `hsl(${hue(r.request_id)} 65% 65%)`;
+    }
+    setText(cells[1], r.queue);
     const done = r.num_tokens ? r.num_computed_tokens / r.num_tokens : 0;
-    const tr = document.createElement("tr");
-    tr.dataset.queue = r.queue;
-    const cells = [r.request_id, r.queue, null, r.priority, r.num_preemptions];
-    cells.forEach((v, i) => {
-      const td = document.createElement("td");
-      if (i === 0) { td.className = "id"; td.title = v; td.style.color = `hsl(${hue(r.request_id)} 65% 65%)`; }
-      if (v === null) {
-        td.innerHTML = `<span class="bar"><i style="width:${(done * 100).toFixed(1)}%"></i></span>`;
-        td.append(`${r.num_computed_tokens} / ${r.num_tokens}`);
-      } else td.textContent = v;
-      tr.append(td);
-    });
-    return tr;
+    const width = (done * 100).toFixed(1) + "%";
+    if (cells[2].firstChild.firstChild.style.width !== width) cells[2].firstChild.firstChild.style.width = width;
+    setText(cells[2].lastChild, `${r.num_computed_tokens} / ${r.num_tokens}`);
+    setText(cells[3], r.num_cached_tokens < 0 ? "–" : String(r.num_cached_tokens));
+    setText(cells[4], String(r.priority));
+    setText(cells[5], String(r.num_preemptions));
   });
-  if (engine.requests.length > MAX_QUEUE_ROWS) {
-    const tr = document.createElement("tr");
-    tr.innerHTML = `<td colspan="5" class="muted">and ${engine.requests.length - MAX_QUEUE_ROWS} more</td>`;
-    rows.push(tr);
-  }
-  body.replaceChildren(...rows);
+  const more = engine.requests.length - shown.length;
+  setText($("queues-more"), more > 0 ? `and ${more} more` : "");
 }
 
 // ---- plots -------------------------------------------------------------------------------------
@@ -301,16 +365,16 @@ function rates(time, numbers) {
   return { prompt: (numbers.prompt_tokens_total - p0) / dt, generation: (numbers.generation_tokens_total - g0) / dt };
 }
 
-function pushPlots(engine, numbers) {
+function pushPlots(engine, numbers, draw) {
   const t = engine.time;
-  plots.ttft.push(t, numbers.ttft);
-  plots.itl.push(t, numbers.itl);
-  plots.e2e.push(t, numbers.e2e);
-  plots.throughput.push(t, rates(t, numbers));
-  plots.kv.push(t, { kv: numbers.kv_cache_usage });
-  plots.queues.push(t, { running: numbers.num_running, waiting: numbers.num_waiting });
-  plots.budget.push(t, { budget: engine.num_scheduled_tokens });
-  plots.preemptions.push(t, { preemptions: engine.num_preemptions });
+  plots.ttft.push(t, numbers.ttft, draw);
+  plots.itl.push(t, numbers.itl, draw);
+  plots.e2e.push(t, numbers.e2e, draw);
+  plots.throughput.push(t, rates(t, numbers), draw);
+  plots.kv.push(t, { kv: numbers.kv_cache_usage }, draw);
+  plots.queues.push(t, { running: numbers.num_running, waiting: numbers.num_waiting }, draw);
+  plots.budget.push(t, { budget: engine.num_scheduled_tokens }, draw);
+  plots.preemptions.push(t, { preemptions: engine.num_preemptions }, draw);
 }
 
 // ---- the playground ----------------------------------------------------------------------------

@@ -26,18 +26,19 @@ class LinePlot {
     container.append(box);
   }
 
-  // values: {key: number | null}; a null leaves a gap (no sample yet)
-  push(time, values) {
+  // values: {key: number | null}; a null leaves a gap (no sample yet). draw: redraw now
+  push(time, values, draw = true) {
     this.series.forEach((s, i) => {
       const v = values[s.key];
       this.points[i].push([time, v === undefined ? null : v]);
       while (this.points[i].length && this.points[i][0][0] < time - WINDOW_S) this.points[i].shift();
     });
+    this.box.dataset.samples = String(this.points[0].length);
+    this.box.dataset.latest = JSON.stringify(values); // the latest sample, for the page's tests
+    if (!draw) return;
     this.latest.textContent = this.series
       .map((s) => s.label + " " + (values[s.key] == null ? "–" : this.format(values[s.key])))
       .join("  ");
-    this.box.dataset.samples = String(this.points[0].length);
-    this.box.dataset.latest = JSON.stringify(values); // what the page shows, for its tests
     this.draw(time);
   }
 
