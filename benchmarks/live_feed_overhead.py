@@ -113,7 +113,7 @@ def snapshot_cost(repeats: int = 100) -> dict[str, Any]:
     from pagoda.sampling_params import SamplingParams
     from pagoda.scheduling.messages import EngineRequest
     from pagoda.scheduling.snapshot import build_snapshot
-    from pagoda.server.live import INTERVAL_S, payload
+    from pagoda.server.live import MIN_INTERVAL_S, payload
     from pagoda.server.metrics import Metrics
 
     llm = LLM(None)
@@ -138,7 +138,7 @@ def snapshot_cost(repeats: int = 100) -> dict[str, Any]:
     for _ in range(repeats):
         event = json.dumps(payload(snapshot, metrics))
     event_ms = (time.perf_counter() - began) / repeats * 1e3
-    per_s = 1 / INTERVAL_S
+    per_s = 1 / MIN_INTERVAL_S
     return {
         "num_blocks": len(snapshot.block_state),
         "num_requests": len(snapshot.requests),

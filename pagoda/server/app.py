@@ -25,7 +25,7 @@ from pagoda.server.auth import bearer_matches, key_digest
 from pagoda.server.chat import conversation, create_chat_completion
 from pagoda.server.completions import create_completion
 from pagoda.server.errors import APIError, error_response, install_error_handlers
-from pagoda.server.live import Watchers, event_stream
+from pagoda.server.live import MIN_INTERVAL_S, Watchers, event_stream
 from pagoda.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,9 +67,9 @@ def build_app(state: ServerState) -> FastAPI:
     watchers = Watchers(state.engine)
 
     @app.get("/v1/engine/events", dependencies=deps)
-    async def engine_events(request: Request) -> Response:
+    async def engine_events(request: Request, interval_s: float = MIN_INTERVAL_S) -> Response:
         """Server-sent events of the engine's state for the live view (server/live.py)."""
-        return event_stream(request, state.engine, state.metrics, watchers)
+        return event_stream(request, state.engine, state.metrics, watchers, interval_s)
 
     @app.post("/v1/completions", dependencies=deps)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -87,7 +87,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
         first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in first.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path"):  # where it came from, not its name
+            loc = loc[1:]
         param = ".".join(loc) or None
         message = str(first.get("msg", "invalid request"))
         if first.get("type") == "json_invalid":

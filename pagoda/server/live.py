@@ -1,8 +1,10 @@
 """The live view's feed: GET /v1/engine/events, server-sent events of the engine's state (the
 KV block pool, the queues, the last step's token budget; scheduling/snapshot.py) and of the
-numbers /metrics serves (latency percentiles, token totals, queues, KV usage), at most every
-INTERVAL_S. The engine builds snapshots only while at least one client is connected: the first
-to connect turns them on (AsyncEngine.watch), the last to leave turns them off.
+numbers /metrics serves (latency percentiles, token totals, queues, KV usage), one every
+`interval_s` a client asks for (?interval_s=, MIN_INTERVAL_S to MAX_INTERVAL_S, default
+MIN_INTERVAL_S). The engine builds snapshots only while at least one client is connected, at the
+shortest interval any of them asked for: the first to connect turns them on
+(AsyncEngine.watch), the last to leave turns them off.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,9 +21,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from pagoda.client.async_client import AsyncEngine
+from pagoda.server.errors import APIError
 from pagoda.server.metrics import Metrics
 
-INTERVAL_S = 0.2
+MIN_INTERVAL_S = 0.2
+MAX_INTERVAL_S = 60.0
 # /metrics histograms whose percentiles an event carries
 LATENCIES = {
     "ttft": "pagoda:time_to_first_token_seconds",
@@ -31,39 +36,67 @@ QUANTILES = (0.5, 0.9, 0.99)
 
 
 class Watchers:
-    """How many clients read the feed; snapshots are on while there is one."""
+    """The intervals the feed's clients asked for; the engine snapshots at the shortest while
+    there is one."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.count = 0
+        self.intervals: list[float] = []
+        self.current = 0.0  # what the engine was last asked for (0: off)
 
-    def join(self) -> None:
-        self.count += 1
-        if self.count == 1:
-            self.engine.watch(INTERVAL_S)
+    def join(self, interval_s: float = MIN_INTERVAL_S) -> None:
+        self.intervals.append(interval_s)
+        self._update()
 
-    def leave(self) -> None:
-        self.count -= 1
-        if self.count == 0:
-            self.engine.watch(0.0)
+    def leave(self, interval_s: float = MIN_INTERVAL_S) -> None:
+        self.intervals.remove(interval_s)
+        self._update()
+        if not self.intervals:
             self.engine.snapshot = None
+
+    def _update(self) -> None:
+        wanted = min(self.intervals, default=0.0)
+        if wanted != self.current:
+            self.engine.watch(wanted)
+            self.current = wanted
+
+
+def check_interval(interval_s: float) -> float:
+    if not MIN_INTERVAL_S <= interval_s <= MAX_INTERVAL_S:
+        raise APIError(
+            400,
+            f"interval_s must be between {MIN_INTERVAL_S} and {MAX_INTERVAL_S} seconds, "
+            f"got {interval_s}",
+            "interval_s",
+        )
+    return interval_s
 
 
 def event_stream(
-    request: Request, engine: AsyncEngine, metrics: Metrics, watchers: Watchers
+    request: Request,
+    engine: AsyncEngine,
+    metrics: Metrics,
+    watchers: Watchers,
+    interval_s: float = MIN_INTERVAL_S,
 ) -> StreamingResponse:
+    """The feed for one client, an event every interval_s (the latest snapshot then)."""
+    check_interval(interval_s)
+
     async def events() -> AsyncIterator[str]:
-        watchers.join()
+        watchers.join(interval_s)
         try:
             last: Any = None  # the client's latest EngineSnapshot
+            sent = -math.inf
             while not await request.is_disconnected():
                 snapshot = engine.snapshot
-                if snapshot is not None and snapshot is not last:
-                    last = snapshot
+                # a snapshot comes every shortest interval: take the first one due
+                due = time.monotonic() - sent >= interval_s - MIN_INTERVAL_S / 2
+                if snapshot is not None and snapshot is not last and due:
+                    last, sent = snapshot, time.monotonic()
                     yield f"data: {json.dumps(payload(snapshot, metrics))}\n\n"
-                await asyncio.sleep(INTERVAL_S / 4)
+                await asyncio.sleep(MIN_INTERVAL_S / 4)
         finally:
-            watchers.leave()
+            watchers.leave(interval_s)
 
     return StreamingResponse(events(), media_type="text/event-stream")
 

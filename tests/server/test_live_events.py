@@ -1,7 +1,8 @@
 """GET /v1/engine/events on a real server: server-sent events of the engine's block pool and
 queues while a client reads them, with the /metrics numbers (latency percentiles, token
-totals); a request in flight shows as running with its blocks held. (--api-key guarding it:
-test_explain_api.py, on its keyed server.)"""
+totals); a request in flight shows as running with its blocks held; a client's ?interval_s=
+spaces its events (0.2 s to 60 s, else a 400). (--api-key guarding it: test_explain_api.py, on
+its keyed server.)"""
 
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import httpx
 from tests.server.conftest import ServerProcess
 
 
-def _events(server: ServerProcess, until: Any, limit: int = 200) -> list[dict[str, Any]]:
+def _events(
+    server: ServerProcess, until: Any, limit: int = 200, query: str = ""
+) -> list[dict[str, Any]]:
     """Events read until `until(event)` holds (or `limit` events)."""
     seen: list[dict[str, Any]] = []
-    with httpx.stream(
-        "GET", server.url + "/v1/engine/events", headers=server.headers, timeout=60
-    ) as r:
+    url = server.url + "/v1/engine/events" + query
+    with httpx.stream("GET", url, headers=server.headers, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -64,3 +66,15 @@ def test_the_feed_shows_a_request_running_on_its_blocks(tiny_server: ServerProce
     after = _events(tiny_server, lambda e: not e["engine"]["requests"])
     assert after[-1]["metrics"]["generation_tokens_total"] >= 400
     assert after[-1]["metrics"]["ttft"]["p50"] is not None
+
+
+def test_a_client_s_interval_spaces_its_events(tiny_server: ServerProcess) -> None:
+    # the engine snapshots every 0.2 s while watched; a 1 s client gets one of them a second
+    seen = _events(tiny_server, lambda e: False, limit=3, query="?interval_s=1")
+    times = [e["engine"]["time"] for e in seen]
+    assert all(b - a > 0.5 for a, b in zip(times, times[1:])), times
+    for bad in ("0.1", "61", "fast"):
+        r = tiny_server.get(f"/v1/engine/events?interval_s={bad}")
+        assert r.status_code == 400, (bad, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "interval_s" and error["type"] == "BadRequestError"

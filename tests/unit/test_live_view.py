@@ -116,6 +116,19 @@ def test_the_first_watcher_turns_snapshots_on_and_the_last_off() -> None:
     assert engine.intervals == [0.2, 0.0] and engine.snapshot is None
 
 
+def test_the_engine_snapshots_at_the_shortest_interval_asked() -> None:
+    engine = _Watched()
+    watchers = Watchers(engine)  # type: ignore[arg-type]
+    watchers.join(5.0)
+    watchers.join(1.0)
+    watchers.join(5.0)
+    watchers.leave(1.0)
+    watchers.leave(5.0)
+    assert engine.intervals == [5.0, 1.0, 5.0]
+    watchers.leave(5.0)
+    assert engine.intervals == [5.0, 1.0, 5.0, 0.0] and engine.snapshot is None
+
+
 def test_histogram_quantiles_as_prometheus_estimates_them() -> None:
     buckets = [(0.1, 2.0), (0.5, 6.0), (1.0, 10.0), (float("inf"), 10.0)]
     assert histogram_quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * (5 - 2) / 4)

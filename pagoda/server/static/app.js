@@ -10,8 +10,17 @@ const $ = (id) => document.getElementById(id);
 const FREE = 0, CACHED = 1;
 const MAX_QUEUE_ROWS = 40;
 
+// How often the engine view updates (the feed's interval_s): ?refresh= in the page's address,
+// else the last choice, else once a second (cheap for the machine it watches).
+const REFRESH_CHOICES = ["0.2", "1", "5"];
+function initialRefresh() {
+  const asked = new URLSearchParams(window.location.search).get("refresh") || localStorage.getItem("pagoda.refresh");
+  return REFRESH_CHOICES.includes(asked) ? asked : "1";
+}
+
 const state = {
   key: localStorage.getItem("pagoda.apiKey") || "",
+  refresh: initialRefresh(),
   replica: "",
   model: null,
   history: [],          // the chat so far: [{role, content}]
@@ -112,7 +121,7 @@ async function runFeed() {
     const abort = new AbortController();
     state.feedAbort = abort;
     try {
-      const r = await fetch("/v1/engine/events", { headers: headers(false), signal: abort.signal });
+      const r = await fetch(`/v1/engine/events?interval_s=${state.refresh}`, { headers: headers(false), signal: abort.signal });
       if (!r.ok) {
         const e = await failure(r);
         setFeedState(r.status === 401 ? "API key needed" : e.message, "down");
@@ -135,9 +144,9 @@ function restartFeed() {
   if (state.feedAbort) state.feedAbort.abort();
 }
 
-// The block pool follows every snapshot; the numbers, the queue table and the plots (two
-// minutes wide; they take every sample) are redrawn once a second, which keeps the page cheap
-// for the machine it watches when both share one host (benchmarks/live_feed_overhead.py).
+// The block pool follows every event; the numbers, the queue table and the plots (two minutes
+// wide; they take every sample) are redrawn at most once a second, which keeps the page cheap
+// for the machine it watches when both share one host (benchmarks/live_view_windows.py).
 const SLOW_REDRAW_S = 1.0;
 let slowDrawn = 0;
 
@@ -566,6 +575,12 @@ function start() {
     loadModel().then(loadReplicas).then(restartFeed);
   });
   $("replica").addEventListener("change", () => { state.replica = $("replica").value; restartFeed(); });
+  $("refresh").value = state.refresh;
+  $("refresh").addEventListener("change", () => {
+    state.refresh = $("refresh").value;
+    localStorage.setItem("pagoda.refresh", state.refresh);
+    restartFeed();
+  });
   $("send").addEventListener("click", send);
   $("prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) send();
