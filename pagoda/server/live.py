@@ -61,7 +61,8 @@ class Watchers:
             self.current = wanted
 
 
-def check_interval(interval_s: float) -> float:
+def check_interval(interval_s: float) -> None:
+    """A 400 for an interval out of range (NaN included)."""
     if not MIN_INTERVAL_S <= interval_s <= MAX_INTERVAL_S:
         raise APIError(
             400,
@@ -69,7 +70,6 @@ def check_interval(interval_s: float) -> float:
             f"got {interval_s}",
             "interval_s",
         )
-    return interval_s
 
 
 def event_stream(
