@@ -78,15 +78,33 @@ class OpenPage:
         self.playwright.stop()
 
 
-def chromium_cpu_s() -> float:
-    """CPU seconds (user + system) used so far by this process's Chromium processes."""
+def cpu_s(processes: list[psutil.Process]) -> float:
+    """CPU seconds (user + system) the processes have used so far (gone ones count 0)."""
     total = 0.0
-    for child in psutil.Process().children(recursive=True):
+    for proc in processes:
         with contextlib.suppress(psutil.Error):
-            if "chrom" in child.name():
-                times = child.cpu_times()
-                total += times.user + times.system
+            times = proc.cpu_times()
+            total += times.user + times.system
     return total
+
+
+def chromium_cpu_s() -> float:
+    """CPU seconds used so far by this process's Chromium processes."""
+    return cpu_s([c for c in psutil.Process().children(recursive=True) if _is_chromium(c)])
+
+
+def _is_chromium(proc: psutil.Process) -> bool:
+    try:
+        return "chrom" in proc.name()
+    except psutil.Error:  # gone meanwhile
+        return False
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by process `pid` and its children (the API server and its
+    engine process)."""
+    root = psutil.Process(pid)
+    return cpu_s([root, *root.children(recursive=True)])
 
 
 def run_load(url: str, seed: int) -> float:
@@ -150,18 +168,6 @@ def snapshot_cost(repeats: int = 100) -> dict[str, Any]:
         "engine_loop_share": round(build_ms * per_s / 1e3, 5),
         "api_process_share": round(event_ms * per_s / 1e3, 5),
     }
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used so far by process `pid` and its children (the API
-    server and its engine process)."""
-    total = 0.0
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        with contextlib.suppress(psutil.Error):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
 
 
 def watched_run(

@@ -220,15 +220,7 @@ class PagodaIngress:
                 await _send_error(send, 401, message)
                 return
         ids = await asyncio.to_thread(engine_replica_ids, serve.get_replica_context().app_name)
-        body = json.dumps({"object": "list", "replicas": ids}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await _send_json(send, 200, {"object": "list", "replicas": ids})
 
     async def _forward(
         self, request: ForwardedRequest, send: Callable[[Message], Awaitable[None]]
@@ -289,7 +281,11 @@ async def _send_error(
 ) -> None:
     from pagoda.server.errors import error_body
 
-    body = json.dumps(error_body(status, message).model_dump()).encode()
+    await _send_json(send, status, error_body(status, message).model_dump())
+
+
+async def _send_json(send: Callable[[Message], Awaitable[None]], status: int, payload: Any) -> None:
+    body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -166,9 +166,11 @@ class Scheduler:
         num_new: dict[str, int] = {}  # tokens scheduled per request id, in batch order
         preempted = self._schedule_running(num_new)
         blocked = "preemption" if preempted else self._schedule_waiting(num_new)
-        idle = [r for r in self.running if r.request_id not in num_new]
-        idle = [r for r in idle if not self._finishes_in_flight(r)]  # not waiting: done
-        self.explainer.step(self.step_id + 1, self.requests, num_new, idle, self.waiting, blocked)
+        if self.explainer.live:  # timelines are kept (--max-explained-requests > 0)
+            idle = [r for r in self.running if r.request_id not in num_new]
+            idle = [r for r in idle if not self._finishes_in_flight(r)]  # not waiting: done
+            step = self.step_id + 1
+            self.explainer.step(step, self.requests, num_new, idle, self.waiting, blocked)
         self.last_num_scheduled_tokens = sum(num_new.values())  # for snapshot.py
         return self._emit(num_new, preempted)
 

@@ -187,8 +187,7 @@ function stat(key, value, label, fraction) {
 function renderStats(engine) {
   const queues = { running: 0, waiting: 0, preempted: 0 };
   for (const r of engine.requests) queues[r.queue] += 1;
-  let held = 0, cached = 0;
-  for (const s of engine.block_state) { if (s > CACHED) held += 1; else if (s === CACHED) cached += 1; }
+  const { held, cached } = pool.counts; // drawPool counted them for this snapshot
   const n = engine.block_state.length;
   const hitRate = engine.prefix_cache_queries ? engine.prefix_cache_hits / engine.prefix_cache_queries : 0;
   const budget = engine.num_scheduled_tokens / engine.max_num_batched_tokens;
@@ -227,7 +226,7 @@ function poolGeometry(canvas, count) {
 
 // The colour of each block last drawn ("" before any), so a snapshot repaints only the cells
 // that changed: the page stays cheap on the machine it watches.
-const pool = { key: "", painted: [], colours: new Map() };
+const pool = { key: "", painted: [], colours: new Map(), counts: { held: 0, cached: 0 } };
 
 function blockColour(engine, b) {
   const s = engine.block_state[b], owner = engine.block_owner[b];
@@ -261,9 +260,10 @@ function drawPool(engine) {
   }
   const gap = cell > 5 ? 1 : 0;
   const owners = new Set();
-  let held = 0, shared = 0;
+  let held = 0, cached = 0, shared = 0;
   for (let b = 0; b < n; b++) {
     const s = engine.block_state[b];
+    if (s === CACHED) cached += 1;
     if (s > CACHED) { held += 1; if (engine.block_owner[b] >= 0) owners.add(engine.block_owner[b]); }
     if (engine.block_ref_cnt[b] > 1) shared += 1;
     const colour = blockColour(engine, b);
@@ -279,6 +279,7 @@ function drawPool(engine) {
       g.strokeRect(x + 1.5, y + 1.5, cell - gap - 3, cell - gap - 3);
     }
   }
+  pool.counts = { held, cached };
   // what the canvas shows, for the page's tests
   setData(canvas, { blocks: n, held, shared, owners: owners.size });
   setText($("pool-caption"), `${n} blocks of ${engine.block_size} tokens`);
