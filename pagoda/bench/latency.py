@@ -8,7 +8,8 @@ beside vLLM's B1 anchor.
 
 --workload copy asks the model to repeat a passage (bench/copy_workload.py), the case prompt
 lookup is made for. With --speculative-config, pagoda also runs without it in the same run (its
-own baseline: the ratio and whether the greedy outputs are identical), --peer hf decodes with
+own baseline: the ratio and whether the greedy outputs are identical; both engines are up at
+once and take each prompt in turn, bench/b1_runs.py), --peer hf decodes with
 HF's prompt lookup (prompt_lookup_num_tokens = num_speculative_tokens,
 max_matching_ngram_size = prompt_lookup_max) and --peer llama.cpp with its
 LlamaPromptLookupDecoding (num_pred_tokens, max_ngram_size: the same two)."""
@@ -19,12 +20,11 @@ import argparse
 import hashlib
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
+from pagoda.bench.b1_runs import IterTiming, run_pagoda, run_pagoda_pair
 from pagoda.bench.common import (
     add_output_json_arg,
-    decode_tok_s,
     emit,
     gguf_weight_type,
     hf_pad_token_id,
@@ -42,29 +42,10 @@ from pagoda.bench.common import (
     ratio,
     spec_stats,
     token_id_engine_kwargs,
-    weights_record,
 )
 from pagoda.bench.roofline import roofline, roofline_line
 
 NAME = "latency"
-
-
-@dataclass(frozen=True)
-class IterTiming:
-    """One request's timing, in seconds from its submission."""
-
-    ttft_s: float
-    last_token_s: float
-    num_tokens: int
-    num_cached_tokens: int = 0
-
-    @property
-    def decode_tok_s(self) -> float | None:
-        return decode_tok_s(self.num_tokens, self.ttft_s, self.last_token_s)
-
-    @property
-    def e2e_tok_s(self) -> float | None:
-        return self.num_tokens / self.last_token_s if self.last_token_s > 0 else None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,10 +109,18 @@ def main(args: argparse.Namespace) -> int:
     }
     gguf_type = gguf_weight_type(args.model)
     outputs: list[list[int]] = []
-    timings, weights, llm = run_pagoda(
-        args.model, kwargs, prompts, args.output_len, gguf_type, outputs
-    )
-    record["pagoda"] = {**weights, **summarize(timings[args.num_iters_warmup :])}
+    warm = args.num_iters_warmup
+    if spec is None:
+        timings, weights, llm = run_pagoda(
+            args.model, kwargs, prompts, args.output_len, gguf_type, outputs
+        )
+    else:  # both engines at once, each prompt on one then the other: drifts hit both alike
+        plain = {k: v for k, v in kwargs.items() if k != "speculative_config"}
+        baseline: list[list[int]] = []
+        timings, plain_timings, weights, llm = run_pagoda_pair(
+            args.model, (kwargs, plain), prompts, args.output_len, gguf_type, (outputs, baseline)
+        )
+    record["pagoda"] = {**weights, **summarize(timings[warm:])}
     # what another run's greedy outputs can be compared with
     record["pagoda"]["outputs_sha256"] = hashlib.sha256(repr(outputs).encode()).hexdigest()
     sizes = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size")
@@ -139,13 +128,7 @@ def main(args: argparse.Namespace) -> int:
         record["parallel"] = parallel_stats(llm.engine)
     if spec is not None:
         record["spec_decode"] = spec_stats(llm.engine.stats())
-        del llm
-        baseline: list[list[int]] = []
-        plain = {k: v for k, v in kwargs.items() if k != "speculative_config"}
-        timings, _, llm = run_pagoda(
-            args.model, plain, prompts, args.output_len, gguf_type, baseline
-        )
-        record["pagoda_no_spec"] = summarize(timings[args.num_iters_warmup :])
+        record["pagoda_no_spec"] = summarize(plain_timings[warm:])
         record["spec_output_identical"] = outputs == baseline
         for key in ("decode_tok_s", "e2e_tok_s"):
             record[f"spec_ratio_{key}"] = ratio(
@@ -258,48 +241,6 @@ def workload_prompts(
     from pagoda.loading.tokenizer import load_tokenizer
 
     return copy_prompts(load_tokenizer(*resolve_model(model)), count)
-
-
-def run_pagoda(
-    model: str | None,
-    kwargs: dict[str, Any],
-    prompts: list[list[int]],
-    output_len: int,
-    gguf_type: str | None = None,
-    outputs: list[list[int]] | None = None,
-) -> tuple[list[IterTiming], dict[str, Any], Any]:
-    """Timings, the weight scheme (its dtype, bytes in memory, precision in words), the LLM.
-    outputs: if given, each prompt's output token ids are appended to it."""
-    from pagoda.client.llm import LLM
-    from pagoda.sampling_params import SamplingParams
-
-    t0 = time.perf_counter()
-    llm = LLM(model, **kwargs)
-    # Loading, KV sizing and, at -O2 on CPU, compiling both decode graphs.
-    weights = {**weights_record(llm, gguf_type), "startup_s": round(time.perf_counter() - t0, 2)}
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    timings = []
-    for ids in prompts:
-        first = last = None
-        n = cached = 0
-        t0 = time.perf_counter()
-        tokens: list[int] = []
-        for out in llm.generate_stream({"prompt_token_ids": ids}, params):
-            k = len(out.outputs[0].token_ids)
-            if k:
-                last = time.perf_counter() - t0
-                first = last if first is None else first
-                n += k
-                cached = out.num_cached_tokens
-                tokens += out.outputs[0].token_ids
-        if outputs is not None:
-            outputs.append(tokens)
-        if first is None or last is None:
-            raise RuntimeError("pagoda produced no tokens")
-        if n != output_len:
-            log(f"warning: pagoda produced {n} tokens, {output_len} were asked for")
-        timings.append(IterTiming(first, last, n, cached))
-    return timings, weights, llm
 
 
 def profile_decode_steps(llm: Any, prompt: list[int], num_steps: int) -> dict[str, Any]:

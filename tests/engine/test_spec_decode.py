@@ -25,6 +25,7 @@ import pytest
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from pagoda import LLM, SamplingParams
+from pagoda.bench.copy_workload import copy_prompts
 from pagoda.outputs import RequestOutput
 from tests.drafts import FixedDrafts
 
@@ -242,6 +243,34 @@ def test_ngram_on_smollm2_accepts_copied_text(smollm2_path: str, smollm2_llm: LL
     stats = spec.engine.stats()
     print(f"\nngram on SmolLM2 copying: {len(got.token_ids)} tokens, {stats}")
     assert stats.spec_num_accepted_tokens >= len(got.token_ids) // 2, stats
+
+
+# its fast variant: tests/unit/test_cpu_kernels.py (the attention gives a request the same bits
+# in any batch; the matmuls are row-wise by construction)
+@pytest.mark.slow
+def test_ngram_on_the_smollm2_gguf_at_o2_keeps_the_plain_bits(smollm2_path: str) -> None:
+    """SmolLM2's GGUF at -O2 (the copy benchmark's engine): pure verification steps run as
+    compiled one-token rows on the CPU kernels, which give a row the same bits in any batch, so
+    the greedy tokens and their log-probs equal the plain engine's exactly; before the attention
+    split requests by their own length, a near-tie flipped a token of the copy workload."""
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2)
+    outputs = []
+    for spec in (None, NGRAM):
+        llm = LLM(smollm2_path, optimization_level=2, max_model_len=512, speculative_config=spec)
+        assert llm.engine.runner.compiled is not None
+        # the copy benchmark's second passage: its log-probs parted from position 34 before
+        prompt = copy_prompts(llm.get_tokenizer(), 2)[1]
+        outputs.append(llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0])
+        if spec is not None:
+            assert llm.engine.stats().spec_num_accepted_tokens >= 16
+        del llm
+    plain, got = outputs
+    assert got.token_ids == plain.token_ids
+    assert got.logprobs is not None and plain.logprobs is not None
+    for lp_got, lp_plain in zip(got.logprobs, plain.logprobs):
+        assert {t: p.logprob for t, p in lp_got.items()} == {
+            t: p.logprob for t, p in lp_plain.items()
+        }
 
 
 # ---- draft models ----------------------------------------------------------------------------

@@ -355,12 +355,14 @@ def test_latency_with_speculation_runs_its_own_baseline(monkeypatch, capsys):
     stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, 10, 40, 30, [10, 9, 7, 4])
     llm = SimpleNamespace(engine=SimpleNamespace(stats=lambda: stats))
 
-    def fake_pagoda(model, kwargs, prompts, output_len, gguf_type, outputs=None):
-        runs.append(kwargs)
-        spec_on = "speculative_config" in kwargs
-        outputs.extend([[1, 2, 3]] * len(prompts))
-        timing = latency.IterTiming(0.1, 0.6 if spec_on else 1.1, 11)
-        return [timing] * len(prompts), _fake_weights("none"), llm
+    def fake_pair(model, kwargs, prompts, output_len, gguf_type, outputs):
+        runs.extend(kwargs)
+        for out in outputs:
+            out.extend([[1, 2, 3]] * len(prompts))
+        spec_timing = latency.IterTiming(0.1, 0.6, 11)
+        plain_timing = latency.IterTiming(0.1, 1.1, 11)
+        n = len(prompts)
+        return [spec_timing] * n, [plain_timing] * n, _fake_weights("none"), llm
 
     hf_args: list = []
 
@@ -372,7 +374,7 @@ def test_latency_with_speculation_runs_its_own_baseline(monkeypatch, capsys):
         latency, "token_id_engine_kwargs", lambda args: {"seed": 0, "speculative_config": spec}
     )
     monkeypatch.setattr(latency, "gguf_weight_type", lambda model: "Q4_1")
-    monkeypatch.setattr(latency, "run_pagoda", fake_pagoda)
+    monkeypatch.setattr(latency, "run_pagoda_pair", fake_pair)
     monkeypatch.setattr(latency, "run_hf", fake_hf)
     args = _parser(latency).parse_args(["--peer", "hf"])
     args.model = None
@@ -384,6 +386,41 @@ def test_latency_with_speculation_runs_its_own_baseline(monkeypatch, capsys):
     assert record["spec_decode"]["mean_acceptance_length"] == 4.0
     assert hf_args == [{"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 3}]
     assert record["peer"]["name"].startswith("hf-transformers, prompt lookup")
+
+
+def test_the_pair_takes_each_prompt_on_both_engines_in_turn(monkeypatch):
+    """run_pagoda_pair: both engines up before the first prompt, which goes to the first engine
+    first, the next one to the second engine first, and so on; outputs kept per engine."""
+    from pagoda.bench import b1_runs
+
+    order: list[tuple[str, int]] = []
+
+    def fake_start(model, kwargs, gguf_type):
+        order.append(("start", kwargs["name"]))
+        return kwargs["name"], {"name": kwargs["name"]}
+
+    def fake_time(llm, ids, output_len):
+        order.append((llm, ids[0]))
+        return b1_runs.IterTiming(0.1, 0.2, output_len), [ids[0], llm]
+
+    monkeypatch.setattr(b1_runs, "start_pagoda", fake_start)
+    monkeypatch.setattr(b1_runs, "time_prompt", fake_time)
+    outputs: tuple[list, list] = ([], [])
+    spec, plain, weights, llm = b1_runs.run_pagoda_pair(
+        None, ({"name": "a"}, {"name": "b"}), [[0], [1], [2]], 4, None, outputs
+    )
+    assert order == [
+        ("start", "a"),
+        ("start", "b"),
+        ("a", 0),
+        ("b", 0),
+        ("b", 1),
+        ("a", 1),
+        ("a", 2),
+        ("b", 2),
+    ]
+    assert outputs == ([[0, "a"], [1, "a"], [2, "a"]], [[0, "b"], [1, "b"], [2, "b"]])
+    assert len(spec) == len(plain) == 3 and weights == {"name": "a"} and llm == "a"
 
 
 def test_copy_workload_prompts(smollm2_tokenizer) -> None:

@@ -186,6 +186,26 @@ def test_tiles_of_the_wrong_shape_are_refused() -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
+    """Every pass size (1 .. 8 rows on AVX-512 VNNI, 1 .. 4 on AVX2) does each row's arithmetic
+    alone: a verification step's rows equal the plain steps' exactly."""
+    assert OPS is not None
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (40, 96), dtype=torch.uint8, generator=gen)
+    q4 = pack_q4x16(
+        codes, torch.rand(40, 3, generator=gen) * 0.02, torch.randn(40, 3, generator=gen)
+    )
+    q8_codes, q8_scale = quantize_int8_rows(torch.randn(40, 96, generator=gen))
+    q8, q8_scales = pack_q8x16(q8_codes, q8_scale[:, None])
+    x = torch.randn(19, 96, generator=gen)
+    alone4 = torch.cat([OPS.q4x16_matmul(x[i : i + 1], q4, 40, isa) for i in range(19)])
+    alone8 = torch.cat([OPS.q8x16_matmul(x[i : i + 1], q8, q8_scales, 40, isa) for i in range(19)])
+    for m in range(2, 20):
+        assert torch.equal(OPS.q4x16_matmul(x[:m], q4, 40, isa), alone4[:m]), m
+        assert torch.equal(OPS.q8x16_matmul(x[:m], q8, q8_scales, 40, isa), alone8[:m]), m
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("m", [1, 2, 6, 33])
 def test_int8_rows_match_the_reference(threads: int, isa: int, m: int) -> None:
     assert OPS is not None
@@ -370,6 +390,53 @@ def test_paged_decode_attention_reads_a_view_of_a_wider_table() -> None:
     out = OPS.paged_decode_attention(q, cache.k, cache.v, view, seq_lens, 0.125, 2)
     expected = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, 0.125, 2)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_decode_attention_gives_a_request_the_same_bits_in_any_batch(
+    threads: int, isa: int
+) -> None:
+    """A request's chunks follow its own length, not the batch's longest: speculative
+    verification rows (lengths L+1 .. L+5 in one step) equal plain steps at each length. 190
+    and 194 split differently from 258 and from each other at 2 threads (48 / 64 positions)."""
+    assert OPS is not None
+    lens = [190, 194, 258, 33, 1]
+    q, cache, tables, seq_lens = _decode_case(lens, 9, 3, 64, 16, 3)
+    together = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, 0.125, isa)
+    for b in range(len(lens)):
+        one = slice(b, b + 1)
+        alone = OPS.paged_decode_attention(
+            q[one], cache.k, cache.v, tables[one], seq_lens[one], 0.125, isa
+        )
+        assert torch.equal(together[one], alone), b
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_decode_attention_reads_a_requests_verification_rows_once(
+    threads: int, isa: int
+) -> None:
+    """A request's verification rows (one table, lengths L+1 .. L+k) share one pass over its
+    keys and values: each row still gets its bits from alone, across a chunk-size change (192
+    and 193 positions split into 48 and 64 at 2 threads), in groups of at most 8, and a row
+    whose table holds stale ids past its own length (the runner's rows may) is never grouped
+    onto blocks it does not own."""
+    assert OPS is not None
+    q, cache, tables, seq_lens = _decode_case([200], 9, 3, 64, 16, 4)
+    rows = 11
+    lens = torch.arange(186, 186 + rows, dtype=torch.int32)
+    table = tables.repeat(rows, 1)
+    # row 3 (189 positions, 12 blocks) holds another block past its own
+    table[3, 12:] = (table[0, 12] + 1) % cache.k.shape[0]
+    queries = torch.randn(rows, 9, 64, generator=torch.Generator().manual_seed(5))
+    together = OPS.paged_decode_attention(queries, cache.k, cache.v, table, lens, 0.125, isa)
+    for b in range(rows):
+        one = slice(b, b + 1)
+        alone = OPS.paged_decode_attention(
+            queries[one], cache.k, cache.v, table[one], lens[one], 0.125, isa
+        )
+        assert torch.equal(together[one], alone), b
+    expected = _reference(queries, cache, table, lens, 0.125)
+    torch.testing.assert_close(together, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_decode_attention_refuses_what_it_cannot_take() -> None:

@@ -7,7 +7,9 @@
 // Query heads h share kv head h / (H / Hkv) (GQA). Work items are (request, chunk of positions),
 // split over torch's intra-op threads, so that one long request still uses every thread; each
 // item keeps its chunk's max, sum of exponentials and weighted values per query head, and a
-// request's chunks are merged afterwards (flash-decoding). A request with seq_len 0 (a padding
+// request's chunks are merged afterwards (flash-decoding). A request's chunk size follows from
+// its own length only, so its output is the same bits whatever batch it runs in (a speculative
+// verification row equals the plain step at that length). A request with seq_len 0 (a padding
 // row) gets zeros. Scalar, AVX2 + FMA and (head width a multiple of 16) AVX-512 paths.
 
 #include <ATen/ATen.h>
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -26,9 +29,10 @@
 namespace {
 
 constexpr int64_t MAX_CHUNK = 256;  // positions per work item at most
+constexpr int64_t MAX_GROUP = 8;    // requests sharing one pass over their keys and values
 
 struct Shape {
-  int64_t heads, kv_heads, group, dim, block_size, width, table_stride, chunks;
+  int64_t heads, kv_heads, group, dim, block_size, width, table_stride;
   float scale;
 };
 
@@ -232,72 +236,114 @@ PAGODA_AVX512 inline void weighted4_avx512(const float* w, const float* const* v
 }
 // ---- one work item -----------------------------------------------------------------------------
 
-// Positions [begin, end) of one request (its query heads q, block-table row `table`), every kv
-// head: part holds, per query head, the max score, the sum of exponentials, then D weighted
-// values. A position's keys (and values) of all kv heads are one contiguous row, read in
-// position order, so the memory is streamed. Defined once per instruction set: WIDE for the
-// four-position steps, SUFFIX for the rest.
-#define PAGODA_ATTEND_CHUNK(WIDE, SUFFIX)                                                             \
-  const int64_t n = end - begin, d = s.dim, row = s.kv_heads * d;                              \
+// One row's share of a work item: its query heads, its positions in the chunk (n, of which the
+// first n4 in steps of four), where its chunk result goes and its scores (heads x n).
+struct RowWork {
+  const float* q;
+  int64_t n, n4;
+  float* part;
+  float* scores;
+};
+
+// Positions [begin, begin + n_i) of the rows w[0 .. count) of one group (rows with the same
+// block table: a request's verification rows), every kv head: each row's part holds, per query
+// head, the max score, the sum of exponentials, then D weighted values. A position's keys (and
+// values) of all kv heads are one contiguous row, read in position order, so the memory is
+// streamed, and once for the whole group: its rows take them from L1. Each row sees the same
+// sequence of operations as if it were alone (four-position steps up to its own n4, then single
+// positions), so a row's bits do not depend on its group. Defined once per instruction set: WIDE
+// for the four-position steps, SUFFIX for the rest.
+#define PAGODA_ATTEND_GROUP(WIDE, SUFFIX)                                                             \
+  const int64_t d = s.dim, row = s.kv_heads * d;                                               \
   auto at = [&](const float* cache, int64_t p) {                                               \
     const int64_t pos = begin + p;                                                             \
     const int64_t block = table[pos / s.block_size];                                           \
     return cache + (block * s.block_size + pos % s.block_size) * row;                          \
   };                                                                                           \
-  int64_t p = 0;                                                                               \
-  for (; p + 4 <= n; p += 4) {                                                                 \
+  int64_t most4 = 0;                                                                           \
+  for (int i = 0; i < count; ++i) most4 = std::max(most4, w[i].n4);                            \
+  for (int64_t p = 0; p < most4; p += 4) {                                                     \
     const float* r4[4] = {at(kc, p), at(kc, p + 1), at(kc, p + 2), at(kc, p + 3)};             \
     for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                              \
       const float* k4[4] = {r4[0] + kh * d, r4[1] + kh * d, r4[2] + kh * d, r4[3] + kh * d};   \
-      scores4_##WIDE(q + kh * s.group * d, k4, s.group, d, s.scale,                          \
-                       scores + kh * s.group * n + p, n);                                      \
+      for (int i = 0; i < count; ++i) {                                                        \
+        if (p + 4 > w[i].n4) continue;                                                         \
+        scores4_##WIDE(w[i].q + kh * s.group * d, k4, s.group, d, s.scale,                     \
+                       w[i].scores + kh * s.group * w[i].n + p, w[i].n);                       \
+      }                                                                                        \
     }                                                                                          \
   }                                                                                            \
-  for (; p < n; ++p) {                                                                         \
-    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                              \
-      scores_##SUFFIX(q + kh * s.group * d, at(kc, p) + kh * d, s.group, d, s.scale,           \
-                      scores + kh * s.group * n + p, n);                                       \
+  for (int i = 0; i < count; ++i) {                                                            \
+    const RowWork& r = w[i];                                                                   \
+    for (int64_t p = r.n4; p < r.n; ++p) {                                                     \
+      for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                            \
+        scores_##SUFFIX(r.q + kh * s.group * d, at(kc, p) + kh * d, s.group, d, s.scale,       \
+                        r.scores + kh * s.group * r.n + p, r.n);                               \
+      }                                                                                        \
+    }                                                                                          \
+    for (int64_t h = 0; h < s.heads; ++h) {                                                    \
+      float* sh = r.scores + h * r.n;                                                          \
+      float* out = r.part + h * (d + 2);                                                       \
+      out[0] = *std::max_element(sh, sh + r.n);                                                \
+      out[1] = exp_shifted_sum_##SUFFIX(sh, r.n, out[0]);                                      \
+      std::fill(out + 2, out + 2 + d, 0.f);                                                    \
     }                                                                                          \
   }                                                                                            \
-  for (int64_t h = 0; h < s.heads; ++h) {                                                      \
-    float* sh = scores + h * n;                                                                \
-    float* out = part + h * (d + 2);                                                           \
-    out[0] = *std::max_element(sh, sh + n);                                                    \
-    out[1] = exp_shifted_sum_##SUFFIX(sh, n, out[0]);                                          \
-    std::fill(out + 2, out + 2 + d, 0.f);                                                      \
-  }                                                                                            \
-  for (p = 0; p + 4 <= n; p += 4) {                                                            \
+  for (int64_t p = 0; p < most4; p += 4) {                                                     \
     const float* r4[4] = {at(vc, p), at(vc, p + 1), at(vc, p + 2), at(vc, p + 3)};             \
     for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                              \
       const float* v4[4] = {r4[0] + kh * d, r4[1] + kh * d, r4[2] + kh * d, r4[3] + kh * d};   \
-      weighted4_##WIDE(scores + kh * s.group * n + p, v4, s.group, d,                        \
-                         part + kh * s.group * (d + 2) + 2, d + 2, n);                         \
+      for (int i = 0; i < count; ++i) {                                                        \
+        if (p + 4 > w[i].n4) continue;                                                         \
+        weighted4_##WIDE(w[i].scores + kh * s.group * w[i].n + p, v4, s.group, d,              \
+                         w[i].part + kh * s.group * (d + 2) + 2, d + 2, w[i].n);               \
+      }                                                                                        \
     }                                                                                          \
   }                                                                                            \
-  for (; p < n; ++p) {                                                                         \
-    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                              \
-      weighted_##SUFFIX(scores + kh * s.group * n + p, at(vc, p) + kh * d, s.group, d,         \
-                        part + kh * s.group * (d + 2) + 2, d + 2, n);                          \
+  for (int i = 0; i < count; ++i) {                                                            \
+    const RowWork& r = w[i];                                                                   \
+    for (int64_t p = r.n4; p < r.n; ++p) {                                                     \
+      for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                            \
+        weighted_##SUFFIX(r.scores + kh * s.group * r.n + p, at(vc, p) + kh * d, s.group, d,   \
+                          r.part + kh * s.group * (d + 2) + 2, d + 2, r.n);                    \
+      }                                                                                        \
     }                                                                                          \
   }
 
-__attribute__((target("avx2,fma"))) void attend_chunk_avx2(const Shape& s, const float* q,
-                                                           const float* kc, const float* vc,
-                                                           const int32_t* table, int64_t begin,
-                                                           int64_t end, float* part, float* scores) {
-  PAGODA_ATTEND_CHUNK(avx2, avx2)
+__attribute__((target("avx2,fma"))) void attend_group_avx2(const Shape& s, const RowWork* w,
+                                                           int rows, const float* kc,
+                                                           const float* vc, const int32_t* table,
+                                                           int64_t begin) {
+  if (rows == 1) {  // the common case, unrolled by the compiler
+    constexpr int count = 1;
+    PAGODA_ATTEND_GROUP(avx2, avx2)
+  } else {
+    const int count = rows;
+    PAGODA_ATTEND_GROUP(avx2, avx2)
+  }
 }
 
-PAGODA_AVX512 void attend_chunk_avx512(const Shape& s, const float* q, const float* kc,
-                                       const float* vc, const int32_t* table, int64_t begin,
-                                       int64_t end, float* part, float* scores) {
-  PAGODA_ATTEND_CHUNK(avx512, avx2)
+PAGODA_AVX512 void attend_group_avx512(const Shape& s, const RowWork* w, int rows,
+                                       const float* kc, const float* vc, const int32_t* table,
+                                       int64_t begin) {
+  if (rows == 1) {  // the common case, unrolled by the compiler
+    constexpr int count = 1;
+    PAGODA_ATTEND_GROUP(avx512, avx2)
+  } else {
+    const int count = rows;
+    PAGODA_ATTEND_GROUP(avx512, avx2)
+  }
 }
 
-void attend_chunk_scalar(const Shape& s, const float* q, const float* kc, const float* vc,
-                         const int32_t* table, int64_t begin, int64_t end, float* part,
-                         float* scores) {
-  PAGODA_ATTEND_CHUNK(scalar, scalar)
+void attend_group_scalar(const Shape& s, const RowWork* w, int rows, const float* kc,
+                         const float* vc, const int32_t* table, int64_t begin) {
+  if (rows == 1) {  // the common case, unrolled by the compiler
+    constexpr int count = 1;
+    PAGODA_ATTEND_GROUP(scalar, scalar)
+  } else {
+    const int count = rows;
+    PAGODA_ATTEND_GROUP(scalar, scalar)
+  }
 }
 
 // Merges a request's chunks into its query heads' outputs: exp(m_c - M) rescales each.
@@ -320,11 +366,11 @@ void merge(const Shape& s, const float* parts, int64_t num_chunks, float* out) {
   }
 }
 
-// Positions per work item: the longest request split into about two items per thread, in
+// Positions per work item of a request of `length`: split into about two items per thread, in
 // whole blocks, at most MAX_CHUNK.
-int64_t chunk_size(int64_t longest, int64_t block_size) {
+int64_t chunk_size(int64_t length, int64_t block_size) {
   const int64_t pieces = 2 * std::max(1, at::get_num_threads());
-  int64_t size = (longest + pieces - 1) / pieces;
+  int64_t size = (length + pieces - 1) / pieces;
   size = (size + block_size - 1) / block_size * block_size;
   return std::clamp<int64_t>(size, block_size, std::max(block_size, MAX_CHUNK));
 }
@@ -347,55 +393,97 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const at::Tensor lens = seq_lens.contiguous();
   const int64_t batch = q.size(0);
   Shape s{q.size(1), k_cache.size(2), 0, q.size(2), k_cache.size(1), tables.size(1),
-          tables.stride(0), 0, static_cast<float>(scale)};
+          tables.stride(0), static_cast<float>(scale)};
   TORCH_CHECK(k_cache.size(3) == s.dim, "head_dim of q and the cache differ");
   TORCH_CHECK(s.heads % s.kv_heads == 0, "query heads must be a multiple of kv heads");
   s.group = s.heads / s.kv_heads;
   TORCH_CHECK(tables.size(0) == batch && lens.size(0) == batch, "one table row and length per request");
   const int32_t* lp = lens.data_ptr<int32_t>();
-  int64_t longest = 0;
   const int32_t* tp = tables.data_ptr<int32_t>();
   const int64_t num_blocks = k_cache.size(0);
+  // request b's chunk results are parts [first[b], first[b + 1]), each `chunk[b]` positions
+  std::vector<int64_t> chunk(batch), first(batch + 1, 0);
+  int64_t widest = s.block_size;
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= s.width * s.block_size, "seq_len beyond the block table");
-    longest = std::max<int64_t>(longest, lp[b]);
     for (int64_t i = 0; i < (lp[b] + s.block_size - 1) / s.block_size; ++i) {
       const int32_t block = tp[b * s.table_stride + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " outside the cache");
     }
+    chunk[b] = chunk_size(lp[b], s.block_size);
+    widest = std::max(widest, chunk[b]);
+    first[b + 1] = first[b] + (lp[b] + chunk[b] - 1) / chunk[b];
   }
-  const int64_t chunk = chunk_size(longest, s.block_size);
-  s.chunks = std::max<int64_t>(1, (longest + chunk - 1) / chunk);
+  // Groups: runs of consecutive requests with the same chunk size whose tables agree with the
+  // group's first on every block any of them reads (a request's verification rows); the group
+  // reads the first one's table. A work item is a group's chunk.
+  std::vector<int64_t> group_start{0};
+  int64_t longest = batch > 0 ? lp[0] : 0;  // in the current group
+  for (int64_t b = 1; b < batch; ++b) {
+    const int64_t g = group_start.back();
+    const int64_t reach = std::max<int64_t>(longest, lp[b]);
+    const int64_t blocks = (reach + s.block_size - 1) / s.block_size;
+    const int32_t* first_row = tp + g * s.table_stride;
+    const bool same = b - g < MAX_GROUP && chunk[b] == chunk[g] && lp[b] > 0 && lp[g] > 0 &&
+                      std::equal(first_row, first_row + blocks, tp + b * s.table_stride);
+    if (same) {
+      longest = reach;
+    } else {
+      group_start.push_back(b);
+      longest = lp[b];
+    }
+  }
+  group_start.push_back(batch);
+  std::vector<int64_t> item_group, item_chunk;
+  int64_t largest = 1;  // requests in a group
+  for (size_t g = 0; g + 1 < group_start.size(); ++g) {
+    largest = std::max(largest, group_start[g + 1] - group_start[g]);
+    int64_t most = 0;
+    for (int64_t b = group_start[g]; b < group_start[g + 1]; ++b) most = std::max(most, first[b + 1] - first[b]);
+    for (int64_t c = 0; c < most; ++c) {
+      item_group.push_back(static_cast<int64_t>(g));
+      item_chunk.push_back(c);
+    }
+  }
   const int64_t d = s.dim, per_item = s.heads * (d + 2);
   auto out = at::zeros({batch, s.heads, d}, at::kFloat);
-  std::vector<float> parts(batch * s.chunks * per_item);  // (request, chunk, head, max|sum|D)
+  std::vector<float> parts(first[batch] * per_item);  // (request's chunk, head, max|sum|D)
   const pagoda_cpu::Isa isa = pagoda_cpu::pick_isa(isa_limit);
   const bool simd = isa != pagoda_cpu::Isa::kScalar;
   const bool wide = isa == pagoda_cpu::Isa::kVnni && d % 16 == 0;  // AVX-512 F among VNNI's
   const float* qp = q.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
-  at::parallel_for(0, batch * s.chunks, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(s.heads * chunk);
-    for (int64_t it = first; it < last; ++it) {
-      const int64_t b = it / s.chunks, begin = (it % s.chunks) * chunk;
-      const int64_t end = std::min<int64_t>(lp[b], begin + chunk);
-      if (begin >= end) continue;
-      const float* qb = qp + b * s.heads * d;
-      float* part = parts.data() + it * per_item;
+  const int64_t num_items = static_cast<int64_t>(item_group.size());
+  at::parallel_for(0, num_items, 1, [&](int64_t begin_item, int64_t end_item) {
+    std::unique_ptr<float[]> scores(new float[largest * s.heads * widest]);  // written before read
+    RowWork work[MAX_GROUP];
+    for (int64_t it = begin_item; it < end_item; ++it) {
+      const int64_t g0 = group_start[item_group[it]], g1 = group_start[item_group[it] + 1];
+      const int64_t c = item_chunk[it], begin = c * chunk[g0];
+      int count = 0;
+      for (int64_t b = g0; b < g1; ++b) {
+        const int64_t n = std::min<int64_t>(lp[b], begin + chunk[b]) - begin;
+        if (n <= 0) continue;
+        work[count] = RowWork{qp + b * s.heads * d, n, n / 4 * 4, parts.data() + (first[b] + c) * per_item,
+                              scores.get() + count * s.heads * widest};
+        ++count;
+      }
+      const int32_t* table = tp + g0 * s.table_stride;
+      if (count == 0) continue;
       if (wide) {
-        attend_chunk_avx512(s, qb, kc, vc, tp + b * s.table_stride, begin, end, part, scores.data());
+        attend_group_avx512(s, work, count, kc, vc, table, begin);
       } else if (simd) {
-        attend_chunk_avx2(s, qb, kc, vc, tp + b * s.table_stride, begin, end, part, scores.data());
+        attend_group_avx2(s, work, count, kc, vc, table, begin);
       } else {
-        attend_chunk_scalar(s, qb, kc, vc, tp + b * s.table_stride, begin, end, part, scores.data());
+        attend_group_scalar(s, work, count, kc, vc, table, begin);
       }
     }
   });
   float* op = out.data_ptr<float>();
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t used = (lp[b] + chunk - 1) / chunk;  // chunks holding positions
-    if (used > 0) merge(s, parts.data() + b * s.chunks * per_item, used, op + b * s.heads * d);
+    const int64_t used = first[b + 1] - first[b];
+    if (used > 0) merge(s, parts.data() + first[b] * per_item, used, op + b * s.heads * d);
   }
   return out.to(q_in.scalar_type());
 }

@@ -5,7 +5,8 @@
 // group the codes are laid out for VNNI's dpbusd: one 64-byte block holds 4 consecutive codes of
 // each of the 16 rows (bytes 4j..4j+3: row j), so one dpbusd against 4 broadcast activation bytes
 // adds 4 products to each row's 32-bit lane, and a group's epilogue (convert, scale, add) is
-// shared by 16 rows. The tile's unpacked codes stay in registers across up to 4 activation rows.
+// shared by 16 rows. The tile's unpacked codes stay in registers across up to 8 activation rows
+// (4 on AVX2).
 //
 //   4-bit (q4x16_matmul), w[n, k] = scale[n, g] * code[n, k] + offset[n, g], code in [0, 15]:
 //     320 bytes a group: 4 blocks of 64 (block s, byte 4j + b: code[j, 8s + b] in the low nibble,
@@ -30,7 +31,10 @@ namespace {
 constexpr int64_t ROWS = 16;       // output rows per tile
 constexpr int64_t Q4_BYTES = 320;  // a tile's group of 4-bit codes, scales and offsets
 constexpr int64_t Q8_BYTES = 512;  // a tile's group of 8-bit codes
-constexpr int MAX_M = 4;           // activation rows per pass over a tile
+// Activation rows per pass over a tile: a pass keeps the tile's unpacked codes in registers
+// (8 of them) beside one accumulator per row; AVX2 has 16 registers, AVX-512 32.
+constexpr int MAX_M_AVX2 = 4;
+constexpr int MAX_M_VNNI = 8;
 
 // Activation rows [0, M) of one pass, and where their 16 outputs go.
 struct Pass {
@@ -246,22 +250,36 @@ void q8_tile_scalar(const uint8_t* tile, const float* scales, int64_t sstep, con
 
 // ---- dispatch -------------------------------------------------------------------------------
 
-// Calls fn(std::integral_constant<int, M>) for M = m (1 .. MAX_M).
-template <typename Fn>
+// Calls fn(std::integral_constant<int, M>) for M = m (1 .. Max).
+template <int Max, typename Fn>
 void with_rows(int m, Fn&& fn) {
+  static_assert(Max == 4 || Max == 8);
   switch (m) {
     case 1: fn(std::integral_constant<int, 1>{}); break;
     case 2: fn(std::integral_constant<int, 2>{}); break;
     case 3: fn(std::integral_constant<int, 3>{}); break;
-    default: fn(std::integral_constant<int, 4>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    default:
+      if constexpr (Max == 8) {
+        switch (m) {
+          case 5: fn(std::integral_constant<int, 5>{}); break;
+          case 6: fn(std::integral_constant<int, 6>{}); break;
+          case 7: fn(std::integral_constant<int, 7>{}); break;
+          default: fn(std::integral_constant<int, 8>{}); break;
+        }
+      }
   }
 }
 
-// Runs tile_fn(tile index, pass of up to MAX_M rows, rows in it) over every tile and row block.
+int rows_per_pass(Isa isa) { return isa == Isa::kVnni ? MAX_M_VNNI : MAX_M_AVX2; }
+
+// Runs tile_fn(tile index, pass of up to rows_per_pass(isa) rows, rows in it) over every tile
+// and row block. Each row's arithmetic is the same whatever the pass holds: a row gives the same
+// bits in any batch.
 template <typename TileFn>
 at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, TileFn&& tile_fn) {
   const at::Tensor x = float_rows(x_in);
-  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
+  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP, per_pass = rows_per_pass(isa);
   const Activations a = quantize(x, isa);
   auto y = at::empty({m, n}, at::kFloat);
   const int8_t* q = a.q.data_ptr<int8_t>();
@@ -271,10 +289,10 @@ at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, 
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r = 0; r < m; r += MAX_M) {
+      for (int64_t r = 0; r < m; r += per_pass) {
         const Pass pass{q + r * k, k, xd + r * groups, xs + r * groups, qsum + r * groups,
                         groups, yp + r * n + t * ROWS, n, std::min(ROWS, n - t * ROWS)};
-        tile_fn(t, pass, static_cast<int>(std::min<int64_t>(MAX_M, m - r)));
+        tile_fn(t, pass, static_cast<int>(std::min(per_pass, m - r)));
       }
     }
   });
@@ -302,9 +320,9 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
   return run_tiles(x, n, tiles, isa, [&](int64_t t, const Pass& p, int m) {
     const uint8_t* tile = w + t * tile_bytes;
     if (isa == Isa::kVnni) {
-      with_rows(m, [&](auto rows) { q4_tile_vnni<decltype(rows)::value>(tile, p); });
+      with_rows<MAX_M_VNNI>(m, [&](auto rows) { q4_tile_vnni<decltype(rows)::value>(tile, p); });
     } else if (isa == Isa::kAvx2) {
-      with_rows(m, [&](auto rows) { q4_tile_avx2<decltype(rows)::value>(tile, p); });
+      with_rows<MAX_M_AVX2>(m, [&](auto rows) { q4_tile_avx2<decltype(rows)::value>(tile, p); });
     } else {
       q4_tile_scalar(tile, p, m);
     }
@@ -331,12 +349,12 @@ at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at:
     const uint8_t* tile = w + t * groups * Q8_BYTES;
     const float* s = sc + t * scales.size(1) * ROWS;
     if (isa == Isa::kVnni) {
-      with_rows(m, [&](auto rows) {
+      with_rows<MAX_M_VNNI>(m, [&](auto rows) {
         constexpr int M = decltype(rows)::value;
         row_scale ? q8_tile_vnni<M, true>(tile, s, p) : q8_tile_vnni<M, false>(tile, s, p);
       });
     } else if (isa == Isa::kAvx2) {
-      with_rows(m, [&](auto rows) { q8_tile_avx2<decltype(rows)::value>(tile, s, sstep, p); });
+      with_rows<MAX_M_AVX2>(m, [&](auto rows) { q8_tile_avx2<decltype(rows)::value>(tile, s, sstep, p); });
     } else {
       q8_tile_scalar(tile, s, sstep, p, m);
     }
