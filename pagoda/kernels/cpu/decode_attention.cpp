@@ -311,39 +311,21 @@ struct RowWork {
   }
 
 __attribute__((target("avx2,fma"))) void attend_group_avx2(const Shape& s, const RowWork* w,
-                                                           int rows, const float* kc,
+                                                           int count, const float* kc,
                                                            const float* vc, const int32_t* table,
                                                            int64_t begin) {
-  if (rows == 1) {  // the common case, unrolled by the compiler
-    constexpr int count = 1;
-    PAGODA_ATTEND_GROUP(avx2, avx2)
-  } else {
-    const int count = rows;
-    PAGODA_ATTEND_GROUP(avx2, avx2)
-  }
+  PAGODA_ATTEND_GROUP(avx2, avx2)
 }
 
-PAGODA_AVX512 void attend_group_avx512(const Shape& s, const RowWork* w, int rows,
+PAGODA_AVX512 void attend_group_avx512(const Shape& s, const RowWork* w, int count,
                                        const float* kc, const float* vc, const int32_t* table,
                                        int64_t begin) {
-  if (rows == 1) {  // the common case, unrolled by the compiler
-    constexpr int count = 1;
-    PAGODA_ATTEND_GROUP(avx512, avx2)
-  } else {
-    const int count = rows;
-    PAGODA_ATTEND_GROUP(avx512, avx2)
-  }
+  PAGODA_ATTEND_GROUP(avx512, avx2)
 }
 
-void attend_group_scalar(const Shape& s, const RowWork* w, int rows, const float* kc,
+void attend_group_scalar(const Shape& s, const RowWork* w, int count, const float* kc,
                          const float* vc, const int32_t* table, int64_t begin) {
-  if (rows == 1) {  // the common case, unrolled by the compiler
-    constexpr int count = 1;
-    PAGODA_ATTEND_GROUP(scalar, scalar)
-  } else {
-    const int count = rows;
-    PAGODA_ATTEND_GROUP(scalar, scalar)
-  }
+  PAGODA_ATTEND_GROUP(scalar, scalar)
 }
 
 // Merges a request's chunks into its query heads' outputs: exp(m_c - M) rescales each.
