@@ -94,7 +94,8 @@ def test_each_engine_keeps_its_own_graphs(tiny_model_dir: Any) -> None:
     """The graphs keep no guards on the model's modules (compilation.py), so two engines in one
     process must not share them: here the same checkpoint with float and with int8 weights
     (the same input shapes, other modules), compiled one after the other and decoding
-    alternately; each gives the tokens of its own eager run."""
+    alternately; each gives the tokens of its own eager run. One request at a time
+    (max_num_seqs=1): the batch-1 graph shows it, and each engine compiles only that one."""
     path = tiny_model_dir("llama")
     prompts = [{"prompt_token_ids": ids} for ids in PROMPTS[:2]]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -105,7 +106,8 @@ def test_each_engine_keeps_its_own_graphs(tiny_model_dir: Any) -> None:
         expected[quantization] = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
         del eager
     llms = {
-        quantization: _compiled_llm(path, quantization=quantization) for quantization in schemes
+        quantization: _compiled_llm(path, quantization=quantization, max_num_seqs=1)
+        for quantization in schemes
     }
     for _ in range(2):
         for quantization, llm in llms.items():
