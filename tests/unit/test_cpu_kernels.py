@@ -416,17 +416,17 @@ def test_paged_decode_attention_reads_a_requests_verification_rows_once(
     threads: int, isa: int
 ) -> None:
     """A request's verification rows (one table, lengths L+1 .. L+k) share one pass over its
-    keys and values: each row still gets its bits from alone, across a chunk-size change (192
-    and 193 positions split into 48 and 64 at 2 threads), in groups of at most 8, and a row
-    whose table holds stale ids past its own length (the runner's rows may) is never grouped
-    onto blocks it does not own."""
+    keys and values, each row still getting its bits from alone: in groups of at most 8 (rows of
+    177 .. 184 positions), across a chunk-size change (192 and 193 positions split into 48 and 64
+    at 2 threads), and never over a block the group's first row does not hold: row 0 (174
+    positions, 11 blocks) has a stale id past its own blocks, as the runner's rows may, which
+    the rows from 177 positions on would read if grouped with it."""
     assert OPS is not None
     q, cache, tables, seq_lens = _decode_case([200], 9, 3, 64, 16, 4)
-    rows = 11
-    lens = torch.arange(186, 186 + rows, dtype=torch.int32)
+    lens = torch.tensor(list(range(174, 185)) + list(range(190, 197)), dtype=torch.int32)
+    rows = lens.shape[0]
     table = tables.repeat(rows, 1)
-    # row 3 (189 positions, 12 blocks) holds another block past its own
-    table[3, 12:] = (table[0, 12] + 1) % cache.k.shape[0]
+    table[0, 11:] = (table[0, 11] + 1) % cache.k.shape[0]
     queries = torch.randn(rows, 9, 64, generator=torch.Generator().manual_seed(5))
     together = OPS.paged_decode_attention(queries, cache.k, cache.v, table, lens, 0.125, isa)
     for b in range(rows):
