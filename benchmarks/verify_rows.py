@@ -77,9 +77,12 @@ def main() -> int:
     def timed(out: Any) -> Any:
         t0 = time.perf_counter()
         result = execute(out)
-        rows = sum(len(s.token_ids) for s in out.scheduled)
-        if len(out.scheduled) == 1 and rows <= max(ks) + 1 and out.scheduled[0].start > 0:
-            times.setdefault(rows, []).append(time.perf_counter() - t0)
+        # decode and verification steps only: a prefill (the prompt's uncached tail, after the
+        # first run) has several rows and no drafts
+        if len(out.scheduled) == 1:
+            step = out.scheduled[0]
+            if len(step.token_ids) == 1 + step.num_draft_tokens and step.start > 0:
+                times.setdefault(len(step.token_ids), []).append(time.perf_counter() - t0)
         return result
 
     runner.execute = timed  # type: ignore[method-assign]
