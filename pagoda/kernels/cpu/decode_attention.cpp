@@ -4,10 +4,12 @@
 //   q (B, H, D); k_cache, v_cache (num_blocks, block_size, Hkv, D); block_tables (B, W) int32;
 //   seq_lens (B,) int32 -> out (B, H, D), out[b, h] = softmax(scale * q[b, h] . K[b, :L]) @ V
 //
-// Query heads h share kv head h / (H / Hkv) (GQA). Work items are (request, chunk of positions),
-// split over torch's intra-op threads, so that one long request still uses every thread; each
-// item keeps its chunk's max, sum of exponentials and weighted values per query head, and a
-// request's chunks are merged afterwards (flash-decoding). A request's chunk size follows from
+// Query heads h share kv head h / (H / Hkv) (GQA). Work items are (group of requests, chunk of
+// positions), split over torch's intra-op threads, so that one long request still uses every
+// thread; a group is one request, or a request's verification rows (one block table), which
+// share a pass over the keys and values. Each item keeps, per request in it, its chunk's max,
+// sum of exponentials and weighted values per query head, and a request's chunks are merged
+// afterwards (flash-decoding). A request's chunk size follows from
 // its own length only, so its output is the same bits whatever batch it runs in (a speculative
 // verification row equals the plain step at that length). A request with seq_len 0 (a padding
 // row) gets zeros. Scalar, AVX2 + FMA and (head width a multiple of 16) AVX-512 paths.
@@ -22,6 +24,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -357,6 +360,31 @@ int64_t chunk_size(int64_t length, int64_t block_size) {
   return std::clamp<int64_t>(size, block_size, std::max(block_size, MAX_CHUNK));
 }
 
+// Where each group of requests starts (then `batch`): runs of consecutive requests with the same
+// chunk size whose tables agree with the group's first on every block any of them reads (a
+// request's verification rows), at most MAX_GROUP; the group reads its first one's table.
+std::vector<int64_t> group_starts(const Shape& s, const int32_t* lp, const int32_t* tp,
+                                  const std::vector<int64_t>& chunk, int64_t batch) {
+  std::vector<int64_t> starts{0};
+  int64_t longest = batch > 0 ? lp[0] : 0;  // in the current group
+  for (int64_t b = 1; b < batch; ++b) {
+    const int64_t g = starts.back();
+    const int64_t reach = std::max<int64_t>(longest, lp[b]);
+    const int64_t blocks = (reach + s.block_size - 1) / s.block_size;
+    const int32_t* first_row = tp + g * s.table_stride;
+    const bool same = b - g < MAX_GROUP && chunk[b] == chunk[g] && lp[b] > 0 && lp[g] > 0 &&
+                      std::equal(first_row, first_row + blocks, tp + b * s.table_stride);
+    if (same) {
+      longest = reach;
+    } else {
+      starts.push_back(b);
+      longest = lp[b];
+    }
+  }
+  starts.push_back(batch);
+  return starts;
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale, int64_t isa_limit) {
@@ -396,36 +424,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     widest = std::max(widest, chunk[b]);
     first[b + 1] = first[b] + (lp[b] + chunk[b] - 1) / chunk[b];
   }
-  // Groups: runs of consecutive requests with the same chunk size whose tables agree with the
-  // group's first on every block any of them reads (a request's verification rows); the group
-  // reads the first one's table. A work item is a group's chunk.
-  std::vector<int64_t> group_start{0};
-  int64_t longest = batch > 0 ? lp[0] : 0;  // in the current group
-  for (int64_t b = 1; b < batch; ++b) {
-    const int64_t g = group_start.back();
-    const int64_t reach = std::max<int64_t>(longest, lp[b]);
-    const int64_t blocks = (reach + s.block_size - 1) / s.block_size;
-    const int32_t* first_row = tp + g * s.table_stride;
-    const bool same = b - g < MAX_GROUP && chunk[b] == chunk[g] && lp[b] > 0 && lp[g] > 0 &&
-                      std::equal(first_row, first_row + blocks, tp + b * s.table_stride);
-    if (same) {
-      longest = reach;
-    } else {
-      group_start.push_back(b);
-      longest = lp[b];
-    }
-  }
-  group_start.push_back(batch);
-  std::vector<int64_t> item_group, item_chunk;
+  const std::vector<int64_t> group_start = group_starts(s, lp, tp, chunk, batch);
+  std::vector<std::pair<int64_t, int64_t>> items;  // (group, chunk)
   int64_t largest = 1;  // requests in a group
   for (size_t g = 0; g + 1 < group_start.size(); ++g) {
     largest = std::max(largest, group_start[g + 1] - group_start[g]);
     int64_t most = 0;
     for (int64_t b = group_start[g]; b < group_start[g + 1]; ++b) most = std::max(most, first[b + 1] - first[b]);
-    for (int64_t c = 0; c < most; ++c) {
-      item_group.push_back(static_cast<int64_t>(g));
-      item_chunk.push_back(c);
-    }
+    for (int64_t c = 0; c < most; ++c) items.emplace_back(static_cast<int64_t>(g), c);
   }
   const int64_t d = s.dim, per_item = s.heads * (d + 2);
   auto out = at::zeros({batch, s.heads, d}, at::kFloat);
@@ -436,13 +442,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const float* qp = q.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
-  const int64_t num_items = static_cast<int64_t>(item_group.size());
+  const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, num_items, 1, [&](int64_t begin_item, int64_t end_item) {
     std::unique_ptr<float[]> scores(new float[largest * s.heads * widest]);  // written before read
     RowWork work[MAX_GROUP];
     for (int64_t it = begin_item; it < end_item; ++it) {
-      const int64_t g0 = group_start[item_group[it]], g1 = group_start[item_group[it] + 1];
-      const int64_t c = item_chunk[it], begin = c * chunk[g0];
+      const auto [g, c] = items[it];
+      const int64_t g0 = group_start[g], g1 = group_start[g + 1], begin = c * chunk[g0];
       int count = 0;
       for (int64_t b = g0; b < g1; ++b) {
         const int64_t n = std::min<int64_t>(lp[b], begin + chunk[b]) - begin;
@@ -451,8 +457,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
                               scores.get() + count * s.heads * widest};
         ++count;
       }
-      const int32_t* table = tp + g0 * s.table_stride;
       if (count == 0) continue;
+      const int32_t* table = tp + g0 * s.table_stride;
       if (wide) {
         attend_group_avx512(s, work, count, kc, vc, table, begin);
       } else if (simd) {
