@@ -21,6 +21,11 @@ Contract:
   of their own (dynamo keeps its graphs per code object), so its graphs only ever see its own
   model, and that model's modules are fixed once warmed up (weights may change in place: they
   are graph inputs). Guards on the step's inputs and globals stay.
+- A step calls a graph's compiled code itself, after checking that entry's guards
+  (`_Dispatch`), not through dynamo's frame evaluation: that cost 0.9-1.0 ms a call for the
+  batch >= 2 graph (0.15 ms of it the guards) and 0.05-0.35 ms for batch 1, in a step of
+  5-12 ms. vLLM dispatches to its compiled code the same way, without checking guards. When
+  no entry's guards hold, the call goes through dynamo as before (which may compile again).
 """
 
 from __future__ import annotations
@@ -65,17 +70,58 @@ def _own_code(fn: Callable[..., torch.Tensor], instance: int) -> Callable[..., t
     return types.FunctionType(code, fn.__globals__, name)
 
 
+StepFn = Callable[[Backbone, torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
+
+
+class _Dispatch:
+    """One compiled step function, called through its dynamo cache entries directly: the first
+    entry whose guards hold on the call's arguments runs its compiled code (the bytecode dynamo
+    would run after the same check); with none, the call goes through torch.compile's wrapper
+    and the entries are read again. Without the cache-entry API (another torch), always the
+    wrapper."""
+
+    def __init__(self, fn: StepFn, options: dict[str, Any]) -> None:
+        self.fn = fn
+        self.compiled = torch.compile(fn, fullgraph=True, options=options)
+        self.entries: list[tuple[Callable[[dict[str, Any]], bool], StepFn]] = []
+
+    def __call__(
+        self, model: Backbone, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        if self.entries:
+            frame = {"model": model, "input_ids": input_ids, "positions": positions, "ctx": ctx}
+            for check, code in self.entries:
+                if check(frame):
+                    return code(model, input_ids, positions, ctx)
+        hidden = self.compiled(model, input_ids, positions, ctx)
+        self.entries = _cache_entries(self.fn)
+        return hidden
+
+
+def _cache_entries(fn: StepFn) -> list[tuple[Callable[[dict[str, Any]], bool], StepFn]]:
+    """(guard check, compiled code as a function) of each of fn's dynamo cache entries, newest
+    first as dynamo tries them; [] where this torch does not expose them."""
+    get_entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if get_entries is None:
+        return []
+    entries: list[tuple[Callable[[dict[str, Any]], bool], StepFn]] = []
+    for entry in get_entries(fn.__code__):
+        guards, code = getattr(entry, "guard_manager", None), getattr(entry, "code", None)
+        if guards is None or code is None or not hasattr(guards, "check"):
+            return []
+        entries.append((guards.check, types.FunctionType(code, fn.__globals__, fn.__name__)))
+    return entries
+
+
 class CompiledDecode:
     def __init__(self, model: CausalLM) -> None:
         self.model = model.model
-        options: dict[str, str | int | bool | Callable[..., Any]] = {
+        options: dict[str, Any] = {
             "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe
         }
         instance = next(_instances)
-        self._one = torch.compile(_own_code(_decode_one, instance), fullgraph=True, options=options)
-        self._many = torch.compile(
-            _own_code(_decode_many, instance), fullgraph=True, options=options
-        )
+        self._one = _Dispatch(_own_code(_decode_one, instance), options)
+        self._many = _Dispatch(_own_code(_decode_many, instance), options)
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -83,7 +129,7 @@ class CompiledDecode:
         """Hidden states (num_decodes, hidden_size) of a pure-decode step."""
         return self._graph(input_ids)(self.model, input_ids, positions, ctx)
 
-    def _graph(self, input_ids: torch.Tensor) -> Callable[..., torch.Tensor]:
+    def _graph(self, input_ids: torch.Tensor) -> _Dispatch:
         return self._one if input_ids.shape[0] == 1 else self._many
 
     def warm_up(

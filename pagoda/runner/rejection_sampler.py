@@ -161,6 +161,22 @@ def accept_greedy(
     return VerifyOutput(_emit(targets, num_accepted), num_accepted)
 
 
+def accept_prefixes(targets: Sequence[int], drafts: Sequence[Sequence[int]]) -> list[int]:
+    """accept_greedy on the host, for a step that reads its samples back anyway: a_r, the
+    number of row r's drafts equal to the target's tokens before the first that is not.
+    targets: (T,) the target's token at every target row, rows in order (row r's k_r + 1
+    positions, k_r = len(drafts[r]))."""
+    accepted = []
+    start = 0
+    for row in drafts:
+        a = 0
+        while a < len(row) and row[a] == targets[start + a]:
+            a += 1
+        accepted.append(a)
+        start += len(row) + 1
+    return accepted
+
+
 def _emit(tokens: torch.Tensor, num_accepted: torch.Tensor) -> torch.Tensor:
     """(R, max_k + 1) tokens with PLACEHOLDER_TOKEN_ID after each row's num_accepted + 1."""
     cols = torch.arange(tokens.shape[1], device=tokens.device)

@@ -8,8 +8,9 @@ position as the plain sampler samples a row: the same processing (logit bias, mi
 penalties counting the drafts before the position, temperature, top-k/p, min-p), the same
 exponential race, a seeded request drawing its noise position by position from its generator.
 It keeps the longest prefix of drafts equal to those samples, then the sample after it
-(runner/rejection_sampler.py, accept_greedy). Drafts here are deterministic (prompt lookup, or
-the draft model's argmax), so this is exactly rejection sampling (accept x with
+(runner/rejection_sampler.py: accept_prefixes, on the host, where the step reads its samples
+anyway). Drafts here are deterministic (prompt lookup, or the draft model's argmax), so this
+is exactly rejection sampling (accept x with
 min(1, p(x) / q(x)) for a one-hot q): the output is distributed as the target's, and greedy
 output is the target's argmax chain. A seeded request's generator is then rewound to a_r + 1
 draws, so it gives the tokens it gives without speculation.
@@ -21,6 +22,7 @@ they ride back to the scheduler in RunnerOutput.draft_token_ids.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, overload
@@ -30,8 +32,7 @@ import torch
 from pagoda.runner.device import to_device
 from pagoda.runner.input_batch import InputBatch, RequestRow, SamplingRows
 from pagoda.runner.rejection_sampler import (
-    DraftLayout,
-    accept_greedy,
+    accept_prefixes,
     rewind_generators,
     snapshot_generators,
 )
@@ -67,27 +68,27 @@ def verify_drafts(
     what the target agrees with (module docstring). logits (T, vocab) and meta: those of
     draft_positions(rows, drafts), as for a plain step of those rows."""
     num_drafts = [len(d) for d in drafts]
-    layout = DraftLayout.build(num_drafts, logits.device)
-    flat_drafts = to_device([t for d in drafts for t in d], torch.int64, logits.device)
+    starts = list(itertools.accumulate((k + 1 for k in num_drafts), initial=0))[:-1]
     if meta.output_counts is not None:
-        _count_earlier_drafts(meta.output_counts, layout, drafts)
+        _count_earlier_drafts(meta.output_counts, starts, drafts)
     # Seeded random rows with drafts: their generators, keyed by row, before the draws.
     seeded = {
-        i: meta.generators[layout.target_starts[i]]
+        i: meta.generators[starts[i]]
         for i in range(len(drafts))
-        if num_drafts[i] and layout.target_starts[i] in meta.generators
+        if num_drafts[i] and starts[i] in meta.generators
     }
     snapshots = snapshot_generators(seeded)
     result = sampler(logits, meta)
-    verified = accept_greedy(result.sampled_token_ids, flat_drafts, layout)
-    num_accepted = verified.num_accepted.tolist()  # the step's sync (sync scheduling)
+    # the step's sync (sync scheduling): T token ids, accepted on the host
+    num_accepted = accept_prefixes(result.sampled_token_ids.tolist(), drafts)
     rewind = {i: g for i, g in seeded.items() if num_accepted[i] < num_drafts[i]}
     rewind_generators(rewind, snapshots, num_accepted, logits.shape[1])
-    emitted = layout.emitted_target_rows(verified.num_accepted)
+    counts = [a + 1 for a in num_accepted]
+    emitted_rows = [start + j for start, count in zip(starts, counts) for j in range(count)]
+    emitted = to_device(emitted_rows, torch.int64, logits.device)
     logprobs = None
     if result.logprobs is not None:
         logprobs = LogprobsTensors(*(t.index_select(0, emitted) for t in result.logprobs))
-    counts = [a + 1 for a in num_accepted]
     return Verified(
         result.sampled_token_ids.index_select(0, emitted),
         counts,
@@ -116,15 +117,13 @@ def one_token_rows(
     return rids, rows, seq_lens
 
 
-def _count_earlier_drafts(
-    counts: torch.Tensor, layout: DraftLayout, drafts: list[list[int]]
-) -> None:
+def _count_earlier_drafts(counts: torch.Tensor, starts: list[int], drafts: list[list[int]]) -> None:
     """Add to each position's output token counts (T, vocab) the drafts before it: position j
-    of a row has seen drafts 0..j-1 as outputs (penalties)."""
+    of a row has seen drafts 0..j-1 as outputs (penalties). starts[i]: row i's first
+    position."""
     rows: list[int] = []
     tokens: list[int] = []
-    for i, row_drafts in enumerate(drafts):
-        start = layout.target_starts[i]
+    for start, row_drafts in zip(starts, drafts):
         for j in range(1, len(row_drafts) + 1):
             rows.extend([start + j] * j)
             tokens.extend(row_drafts[:j])

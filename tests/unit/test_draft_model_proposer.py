@@ -72,7 +72,8 @@ def test_allowance_backoff_and_remove() -> None:
     tokens = [1, 2, 3]
     # at most `allowed` drafts; none for a request that may not grow
     assert p.propose([("a", tokens, 2), ("b", tokens, 0)]) == [[4, 5], []]
-    p.record("a", 2, 0)  # all rejected: a pauses one step
+    p.backoff.record("a", 2, 0)  # an earlier verification rejected every draft
+    p.record("a", 2, 0)  # all rejected again: a pauses one step
     draft.steps.clear()
     assert p.propose([("a", [*tokens, 9], 4)]) == [[]]
     assert draft.steps == []  # nothing to feed, no forward run
@@ -91,7 +92,8 @@ def test_a_draft_on_the_target_cache_feeds_only_the_last_token() -> None:
     tokens = list(range(10, 20))
     assert p.propose([("a", tokens, 8)]) == [[20, 21, 22]]
     assert draft.steps == [[("a", [19], 9)], [("a", [20], 10)], [("a", [21], 11)]]
-    p.record("a", 3, 0)  # all rejected: one step of backoff
+    p.backoff.record("a", 3, 0)  # an earlier verification rejected every draft
+    p.record("a", 3, 0)  # all rejected again: one step of backoff
     assert p.propose([("a", [*tokens, 5], 8)]) == [[]]
     draft.steps.clear()
     p.propose([("a", [*tokens, 5, 6], 8)])

@@ -127,6 +127,8 @@ def test_backoff_pauses_grow_and_reset_on_success() -> None:
         return skipped
 
     b.record("r", 4, 0)
+    assert pause() == 0  # one failure alone does not pause (GRACE)
+    b.record("r", 4, 0)
     assert pause() == 1
     b.record("r", 4, 0)
     assert pause() == 3
@@ -134,7 +136,9 @@ def test_backoff_pauses_grow_and_reset_on_success() -> None:
     assert pause() == 5  # 7, capped at max_steps
     b.record("r", 2, 0)
     assert pause() == 5
-    b.record("r", 3, 1)  # an accepted draft: no pause, and the next failure starts over
+    b.record("r", 3, 1)  # an accepted draft: no pause, and the failures start over
+    assert pause() == 0
+    b.record("r", 3, 0)
     assert pause() == 0
     b.record("r", 3, 0)
     assert pause() == 1
@@ -156,12 +160,16 @@ def test_proposer_backs_off_per_request() -> None:
     assert p.propose(rows) == [[2, 1], [4, 3]]
     p.record("bad", 2, 0)
     p.record("good", 2, 2)
-    assert p.propose(rows) == [[], [4, 3]]  # bad pauses one step
+    assert p.propose(rows) == [[2, 1], [4, 3]]  # one failure: no pause yet
+    p.record("bad", 2, 0)
+    p.record("good", 2, 2)
+    assert p.propose(rows) == [[], [4, 3]]  # two in a row: bad pauses one step
     assert p.propose(rows) == [[2, 1], [4, 3]]
     p.record("bad", 2, 0)
     assert [p.propose(rows)[0] for _ in range(4)] == [[], [], [], [2, 1]]  # then three
     p.remove("bad")
     assert p.backoff.skip_left("bad") == 0
+    p.record("bad", 2, 0)
     p.record("bad", 2, 0)
     assert p.propose(rows)[0] == []
 

@@ -22,6 +22,7 @@ from pagoda.runner.rejection_sampler import (
     DraftLayout,
     VerifyOutput,
     accept_greedy,
+    accept_prefixes,
     rejection_sample,
     rewind_generators,
     snapshot_generators,
@@ -100,6 +101,18 @@ def test_greedy_accepts_a_prefix_only() -> None:
     # draft 2 equals its target but comes after a rejection: not accepted
     out = accept_greedy(ids([5, 6, 7, 8]), ids([5, 0, 7]), layout(3))
     assert out.tolists() == [[5, 6]]
+
+
+def test_host_acceptance_equals_accept_greedy() -> None:
+    """accept_prefixes (the runner's, on the host) keeps what accept_greedy keeps: rows with 0
+    to 5 drafts over a 3-token vocabulary, so every kind of prefix occurs."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        ks = torch.randint(0, 6, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g)
+        drafts = [torch.randint(0, 3, (int(k),), generator=g).tolist() for k in ks]
+        targets = torch.randint(0, 3, (int(ks.sum()) + len(drafts),), generator=g)
+        want = accept_greedy(targets, ids([t for d in drafts for t in d]), layout(*ks.tolist()))
+        assert accept_prefixes(targets.tolist(), drafts) == want.num_accepted.tolist()
 
 
 def test_only_plain_rows_and_an_empty_batch() -> None:
