@@ -2,7 +2,7 @@
 # The cost of speculation where proposals fail: W-CPU (64 requests of random token ids, T = 0.6,
 # SmolLM2 Q4_1 GGUF kept quantized, -O2), run without and with n-gram speculation alternately,
 # ROUNDS times each, on this machine. Usage:
-#     benchmarks/spec_overhead.sh [OUT_DIR] [ROUNDS]
+#     [SPEC='{...}'] benchmarks/spec_overhead.sh [OUT_DIR] [ROUNDS]
 # Writes one JSON per run into OUT_DIR (default benchmarks/results/issue18/w_cpu_overhead) and
 # prints, then writes to OUT_DIR/summary.json, every run's output tok/s, each side's median and
 # best, and speculation / none for both.
@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/issue18/w_cpu_overhead}
 rounds=${2:-3}
 python=${PYTHON:-$PWD/.venv/bin/python}
-spec='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+# the copy workload's config by default (benchmarks/README.md); SPEC='{...}' for another
+spec=${SPEC:-'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 3}'}
 mkdir -p "$out"
 
 run() {  # run SIDE ROUND [ARGS...]

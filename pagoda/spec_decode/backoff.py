@@ -6,9 +6,10 @@ in a row a request proposes nothing for the next min(2^(f - GRACE + 1) - 1, max_
 (random tokens) soon costs one skipped step check per request and step, while a request whose
 drafts start landing again is back to full speculation after its current pause. A single
 failure does not pause (GRACE = 2): where a model rewrites a word of the text it copies, the
-next drafts usually land again (on the copy workload, pausing after one failure cost 4% of
-decode speed: pagoda bench latency --workload copy). Nothing here knows about tokens: any
-proposer (n-gram, draft model) can hold one.
+next drafts usually land again (on the copy workload at k = 5, 2-grams, pausing after one
+failure gave 1.80x and 1.88x of plain decoding where never pausing gave 1.84x and 1.95x, in
+two alternating runs; GRACE = 2 gave 1.94x). Nothing here knows about tokens: any proposer
+(n-gram, draft model) can hold one.
 """
 
 from __future__ import annotations
