@@ -38,9 +38,9 @@ class SpeculativeConfig:
     As in vLLM: `method` defaults to "draft_model" when a `model` is given; for "ngram", a
     missing prompt_lookup_min or prompt_lookup_max follows the other, and both default to 5
     when neither is given. Pagoda's own field `max_backoff_steps` (not vLLM's) caps the
-    per-request backoff of the proposer: a request whose drafts are all rejected twice in a
-    row, then again, proposes nothing for 1, 3, 7, ... steps (never more than
-    max_backoff_steps) until a draft is accepted again; 0 turns backoff off.
+    per-request backoff of the proposer: after two verifications in a row that reject all its
+    drafts a request proposes nothing for 1 step, after each further one for 3, 7, ... steps
+    (never more than max_backoff_steps), until a draft is accepted again; 0 turns backoff off.
 
     A request with k draft tokens is scheduled for k + 1 tokens; verification keeps the accepted
     drafts plus one token of the target's (so 1 to k + 1 tokens per step).
