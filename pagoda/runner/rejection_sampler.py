@@ -390,7 +390,7 @@ def rewind_generators(
     them (the plain sampler draws a vocabulary-sized row per token: draw_numel = V).
 
     For callers that sample the T target rows with the plain sampler (expand_generators), then
-    accept_greedy: a seeded row drew k_r + 1 rows but kept a_r + 1 tokens."""
+    accept_greedy or accept_prefixes: a seeded row drew k_r + 1 rows but kept a_r + 1 tokens."""
     for row, g in generators.items():
         g.set_state(snapshots[row])
         scratch = torch.empty(draw_numel, dtype=torch.float32, device=g.device)

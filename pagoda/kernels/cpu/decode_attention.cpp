@@ -74,6 +74,12 @@ __attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
+// [sum(a0), sum(a1), sum(a2), sum(a3)]: one horizontal pass for all four
+__attribute__((target("avx2,fma"))) inline __m128 sum4_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 // Four positions' keys k[0..3] against the group's query heads (q_j = q + j * d):
 // scores[j * n + r] = scale * q_j . k[r]; four independent sums hide the FMA latency.
 __attribute__((target("avx2,fma"))) inline void scores4_avx2(const float* q, const float* const* k,
@@ -91,11 +97,8 @@ __attribute__((target("avx2,fma"))) inline void scores4_avx2(const float* q, con
       a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + i), a2);
       a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + i), a3);
     }
-    // [a0 a1 a2 a3] lane sums in order
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
     alignas(16) float t[4];
-    _mm_store_ps(t, _mm_mul_ps(r, _mm_set1_ps(scale)));
+    _mm_store_ps(t, _mm_mul_ps(sum4_avx2(a0, a1, a2, a3), _mm_set1_ps(scale)));
     for (int c = 0; c < 4; ++c) {
       for (int64_t e = i; e < d; ++e) t[c] += scale * qj[e] * k[c][e];
       scores[j * n + c] = t[c];
@@ -199,15 +202,14 @@ inline float exp_shifted_sum_scalar(float* s, int64_t n, float shift) {
 }
 
 #define PAGODA_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512vl")))
-// [sum(a0), sum(a1), sum(a2), sum(a3)]: the four halves added, then one horizontal pass for
-// all four (a third of the shuffles of four separate reductions).
+// [sum(a0), sum(a1), sum(a2), sum(a3)]: each register's halves added, then sum4_avx2 (a third
+// of the shuffles of four separate reductions).
 PAGODA_AVX512 inline __m256 half(__m512 a) {
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
 }
 
 PAGODA_AVX512 inline __m128 sum4_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  return sum4_avx2(half(a0), half(a1), half(a2), half(a3));
 }
 
 // The four-position steps with 512-bit registers, where d is a multiple of 16 (AVX-512).
