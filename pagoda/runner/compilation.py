@@ -81,9 +81,11 @@ class _Dispatch:
     and the entries are read again. Without the cache-entry API (another torch), always the
     wrapper."""
 
-    def __init__(self, fn: StepFn, options: dict[str, Any]) -> None:
+    def __init__(
+        self, fn: StepFn, options: dict[str, Any] | None, backend: str = "inductor"
+    ) -> None:
         self.fn = fn
-        self.compiled = torch.compile(fn, fullgraph=True, options=options)
+        self.compiled = torch.compile(fn, fullgraph=True, backend=backend, options=options)
         self.entries: list[tuple[Callable[[dict[str, Any]], bool], StepFn]] = []
 
     def __call__(

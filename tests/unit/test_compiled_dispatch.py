@@ -1,6 +1,9 @@
 """runner/compilation.py's _Dispatch: a compiled step is called through its dynamo cache
 entries directly once its guards hold, and through torch.compile's wrapper (which may compile
-again) when no entry's guards do. A toy step of the decode step's signature, on this torch."""
+again) when no entry's guards do. A toy step of the decode step's signature, on this torch,
+compiled by dynamo's eager backend: the dispatch is dynamo's cache whatever the backend, and
+inductor would build C++ for 12 s on a fresh machine (tests/engine/test_compiled_decode.py runs
+the decode step's inductor graphs through it)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ class _Model:
 
 
 def test_calls_go_straight_to_the_compiled_code_while_guards_hold() -> None:
-    step = _Dispatch(_own_code(_step, 9001), {})
+    step = _Dispatch(_own_code(_step, 9001), None, backend="eager")
     through_dynamo = []
     compiled = step.compiled
 
@@ -50,7 +53,7 @@ def test_calls_go_straight_to_the_compiled_code_while_guards_hold() -> None:
 
 def test_without_the_cache_entry_api_every_call_goes_through_dynamo(monkeypatch: Any) -> None:
     monkeypatch.delattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list")
-    step = _Dispatch(_own_code(_step, 9002), {})
+    step = _Dispatch(_own_code(_step, 9002), None, backend="eager")
     x = torch.ones(2, 4)
     for _ in range(2):
         assert step(_Model(), x, torch.arange(4.0), None).tolist() == [17.0, 17.0]
