@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pagoda-installed
 
-.PHONY: setup serve demo test lint typecheck browser unit bench clean lock
+.PHONY: setup serve demo test check lint typecheck browser unit bench clean lock
 
 # The test install is pinned: requirements/test-constraints.txt holds every resolved version
 # (pyproject keeps ranges for users). No build isolation: the pinned setuptools builds pagoda.
@@ -46,10 +46,20 @@ browser:
 # One pytest-xdist worker per core (at most 4); each test file runs whole on one worker
 # (--dist loadfile), so its module-scoped engines and servers start once. (--dist loadgroup with
 # xdist_group marks did not group anything under pytest 9.2 / xdist 3.8: files were split.)
-# The checks and the browser install run side by side (mypy takes one core, apt the network).
+PYTEST := $(BIN)/python -m pytest -q -x -n auto --maxprocesses 4 --dist loadfile
+
+# The whole CPU suite, slow tests included (-m '' lifts pyproject's "not slow"), as CI runs it,
+# and strict: a test may skip only for a missing GPU, and the CPU kernels must build
+# (tests/skip_policy.py, PAGODA_CPU_KERNELS=require). The checks and the browser install run side
+# by side (mypy takes one core, apt the network).
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck browser
-	$(BIN)/python -m pytest -q -x --durations=15 -n auto --maxprocesses 4 --dist loadfile
+	PAGODA_CPU_KERNELS=require $(BIN)/python -m pagoda.kernels.cpu
+	PAGODA_TEST_STRICT=1 PAGODA_CPU_KERNELS=require $(PYTEST) --durations=15 -m ''
+
+# The inner loop: the default suite (no slow tests), skips allowed.
+check: $(STAMP)
+	$(PYTEST)
 
 bench: $(STAMP)
 	$(BIN)/pagoda bench throughput --num-prompts 64 --input-len-range 16,256 --output-len-range 16,256 --peer hf

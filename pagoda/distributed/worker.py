@@ -135,6 +135,7 @@ def serve(
             **{f"collective_{k}": v for k, v in asdict(tp.stats).items()},
             **{f"pipeline_{k}": v for k, v in asdict(pp.stats).items()},
             **{f"context_{k}": v for k, v in asdict(cp.stats).items()},
+            "micro_batch_spans": list(runner.stage_timeline.spans),
         },
     }
     while True:

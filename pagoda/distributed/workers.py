@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import socket
 import time
 import weakref
@@ -30,11 +31,27 @@ from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0
+# A rank's report of a failed collective may come before its killed peer's death shows.
+DEATH_GRACE_S = 2.0
 STATS_REFRESH_S = 1.0
+
+
+# A spawned rank that finds itself re-running the user's script at import (no main guard) exits
+# at once with this code, and the engine names the fix instead of three tracebacks.
+UNGUARDED_EXIT = 87
+UNGUARDED_MESSAGE = (
+    "pagoda starts its parallel ranks as new Python processes, which import your script again, "
+    "and your script creates the LLM when it is imported: move that code under "
+    '`if __name__ == "__main__":`'
+)
 
 
 class WorkerGroup:
     def __init__(self, config: EngineConfig) -> None:
+        if getattr(mp.current_process(), "_inheriting", False):
+            # this process is a rank being spawned, still importing the parent's main module,
+            # which is creating an engine: the script has no main guard
+            os._exit(UNGUARDED_EXIT)
         size = config.world_size
         self.tp_size = config.tensor_parallel_size
         self.cp_size = config.prefill_context_parallel_size
@@ -55,6 +72,7 @@ class WorkerGroup:
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
+        self._last_words: dict[int, tuple[str, str] | None] = {}  # of exited ranks
         self._finalizer = weakref.finalize(self, _shutdown, self.conns, self.procs)
         logger.info(
             "%d ranks: tensor parallel %d x pipeline %d x prefill context parallel %d (pids %s)",
@@ -114,8 +132,9 @@ class WorkerGroup:
             self._totals_time = now
         return self._totals
 
-    def stats(self) -> list[dict[str, float]]:
-        """Each rank's steps and step seconds, and its collectives' calls, bytes and seconds."""
+    def stats(self) -> list[dict[str, Any]]:
+        """Each rank's steps and step seconds, its collectives' calls, bytes and seconds, and
+        its recent micro-batch spans (runner/pipeline.StageTimeline)."""
         return self.call_all("stats")
 
     # ---- the processes ---------------------------------------------------------------------
@@ -125,47 +144,79 @@ class WorkerGroup:
         return [self._receive(rank) for rank in range(len(self.procs))]
 
     def check_health(self) -> None:
-        """RuntimeError if a rank has exited."""
-        for rank, proc in enumerate(self.procs):
-            if not proc.is_alive():
-                raise RuntimeError(self._died(rank))
+        """RuntimeError if a rank has exited (naming the one that died first, see _failure)."""
+        if any(not proc.is_alive() for proc in self.procs):
+            raise self._failure(grace=0.0)
 
     def shutdown(self) -> None:
         self._finalizer()
 
     def _send(self, method: str, *args: Any, reply_all: bool = False) -> None:
         self.check_health()
-        for rank, conn in enumerate(self.conns):
+        for conn in self.conns:
             try:
                 conn.send((method, args, reply_all))
             except (BrokenPipeError, ConnectionResetError, EOFError) as e:
-                raise RuntimeError(self._died(rank)) from e
+                raise self._failure() from e
 
     def _receive(self, rank: int) -> Any:
-        """Rank `rank`'s next reply; RuntimeError if it reports an error or any rank dies."""
+        """Rank `rank`'s next reply; an error (see _failure) if it reports one or a rank dies."""
         conn = self.conns[rank]
-        sentinels = {p.sentinel: (r, p) for r, p in enumerate(self.procs)}
-        ready = wait([conn, *sentinels])
+        ready = wait([conn, *(p.sentinel for p in self.procs)])
         if conn in ready or conn.poll():
             try:
                 status, value = conn.recv()
             except (EOFError, OSError) as e:
-                raise RuntimeError(self._died(rank)) from e
+                raise self._failure() from e
             if status == "error":
-                raise _failure(self._name(rank), *value)
+                self._last_words[rank] = (value[0], value[1])
+                raise self._failure(reporter=rank)
             return value
-        dead_rank, proc = sentinels[next(s for s in ready if s in sentinels)]
-        proc.join(timeout=1)
-        message = self._died(dead_rank)
-        dead_conn = self.conns[dead_rank]
-        if dead_conn.poll():  # it reported its error before exiting
+        raise self._failure()
+
+    def _failure(self, reporter: int | None = None, grace: float = DEATH_GRACE_S) -> Exception:
+        """The error to raise for a failed group. A rank that died without a word (killed) is
+        named, with `reporter`'s report as the cause: its peers fail in their next collective
+        ("connection reset by peer"), and one of them may report first, so up to `grace`
+        seconds are given for such a death to show. Otherwise the reporter's error, or the
+        first exited rank's."""
+        deadline = time.monotonic() + grace
+        while True:
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+            silent = [r for r in dead if self._last_word(r) is None]
+            if silent:
+                error = RuntimeError(self._died(silent[0]))
+                report = None if reporter is None else self._last_words[reporter]
+                if reporter is not None and report is not None:
+                    error.__cause__ = _failure(self._name(reporter), *report)
+                return error
+            alive = [p.sentinel for r, p in enumerate(self.procs) if p.is_alive() and r != reporter]
+            left = deadline - time.monotonic()
+            if not alive or left <= 0:
+                break
+            wait(alive, timeout=left)  # until one of them exits, or the grace ends
+        if reporter is None and not dead:
+            return RuntimeError("a rank's pipe to the engine broke, but no rank has exited")
+        rank = reporter if reporter is not None else dead[0]
+        word = self._last_word(rank)
+        assert word is not None  # a silent death was returned above
+        return _failure(self._name(rank), *word)
+
+    def _last_word(self, rank: int) -> tuple[str, str] | None:
+        """The error an exited rank reported before it went (kind, text), None if it died
+        without one; read from its pipe once, then kept."""
+        if rank not in self._last_words:
+            word = None
+            conn = self.conns[rank]
             try:
-                status, value = dead_conn.recv()
-                if status == "error":
-                    raise _failure(self._name(dead_rank), *value)
+                if conn.poll():
+                    status, value = conn.recv()
+                    if status == "error":
+                        word = (value[0], value[1])
             except (EOFError, OSError):
                 pass
-        raise RuntimeError(message)
+            self._last_words[rank] = word
+        return self._last_words[rank]
 
     def _name(self, rank: int) -> str:
         """How messages name a rank: "tensor-parallel rank 1", "pipeline stage 1", or both, or
@@ -181,6 +232,9 @@ class WorkerGroup:
 
     def _died(self, rank: int) -> str:
         proc = self.procs[rank]
+        proc.join(timeout=1)  # reaped, so its exit code is known (a broken pipe shows first)
+        if proc.exitcode == UNGUARDED_EXIT:
+            return UNGUARDED_MESSAGE
         return (
             f"{self._name(rank)} (pid {proc.pid}) died with exit code {proc.exitcode}; "
             "the engine cannot continue without it"

@@ -13,8 +13,12 @@ A quantized cache (`--kv-cache-dtype int8|fp8`) is quantized here on write and d
 on read, to the query dtype, before attention: nothing else reads the cache's values.
 
 On CPU, where pagoda's C++ kernels are built (pagoda/kernels/cpu; `cpu_kernel`, set by the model
-runner), pure-decode steps over a float32 cache read the keys and values in place with
-`paged_decode_attention` instead; paged_attention_torch stays the reference it is tested against.
+runner), every step over a float32 cache reads the keys and values in place with
+`paged_decode_attention` (pure decode) or `paged_attention` (with prefill chunks) instead, which
+reduce each query row the same way whatever the rows beside it: a position gets the same bits
+alone, batched, chunked, after a prefix-cache hit or as a verification row, so the int8
+rounding of the next matmul's input sees the same value (README, "Determinism").
+paged_attention_torch stays the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -81,11 +85,9 @@ class Attention(nn.Module):
             out = paged_attention_triton(q, k, v, cache, meta, self.scale, rotary, qk_norm)
         else:
             write_kv_cache(k, v, cache, meta.slot_mapping)
-            if (
-                self.cpu_kernel
-                and meta.num_decodes == num_tokens
-                and cache.k.dtype == torch.float32
-            ):
+            if not (self.cpu_kernel and cache.k.dtype == torch.float32):
+                out = paged_attention_torch(q, cache, meta, self.scale)
+            elif meta.num_decodes == num_tokens:
                 out = torch.ops.pagoda_cpu.paged_decode_attention(
                     q,
                     cache.k,
@@ -95,8 +97,17 @@ class Attention(nn.Module):
                     self.scale,
                     2,
                 )
-            else:
-                out = paged_attention_torch(q, cache, meta, self.scale)
+            else:  # the same per-row reduction over prefill chunks and decodes alike
+                out = torch.ops.pagoda_cpu.paged_attention(
+                    q,
+                    cache.k,
+                    cache.v,
+                    meta.req_block_tables,
+                    meta.query_start_loc,
+                    meta.req_seq_lens,
+                    self.scale,
+                    2,
+                )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 

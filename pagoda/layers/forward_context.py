@@ -64,6 +64,12 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks) int32
     prefills: list[PrefillSeq]
     max_prefill_query_len: int
+    # Every request in flat-batch order, for kernels that take decodes and prefills in one call
+    # (the CPU kernels' paged_attention). Filled in steps with a prefill only; empty otherwise.
+    query_start_loc: torch.Tensor  # (num_reqs + 1,) int32 first flat row of each request, then
+    # num_tokens
+    req_seq_lens: torch.Tensor  # (num_reqs,) int32
+    req_block_tables: torch.Tensor  # (num_reqs, max_blocks) int32
     # Split-K factor of the triton decode kernel; a function of static sizes only, so a
     # captured graph and an eager step of the same batch size compute identically.
     decode_num_splits: int = 1

@@ -38,7 +38,7 @@ from pagoda.runner.grammar_mask import apply_grammar_bitmask
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.kernel_warmup import decode_split_counts, matmul_row_counts, prefill_lens
 from pagoda.runner.pending_output import PendingOutput, fill_placeholders
-from pagoda.runner.pipeline import pipelined_forward
+from pagoda.runner.pipeline import StageTimeline, pipelined_forward
 from pagoda.runner.prompt_logprobs import compute_prompt_logprobs
 from pagoda.runner.sampler import (
     LogprobsTensors,
@@ -95,6 +95,7 @@ class ModelRunner:
         self.model = model
         self.pp, self.cp = pp, cp
         self.num_micro_batches = max(2, pp.size)
+        self.stage_timeline = StageTimeline()
         self.model_config = model_config
         self.block_size = block_size
         self.device = device

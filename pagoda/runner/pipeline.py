@@ -17,6 +17,8 @@ tokens this one samples (vLLM fills it with several batches in flight across ste
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from itertools import accumulate
 from typing import Any, Protocol
 
@@ -31,6 +33,17 @@ from pagoda.runner.input_batch import InputBatch
 from pagoda.runner.step_inputs import InputBuffers
 
 
+class StageTimeline:
+    """When this stage computed each micro-batch of its recent steps: (step, micro-batch, start,
+    end) in time.monotonic() seconds, a clock all the machine's processes share; a stage's span
+    starts once its input arrived. The ranks report it in their stats, so the overlap of the
+    stages can be read off (stage 0's micro-batch k + 1 beside stage 1's k)."""
+
+    def __init__(self, keep: int = 256) -> None:
+        self.steps = 0
+        self.spans: deque[tuple[int, int, float, float]] = deque(maxlen=keep)
+
+
 class StageRunner(Protocol):
     """What a step of a stage reads of its runner (model_runner.ModelRunner)."""
 
@@ -43,6 +56,7 @@ class StageRunner(Protocol):
     kv_caches: list[KVCache]
     device: torch.device
     num_micro_batches: int
+    stage_timeline: StageTimeline
 
     def decode_num_splits(self, num_decodes: int) -> int: ...
 
@@ -74,7 +88,10 @@ def pipelined_forward(
     hidden_size, dtype = int(config.hf_config.hidden_size), getattr(torch, config.dtype)
     outputs: list[torch.Tensor] = []
     sends: list[tuple[Any, torch.Tensor]] = []  # each send and the tensor it reads
-    for group in micro_batches([len(t) for t in token_ids], runner.num_micro_batches):
+    timeline = runner.stage_timeline
+    timeline.steps += 1
+    groups = micro_batches([len(t) for t in token_ids], runner.num_micro_batches)
+    for index, group in enumerate(groups):
         group_ids = [token_ids[i] for i in group]
         num_decodes = sum(len(t) == 1 for t in group_ids)
         ids, pos, meta = runner.buffers.prepare(
@@ -87,8 +104,10 @@ def pipelined_forward(
         stream = None
         if not pp.is_first:
             stream = pp.receive((2, meta.num_tokens, hidden_size), dtype, runner.device)
+        start = time.monotonic()
         with forward_context(meta, runner.kv_caches):
             result = model(ids, pos, stream)
+        timeline.spans.append((timeline.steps, index, start, time.monotonic()))
         if pp.is_last:
             outputs.append(result)
         else:

@@ -65,6 +65,9 @@ class InputBuffers:
         self.prefill_query_lens = self._pair((max_reqs,), int32)
         self.prefill_seq_lens = self._pair((max_reqs,), int32)
         self.prefill_block_tables = self._pair((max_reqs, max_blocks_per_seq), int32)
+        self.query_start_loc = self._pair((max_reqs + 1,), int32)
+        self.req_seq_lens = self._pair((max_reqs,), int32)
+        self.req_block_tables = self._pair((max_reqs, max_blocks_per_seq), int32)
         # The hidden-state row each sampling row reads (filled by row_index, after prepare).
         self.sample_rows = self._pair((max_reqs,), int64)
 
@@ -133,6 +136,7 @@ class InputBuffers:
         num_decode_rows = len(layout.decode) + rows - layout.num_tokens
         cols_d = self._fill_decodes(layout, num_decode_rows, full_width)
         cols_p, prefills = self._fill_prefills(layout)
+        num_all, cols_all = self._fill_requests(layout) if prefills else (0, 0)
         if rows > layout.num_tokens:
             assert not prefills, "only pure-decode batches are padded"
             self._fill_padding(layout.num_tokens, rows)
@@ -154,6 +158,9 @@ class InputBuffers:
             ),
             prefills=prefills,
             max_prefill_query_len=max((p.token_end - p.token_start for p in prefills), default=0),
+            query_start_loc=self.device_view(self.query_start_loc, num_all + 1 if num_all else 0),
+            req_seq_lens=self.device_view(self.req_seq_lens, num_all),
+            req_block_tables=self.device_table(self.req_block_tables, num_all, cols_all),
             decode_num_splits=decode_num_splits,
         )
         input_ids = self.device_view(self.input_ids, rows)
@@ -215,6 +222,18 @@ class InputBuffers:
             PrefillSeq(int(starts[i]), int(starts[i] + q_lens[i]), int(s_lens[i])) for i in prefill
         ]
         return cols, spans
+
+    def _fill_requests(self, layout: _Layout) -> tuple[int, int]:
+        """Every request's first row, length and block table, in flat order; returns the number
+        of requests and the tables' width."""
+        num = layout.num_reqs
+        cols = int(layout.n_blocks.max(initial=0))
+        starts = self.host(self.query_start_loc)
+        starts[:num] = layout.starts
+        starts[num] = layout.num_tokens
+        self.host(self.req_seq_lens)[:num] = layout.s_lens
+        self.host_table(self.req_block_tables, num, cols)[:] = layout.tables[:, :cols]
+        return num, cols
 
     def _fill_padding(self, num_tokens: int, rows: int) -> None:
         """Rows [num_tokens, rows) of a padded decode batch: id 0, position 0, no slot, length 0."""

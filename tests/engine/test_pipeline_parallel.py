@@ -7,11 +7,13 @@ thread each, over gloo, must give what one process gives.
   embedding's matrix itself); SmolLM2 (slow); with tensor parallelism in each stage (slow).
 - Each stage holds its layers' weights and KV cache only.
 - Steps of several requests run as two micro-batches that overlap: the first stage sends one
-  micro-batch on and computes the next while the last stage computes the first.
+  micro-batch on and computes the next while the last stage computes the first, read off the
+  stages' timestamps.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +50,41 @@ def test_pp2_equals_one_process(tiny_weights_dir: Callable[[str], str], arch: st
     assert stats[0]["pipeline_calls"] > stats[0]["steps"]
     assert stats[1]["pipeline_calls"] == stats[0]["pipeline_calls"]  # each received
     two.engine.shutdown()
+
+
+def test_the_stages_compute_micro_batches_side_by_side(
+    tiny_weights_dir: Callable[[str], str],
+) -> None:
+    """Stage 0 computes micro-batch k + 1 while stage 1 computes micro-batch k: their spans
+    (runner/pipeline.StageTimeline: from a stage's input arriving to its output, on the clock
+    the machine's processes share) overlap. Steps of 4 prompts of 300 tokens make the prefill
+    spans milliseconds long; every step must run two micro-batches on both stages, and at least
+    one must show the overlap (a pipeline that waited for the last stage before going on would
+    show none: checked by a barrier after each micro-batch)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(10, 1000) for _ in range(300)] for _ in range(4)]
+    llm = LLM(
+        tiny_weights_dir("llama"),
+        pipeline_parallel_size=2,
+        skip_tokenizer_init=True,
+        max_num_batched_tokens=1200,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.engine.runner.stats()  # type: ignore[union-attr]
+    llm.engine.shutdown()
+    first, last = ({(s, k): (a, b) for s, k, a, b in r["micro_batch_spans"]} for r in stats)
+    assert first.keys() == last.keys()
+    steps = {s for s, _ in first}
+    assert all((s, 1) in first for s in steps), sorted(first)
+    side_by_side = [
+        s
+        for s, k in first
+        if (s, k + 1) in first
+        and first[s, k + 1][0] < last[s, k][1]
+        and last[s, k][0] < first[s, k + 1][1]
+    ]
+    assert side_by_side, {key: (first[key], last[key]) for key in sorted(first)}
 
 
 def _assert_stages_hold_their_layers(one: LLM, two: LLM) -> None:

@@ -7,12 +7,15 @@ over gloo, must give what one rank gives.
   heads (2 + 1 groups, SmolLM2's split; SmolLM2 itself in float32 and as the GGUF: slow tests).
 - Each rank holds half of the weights and half of the KV cache.
 - A rank killed mid-run ends generate() with an error naming it, not a hang.
+- A script without a main guard gets one error naming the fix.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagoda import LLM, SamplingParams
+from pagoda.distributed.workers import UNGUARDED_MESSAGE
 from pagoda.layers.kv_cache import kv_cache_bytes
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.parallel import TensorParallel
@@ -223,3 +227,35 @@ def test_smollm2_gguf_tp2_agrees_up_to_a_near_tie(smollm2_path: str) -> None:
     got = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.shutdown()
     assert_same_up_to_a_near_tie(got, want, GGUF_NEAR_TIE)
+
+
+def test_a_script_without_a_main_guard_gets_one_sentence(
+    tiny_weights_dir: Callable[[str], str], tmp_path: Path
+) -> None:
+    """A user's script creating LLM(tensor_parallel_size=2) at module level: each spawned rank
+    imports it again; the rank exits at once and the engine raises one error naming the fix,
+    not the ranks' tracebacks ("bootstrapping phase")."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from pagoda import LLM\n"
+        f"llm = LLM({tiny_weights_dir('llama')!r}, tensor_parallel_size=2,"
+        " skip_tokenizer_init=True)\n"
+        "print('generated', llm.generate([{'prompt_token_ids': [1, 2, 3]}])[0].outputs[0].token_ids)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("Traceback") == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == f"RuntimeError: {UNGUARDED_MESSAGE}"
+    assert 'if __name__ == "__main__":' in last and "bootstrapping" not in done.stderr
+    assert "generated" not in done.stdout
+    guarded = script.read_text().replace("llm = ", "if __name__ == '__main__':\n    llm = ")
+    guarded = guarded.replace("print(", "    print(")
+    script.write_text(guarded)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "generated [" in done.stdout

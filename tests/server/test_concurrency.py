@@ -1,11 +1,13 @@
 """Many concurrent streaming clients: each gets exactly its own greedy output, and the engine
-batches them (pagoda:num_requests_running > 1 while they run)."""
+batches them: the requests' own timelines (GET /v1/requests/{id}/explain) show steps that ran
+several of them, read after the run, not caught by polling a gauge while it lasts."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -34,16 +36,7 @@ def expected(tiny_llama_dir: str) -> list[str]:
     ]
 
 
-async def _poll_running(server: ServerProcess, seen: list[float], stop: asyncio.Event) -> None:
-    async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
-        while not stop.is_set():
-            for line in (await http.get("/metrics")).text.splitlines():
-                if line.startswith(RUNNING + "{") or line.startswith(RUNNING + " "):
-                    seen.append(float(line.rsplit(" ", 1)[1]))
-            await asyncio.sleep(0.01)
-
-
-async def _run_clients(server: ServerProcess, model: str) -> tuple[list[dict[str, object]], float]:
+async def _run_clients(server: ServerProcess, model: str) -> list[dict[str, object]]:
     client = server.async_client(timeout=120)
 
     async def one(prompt: str) -> dict[str, object]:
@@ -51,8 +44,9 @@ async def _run_clients(server: ServerProcess, model: str) -> tuple[list[dict[str
             model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         )  # fmt: skip
-        text, reasons, usage = "", [], None
+        text, reasons, usage, rid = "", [], None, ""
         async for chunk in stream:
+            rid = chunk.id
             for c in chunk.choices:
                 assert c.index == 0
                 text += c.text
@@ -60,33 +54,44 @@ async def _run_clients(server: ServerProcess, model: str) -> tuple[list[dict[str
                     reasons.append(c.finish_reason)
             if chunk.usage is not None:
                 usage = chunk.usage.completion_tokens
-        return {"text": text, "reasons": reasons, "completion_tokens": usage}
+        return {"text": text, "reasons": reasons, "completion_tokens": usage, "id": rid}
 
-    seen: list[float] = []
-    stop = asyncio.Event()
-    poller = asyncio.create_task(_poll_running(server, seen, stop))
     try:
-        results = await asyncio.gather(*(one(p) for p in prompts(NUM_CLIENTS)))
+        return list(await asyncio.gather(*(one(p) for p in prompts(NUM_CLIENTS))))
     finally:
-        stop.set()
-        await poller
         await client.close()
-    return list(results), max(seen, default=0.0)
+
+
+def _steps(timeline: list[dict[str, object]]) -> set[int]:
+    """The engine steps a sample was scheduled in (prefill chunks and decode runs)."""
+    steps: set[int] = set()
+    for entry in timeline:
+        if entry["event"] in ("prefill", "decode"):
+            first = int(entry["step"])  # type: ignore[call-overload]
+            steps.update(range(first, first + int(entry["num_steps"])))  # type: ignore[call-overload]
+    return steps
 
 
 def test_concurrent_streams_get_their_own_greedy_output(
     tiny_server: ServerProcess, expected: list[str]
 ) -> None:
     model = str(tiny_server.get("/v1/models").json()["data"][0]["id"])
-    results, max_running = asyncio.run(_run_clients(tiny_server, model))
+    results = asyncio.run(_run_clients(tiny_server, model))
     for i, (result, text) in enumerate(zip(results, expected)):
         assert result["reasons"] == ["length"], i
         assert result["completion_tokens"] == MAX_TOKENS, i
         assert result["text"] == text, i
-    print(f"max {RUNNING} observed: {max_running:.0f} of {NUM_CLIENTS} clients")
-    assert max_running > 1, "the engine never ran two requests at once"
+    per_step: Counter[int] = Counter()
+    for result in results:
+        explained = tiny_server.get(f"/v1/requests/{result['id']}/explain").json()
+        [sample] = explained["samples"]
+        assert sample["num_decode_steps"] == MAX_TOKENS - 1
+        per_step.update(_steps(sample["timeline"]))
+    most = max(per_step.values())
+    print(f"at most {most} of {NUM_CLIENTS} requests ran in one step")
+    assert most > 1, "the engine never ran two requests in one step"
     # Everything finished: the gauge goes back to zero.
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while tiny_server.metric(RUNNING) != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert tiny_server.metric(RUNNING) == 0

@@ -181,9 +181,15 @@ def test_a_killed_prefill_instance_loses_no_request(
     complete, computed on the decode instance, with the colocated outputs."""
     prefill, _, proxy = cluster
     prompts = [f"{p} (take {i})" for i in range(4) for p in PROMPTS]
+    before = proxy.stats()["prefilled"]
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(proxy.post, "/v1/completions", _body(p)) for p in prompts]
-        time.sleep(0.3)
+        # killed once the first of them has been prefilled: at most 4 are in flight then, so
+        # at least 12 meet the dead instance
+        deadline = time.monotonic() + 120
+        while proxy.stats()["prefilled"] == before:
+            assert time.monotonic() < deadline, "no request was prefilled"
+            time.sleep(0.01)
         os.kill(prefill.proc.pid, signal.SIGKILL)
         answers = [f.result() for f in futures]
     after = proxy.post("/v1/completions", _body(PROMPTS[1]))

@@ -302,23 +302,40 @@ def test_engine_death_fails_streams_logs_them_and_exits(
         assert lines[0].startswith("ERROR") and "EngineDeadError" in lines[0], lines
 
 
-def test_starting_up_is_503(start_server: StartServer, tiny_llama_dir: str) -> None:
-    server = start_server(tiny_llama_dir, *SMALL_POOL, wait=False)
-    seen: set[int] = set()
-    deadline = time.monotonic() + 120
-    while 200 not in seen and time.monotonic() < deadline:
+def _answer(server: ServerProcess, path: str, deadline_s: float) -> httpx.Response:
+    """The first answer of GET path once the server listens."""
+    deadline = time.monotonic() + deadline_s
+    while True:
         try:
-            r = server.get("/health")
-            seen.add(r.status_code)
-            if r.status_code == 503:
-                _assert_error_shape(r, 503)
-                early = server.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
-                if early.status_code != 200:  # unless it became ready in between
-                    _assert_error_shape(early, 503)
+            return server.get(path)
         except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    assert 200 in seen and seen <= {200, 503}
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_starting_up_is_503(start_server: StartServer, tiny_llama_dir: str) -> None:
+    """While the engine process starts, /health and requests answer 503 in OpenAI's shape, then
+    200 once it is up. The engine is held stopped (SIGSTOP) from the moment it is spawned, while
+    it is still importing, so the window the test looks into cannot close first."""
+    server = start_server(tiny_llama_dir, *SMALL_POOL, wait=False)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            engine = _engine_pid(server.proc.pid)
+            break
+        except LookupError:
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()
+            time.sleep(0.01)
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        _assert_error_shape(_answer(server, "/health", 120), 503)
+        early = server.post("/v1/completions", {"prompt": "x", "max_tokens": 1})
+        _assert_error_shape(early, 503)
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    server.wait_ready()
+    assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
 def test_engine_start_failure_exits_nonzero(start_server: StartServer, tmp_path: Any) -> None:

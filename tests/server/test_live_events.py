@@ -16,9 +16,10 @@ from tests.server.conftest import ServerProcess
 
 
 def _events(
-    server: ServerProcess, until: Any, limit: int = 200, query: str = ""
+    server: ServerProcess, until: Any, limit: int = 200, query: str = "", on_first: Any = None
 ) -> list[dict[str, Any]]:
-    """Events read until `until(event)` holds (or `limit` events)."""
+    """Events read until `until(event)` holds (or `limit` events); `on_first()` is called once
+    the first event has arrived."""
     seen: list[dict[str, Any]] = []
     url = server.url + "/v1/engine/events" + query
     with httpx.stream("GET", url, headers=server.headers, timeout=60) as r:
@@ -27,7 +28,9 @@ def _events(
             if not line.startswith("data: "):
                 continue
             seen.append(json.loads(line[len("data: ") :]))
-            if until(seen[-1]) or len(seen) >= limit:
+            if len(seen) == 1 and on_first is not None:
+                on_first()
+            elif until(seen[-1]) or len(seen) >= limit:
                 break
     return seen
 
@@ -41,19 +44,20 @@ def test_the_feed_shows_a_request_running_on_its_blocks(tiny_server: ServerProce
     assert set(first["metrics"]) >= {"ttft", "itl", "e2e", "generation_tokens_total"}
     assert set(first["metrics"]["ttft"]) == {"p50", "p90", "p99"}
 
-    body = {"model": model, "prompt": "hello " * 20, "max_tokens": 400, "ignore_eos": True}
+    body = {"model": model, "prompt": "hello " * 20, "max_tokens": 800, "ignore_eos": True}
     done = threading.Event()
 
     def send() -> None:
         tiny_server.post("/v1/completions", body)
         done.set()
 
-    threading.Thread(target=send, daemon=True).start()
-
     def running(e: dict[str, Any]) -> bool:
         return any(r["queue"] == "running" for r in e["engine"]["requests"])
 
-    seen = _events(tiny_server, running)
+    # The request is sent once the feed is open (its first event read), so the snapshots are
+    # being built all the while it runs, however long the feed took to connect.
+    sender = threading.Thread(target=send, daemon=True)
+    seen = _events(tiny_server, running, on_first=sender.start)
     assert running(seen[-1]), "no event showed the request running"
     engine = seen[-1]["engine"]
     (req,) = [r for r in engine["requests"] if r["queue"] == "running"]
@@ -64,7 +68,7 @@ def test_the_feed_shows_a_request_running_on_its_blocks(tiny_server: ServerProce
     assert engine["num_scheduled_tokens"] <= engine["max_num_batched_tokens"]
     assert done.wait(120)
     after = _events(tiny_server, lambda e: not e["engine"]["requests"])
-    assert after[-1]["metrics"]["generation_tokens_total"] >= 400
+    assert after[-1]["metrics"]["generation_tokens_total"] >= 800
     assert after[-1]["metrics"]["ttft"]["p50"] is not None
 
 

@@ -396,6 +396,9 @@ def test_chat_max_completion_tokens(tiny: tuple[ServerProcess, str]) -> None:
 def test_chat_streamed_matches_non_streamed(tiny: tuple[ServerProcess, str]) -> None:
     server, model = tiny
     client = server.client()
+    # the prompt once before, so that both requests below find the same blocks in the prefix
+    # cache (usage.prompt_tokens_details.cached_tokens), whichever tests ran before this one
+    client.chat.completions.create(model=model, messages=CHATS[1], max_tokens=1)
     expected = client.chat.completions.create(
         model=model, messages=CHATS[1], max_tokens=10, temperature=0
     )
@@ -413,6 +416,8 @@ def test_chat_streamed_matches_non_streamed(tiny: tuple[ServerProcess, str]) -> 
     *content, last = chunks
     assert content[0].choices[0].delta.role == "assistant"
     assert last.choices == [] and last.usage == expected.usage
+    details = expected.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens  # the warm-up's full blocks
     text = "".join(c.choices[0].delta.content or "" for c in content)
     assert text == expected.choices[0].message.content
     assert content[-1].choices[0].finish_reason == expected.choices[0].finish_reason

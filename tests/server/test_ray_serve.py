@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -264,10 +265,41 @@ def test_slo_violations_scale_up_and_calm_scales_back_down(
         serve.delete("autoscaled")
 
 
+def _pinned_stream(url: str, replica: str, started: threading.Event) -> str:
+    """A long completion streamed from `replica` (x-pagoda-replica); sets `started` at its first
+    token; returns "done" if it ran to its end, else how it ended ("error event: ...", or the
+    transport error)."""
+    payload = {"prompt": "Pinned", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    headers = {"x-pagoda-replica": replica}
+    try:
+        with httpx.stream(
+            "POST", url + "/v1/completions", json=payload, headers=headers, timeout=60
+        ) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return "done"
+                event = json.loads(data)
+                if "error" in event:
+                    return f"error event: {event['error']['message']}"
+                started.set()
+    except httpx.TransportError as e:
+        return f"transport error: {e!r}"
+    return "ended without [DONE]"
+
+
 @pytest.mark.slow
 def test_a_killed_replica_fails_or_finishes_each_request_and_is_replaced(
     two_replicas: RayApp,
 ) -> None:
+    """A stream pinned to one replica is in flight (its first token out) when that replica's
+    actor is killed: it must end in an error, not hang and not finish; 16 other requests
+    meanwhile each finish or fail (none hangs), some finish on the survivor; Ray replaces the
+    replica."""
+    victim = engine_replica_ids(APP)[0]
+
     def one(i: int) -> str:
         try:
             stream = (
@@ -287,18 +319,21 @@ def test_a_killed_replica_fails_or_finishes_each_request_and_is_replaced(
         except openai.APIError as e:
             return f"error: {e}"
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    started = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(9) as pool:
+        pinned = pool.submit(_pinned_stream, two_replicas.url, victim, started)
         futures = [pool.submit(one, i) for i in range(16)]
-        time.sleep(1.0)
-        victim = next(
-            a
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if "PagodaEngine" in a["name"]
+        assert started.wait(60), pinned.result(timeout=60)
+        name = f"SERVE_REPLICA::{APP}#PagodaEngine#{victim}"
+        actor = next(
+            a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name
         )
-        ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+        ray.kill(ray.get_actor(name, namespace=actor["namespace"]), no_restart=True)
         outcomes = [f.result(timeout=90) for f in futures]  # none hangs
-    assert len(outcomes) == 16
-    assert any(o == "ok" for o in outcomes)
+        ended = pinned.result(timeout=90)
+    assert ended.startswith(("error event", "transport error")), ended
+    assert all(o == "ok" or o.startswith("error: ") for o in outcomes), outcomes
+    assert "ok" in outcomes
     wait_for(lambda: engine_replicas() == 2, 90, "Ray to replace the killed replica")
     after = two_replicas.client().completions.create(
         model=reference_model(two_replicas.client()), prompt="After", max_tokens=4

@@ -21,7 +21,7 @@ def test_a_short_soak_on_pagoda_serve(tiny_llama_dir: str, tmp_path: Path) -> No
         sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--target", "serve",
         "--model", tiny_llama_dir, "--rate", "6", "--duration-s", "5", "--warmup-s", "1",
         "--rss-every-s", "0.5", "--input-len-range", "8,16", "--output-len-range", "4,8",
-        "--max-num-seqs", "4", "--output-json", str(out),
+        "--max-num-seqs", "4", "--output-json", str(out), "--no-rss-check",
         *(f"--serve-arg={a}" for a in SMALL_POOL),
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
@@ -33,5 +33,7 @@ def test_a_short_soak_on_pagoda_serve(tiny_llama_dir: str, tmp_path: Path) -> No
     assert result["lost"] == 0 and result["answered"] == result["sent"]
     assert result["in_flight_after"] == 0
     assert result["long_prompt_words"] == 64 and result["max_num_seqs"] == 4
-    # Memory within 5% is the 10-minute run's check: seconds after start it still grows.
-    assert done.returncode == (0 if result["passed"] else 1)
+    # Memory within 5% is the 10-minute run's check (seconds after start it still grows), so
+    # this run passes on the requests' outcomes alone: --no-rss-check.
+    assert result["rss_checked"] is False and result["rss_mb"] is not None
+    assert result["passed"] is True and done.returncode == 0, done.stdout[-3000:]

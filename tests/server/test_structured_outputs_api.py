@@ -341,6 +341,64 @@ def test_a_tool_call_round_trip_with_the_openai_client(smollm2_server: ServerPro
     assert f"<tool_response>\n{result}\n</tool_response>" in text
 
 
+# One earlier turn where the assistant called get_weather: SmolLM2-135M then calls it by itself
+# for the next city, greedily, under tool_choice "auto" (asked cold, it answers in text).
+ONE_SHOT: list[dict[str, Any]] = [
+    {"role": "user", "content": "What is the weather in Berlin?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "arguments": json.dumps({"city": "Berlin", "unit": "celsius"}),
+                },
+            }
+        ],
+    },
+    *WEATHER,
+]
+
+
+def test_auto_parses_the_calls_the_model_writes_whole_and_streamed(
+    smollm2_server: ServerProcess,
+) -> None:
+    fields = {"messages": ONE_SHOT, "tools": TOOLS, "tool_choice": "auto", "temperature": 0.0}
+    r = smollm2_server.post("/v1/chat/completions", {**fields, "max_tokens": 60})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert _valid_calls([call]) == 1 and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"])["city"] == "Paris"
+    stream = smollm2_server.client().chat.completions.create(
+        model=_model(smollm2_server), max_tokens=60, stream=True, **fields
+    )
+    calls: dict[int, dict[str, str]] = {}
+    content, finish = "", None
+    for chunk in stream:
+        streamed = chunk.choices[0]
+        content += streamed.delta.content or ""
+        finish = streamed.finish_reason or finish
+        for d in streamed.delta.tool_calls or ():
+            if d.id is not None:
+                assert d.function is not None and d.type == "function"
+                calls[d.index] = {"name": d.function.name or "", "arguments": ""}
+            assert d.function is not None
+            calls[d.index]["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls" and content == ""
+    assert list(calls.values()) == [
+        {"name": "get_weather", "arguments": call["function"]["arguments"]}
+    ]
+    # "none": the same greedy text, the call left unparsed in the content
+    none = _chat(smollm2_server, **(fields | {"tool_choice": "none"}), max_tokens=60)["choices"][0]
+    assert none["message"]["tool_calls"] == [] and none["finish_reason"] == "stop"
+    assert none["message"]["content"].startswith('<tool_call>\n{"name": "get_weather"')
+
+
 def test_auto_and_none_leave_a_text_answer_alone(smollm2_server: ServerProcess) -> None:
     plain = smollm2_server.post(
         "/v1/chat/completions", {"messages": WEATHER, "max_tokens": 24, "temperature": 0.0}
@@ -348,7 +406,7 @@ def test_auto_and_none_leave_a_text_answer_alone(smollm2_server: ServerProcess) 
     for choice in ("auto", "none"):
         out = _chat(smollm2_server, tool_choice=choice, max_tokens=24, temperature=0.0)
         c = out["choices"][0]
-        # SmolLM2-135M answers this in text: content, no calls
+        # SmolLM2-135M answers this one in text: content, no calls
         assert "<tool_call>" not in c["message"]["content"] and c["message"]["tool_calls"] == []
         assert c["finish_reason"] in ("stop", "length")
     assert plain["message"]["tool_calls"] == []

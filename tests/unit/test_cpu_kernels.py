@@ -343,6 +343,9 @@ def _reference(
         prefill_block_tables=tables[:0],
         prefills=[],
         max_prefill_query_len=0,
+        query_start_loc=none,
+        req_seq_lens=none,
+        req_block_tables=tables[:0],
     )
     return paged_attention_torch(q, cache, meta, scale)
 
@@ -398,7 +401,7 @@ def test_paged_decode_attention_gives_a_request_the_same_bits_in_any_batch(
 ) -> None:
     """A request's chunks follow its own length, not the batch's longest: speculative
     verification rows (lengths L+1 .. L+5 in one step) equal plain steps at each length. 190
-    and 194 split differently from 258 and from each other at 2 threads (48 / 64 positions)."""
+    and 194 split differently from 258 and from each other (48 / 64 positions)."""
     assert OPS is not None
     lens = [190, 194, 258, 33, 1]
     q, cache, tables, seq_lens = _decode_case(lens, 9, 3, 64, 16, 3)
@@ -417,8 +420,8 @@ def test_paged_decode_attention_reads_a_requests_verification_rows_once(
 ) -> None:
     """A request's verification rows (one table, lengths L+1 .. L+k) share one pass over its
     keys and values, each row still getting its bits from alone: in groups of at most 8 (rows of
-    177 .. 184 positions), across a chunk-size change (192 and 193 positions split into 48 and 64
-    at 2 threads), and never over a block the group's first row does not hold: row 0 (174
+    177 .. 184 positions), across a chunk-size change (192 and 193 positions split into 48 and 64),
+    and never over a block the group's first row does not hold: row 0 (174
     positions, 11 blocks) has a stale id past its own blocks, as the runner's rows may, which
     the rows from 177 positions on would read if grouped with it."""
     assert OPS is not None
@@ -450,3 +453,89 @@ def test_paged_decode_attention_refuses_what_it_cannot_take() -> None:
         OPS.paged_decode_attention(q, cache.k, cache.v, tables + 1000, seq_lens, 0.2, 2)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         OPS.paged_decode_attention(q[:, :3], cache.k, cache.v, tables, seq_lens, 0.2, 2)
+
+
+# ---- paged attention over prefill chunks and decodes -------------------------------------------
+
+
+def _rows_case(
+    q_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, dim: int, seed: int
+) -> tuple[torch.Tensor, KVCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q of every row, cache, block tables, query_start, seq_lens) of a mixed step."""
+    _, cache, tables, lens = _decode_case(seq_lens, heads, kv_heads, dim, 16, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen) * 2
+    starts = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32)
+    return q, cache, tables, starts, lens
+
+
+# (query rows, length) per request: a whole prompt, a chunk after cached context across the
+# chunk-size change (64 -> 80 positions), a decode, a 5-row verification step, a
+# prompt past MAX_CHUNK (256) positions
+MIXED = ([40, 30, 1, 5, 300], [40, 330, 77, 190, 300])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (12, 2, 128), (6, 3, 20)])
+def test_paged_attention_gives_each_row_its_decode_bits(
+    threads: int, isa: int, heads: int, kv_heads: int, dim: int
+) -> None:
+    """Every row of a mixed step equals paged_decode_attention of that row alone at its
+    position: a position's attention is the same bits as a whole prompt, a chunk, a decode or
+    a verification row, the invariant that keeps the quantized path deterministic."""
+    assert OPS is not None
+    q_lens, seq_lens = MIXED
+    q, cache, tables, starts, lens = _rows_case(q_lens, seq_lens, heads, kv_heads, dim, 7)
+    out = OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens, 0.125, isa)
+    for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        for i in range(q_len):
+            t = int(starts[r]) + i
+            length = torch.tensor([seq_len - q_len + i + 1], dtype=torch.int32)
+            alone = OPS.paged_decode_attention(
+                q[t : t + 1], cache.k, cache.v, tables[r : r + 1], length, 0.125, isa
+            )
+            assert torch.equal(out[t : t + 1], alone), (r, i)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_attention_gives_the_same_bits_at_any_thread_count(isa: int) -> None:
+    """A row's chunks follow its length alone: a tensor-parallel worker on its share of the
+    cores computes a head as the single process does."""
+    assert OPS is not None
+    q, cache, tables, starts, lens = _rows_case(*MIXED, 9, 3, 64, 9)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens, 0.125, isa))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_paged_attention_matches_the_reference(threads: int, isa: int) -> None:
+    """Against paged_attention_torch (SDPA with a causal mask per prefill, decode rows apart)."""
+    assert OPS is not None
+    from pagoda.runner.step_inputs import build_attention_metadata
+
+    q_lens, seq_lens = MIXED
+    q, cache, tables, starts, lens = _rows_case(q_lens, seq_lens, 9, 3, 64, 8)
+    out = OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens, 0.125, isa)
+    meta = build_attention_metadata(q_lens, seq_lens, tables.tolist(), 16)
+    expected = paged_attention_torch(q, cache, meta, 0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_refuses_what_it_cannot_take() -> None:
+    assert OPS is not None
+    q, cache, tables, starts, lens = _rows_case([4, 1], [10, 20], 4, 2, 32, 0)
+    with pytest.raises(RuntimeError, match="query_start"):
+        OPS.paged_attention(q, cache.k, cache.v, tables, starts[:2], lens, 0.2, 2)
+    with pytest.raises(RuntimeError, match="from 0 to the rows of q"):
+        OPS.paged_attention(q[:3], cache.k, cache.v, tables, starts, lens, 0.2, 2)
+    with pytest.raises(RuntimeError, match="query rows must be 1..seq_len"):
+        OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens.clamp(max=3), 0.2, 2)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        OPS.paged_attention(q, cache.k, cache.v, tables + 1000, starts, lens, 0.2, 2)

@@ -3,10 +3,17 @@ lets through only rounding."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
-from tests.equivalence import LOGPROB_ATOL, assert_logprobs_close, assert_same_outputs
+from tests.equivalence import (
+    LOGPROB_ATOL,
+    assert_logprobs_close,
+    assert_same_outputs,
+    assert_same_up_to_a_near_tie,
+)
 
 
 def _out(
@@ -76,3 +83,71 @@ def test_top_k_membership_changes_only_at_the_boundary() -> None:
     inside = {1: Logprob(-0.5, 1), 3: Logprob(-1.0, 2)}
     with pytest.raises(AssertionError, match="one run only"):
         assert_logprobs_close(inside, want, LOGPROB_ATOL)
+
+
+# ---- assert_same_up_to_a_near_tie: the oracle's rules against a reference run -----------------
+
+
+def _run_of(tokens: list[int], ties: dict[int, dict[int, float]], finish: str = "length") -> Any:
+    """A greedy run: each step lists its token at -0.1 and a runner-up at -3.0, or the given
+    {token: logprob} at the steps in `ties`."""
+    steps = [ties.get(i, {t: -0.1, t + 1000: -3.0}) for i, t in enumerate(tokens)]
+    ranked = [
+        {t: (lp, r) for r, (t, lp) in enumerate(sorted(d.items(), key=lambda x: -x[1]), 1)}
+        for d in steps
+    ]
+    return _out(tokens, ranked, finish)
+
+
+TOKENS = list(range(100, 124))  # 24 greedy tokens
+TIE_AT_10 = {10: {110: -0.70, 555: -0.72}}  # the reference's top two, 0.02 apart
+
+
+def _diverging(step: int, token: int = 555) -> list[int]:
+    return TOKENS[:step] + [token] + [7] * (len(TOKENS) - step - 1)
+
+
+def test_equal_runs_pass_and_a_tie_within_the_gap_is_accepted() -> None:
+    want = [_run_of(TOKENS, TIE_AT_10)] * 5
+    assert assert_same_up_to_a_near_tie(want, want, 0.05) == [None] * 5
+    got = [_run_of(_diverging(10), {})] + want[1:]
+    assert assert_same_up_to_a_near_tie(got, want, 0.05) == [10, None, None, None, None]
+
+
+def test_a_divergence_wider_than_the_gap_or_unlisted_fails() -> None:
+    want = [_run_of(TOKENS, TIE_AT_10)] * 5
+    with pytest.raises(AssertionError, match="gap 0.0200 >= 0.01"):
+        assert_same_up_to_a_near_tie([_run_of(_diverging(10), {})] + want[1:], want, 0.01)
+    with pytest.raises(AssertionError, match="not among the reference's"):
+        assert_same_up_to_a_near_tie([_run_of(_diverging(10, 999), {})] + want[1:], want, 1.0)
+
+
+def test_a_tie_before_the_eighth_token_fails() -> None:
+    want = [_run_of(TOKENS, {3: {103: -0.70, 555: -0.72}})] * 5
+    with pytest.raises(AssertionError, match="after only 3 equal tokens"):
+        assert_same_up_to_a_near_tie([_run_of(_diverging(3), {})] + want[1:], want, 0.05)
+
+
+def test_at_most_one_prompt_in_five_may_end_at_a_tie() -> None:
+    want = [_run_of(TOKENS, TIE_AT_10)] * 5
+    two_ties = [_run_of(_diverging(10), {})] * 2 + want[2:]
+    with pytest.raises(AssertionError, match="2 of 5 prompts ended at a near tie"):
+        assert_same_up_to_a_near_tie(two_ties, want, 0.05)
+
+
+def test_lengths_and_finish_reasons_are_always_compared() -> None:
+    want = [_run_of(TOKENS, TIE_AT_10)] * 5
+    short = [_run_of(_diverging(10)[:20], {})] + want[1:]  # after an accepted tie
+    with pytest.raises(AssertionError, match="20 tokens, the reference 24"):
+        assert_same_up_to_a_near_tie(short, want, 0.05)
+    stopped = [_run_of(TOKENS, TIE_AT_10, finish="stop")] + want[1:]
+    with pytest.raises(AssertionError, match="finish reason 'stop'"):
+        assert_same_up_to_a_near_tie(stopped, want, 0.05)
+
+
+def test_logprobs_of_equal_steps_within_the_given_tolerance() -> None:
+    want = [_run_of(TOKENS, {})] * 5
+    moved = [_run_of(TOKENS, {4: {104: -0.16, 1104: -3.0}})] + want[1:]
+    assert_same_up_to_a_near_tie(moved, want, 0.05, logprob_atol=0.1)
+    with pytest.raises(AssertionError, match="step 4: log-prob of 104 differs by 0.0600"):
+        assert_same_up_to_a_near_tie(moved, want, 0.05, logprob_atol=0.05)

@@ -58,7 +58,12 @@ def test_routing_key_of_completions_and_chat_bodies() -> None:
 
 
 def _app() -> tuple[FastAPI, dict[str, Any]]:
-    seen: dict[str, Any] = {"started": False, "stopped": False, "disconnected": False}
+    seen: dict[str, Any] = {
+        "started": False,
+        "stopped": False,
+        "disconnected": False,
+        "stream_ended": asyncio.Event(),
+    }
 
     async def life(app: FastAPI) -> AsyncIterator[None]:
         seen["started"] = True
@@ -80,6 +85,7 @@ def _app() -> tuple[FastAPI, dict[str, Any]]:
                     await asyncio.sleep(0.01)
             finally:
                 seen["disconnected"] = await request.is_disconnected()
+                seen["stream_ended"].set()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -109,7 +115,7 @@ def test_run_asgi_answers_as_the_app_does() -> None:
         assert isinstance(first, ResponseStart) and first.is_event_stream
         assert await anext(stream) == b"data: 0\n\n"
         await stream.aclose()  # type: ignore[attr-defined]
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(seen["stream_ended"].wait(), 30)  # the app's stream ran its end
         assert seen["disconnected"]
         await shutdown()
         assert seen["stopped"]

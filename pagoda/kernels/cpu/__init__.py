@@ -1,19 +1,25 @@
-"""pagoda's CPU kernels: a C++ extension (quant_gemm.cpp, decode_attention.cpp) built on first
+"""pagoda's CPU kernels: a C++ extension (quant_gemm.cpp, paged_attention.cpp) built on first
 use with torch's cpp_extension and cached (TORCH_EXTENSIONS_DIR, by default under
 ~/.cache/torch_extensions), with a log line saying so; `python -m pagoda.kernels.cpu` builds it
-ahead (the Makefile's setup does). Where it cannot be built (no compiler), `kernels()` is None
-and pagoda keeps its torch path, with a warning.
+ahead (the Makefile's setup does). Where there is no C++ compiler, `kernels()` is None and
+pagoda keeps its torch path, with a warning. Where a compiler is there but the build fails (a
+compile error, missing Python headers), that is an error, logged with the compiler's output,
+and pagoda keeps its torch path too.
 
-The layers use them unless PAGODA_CPU_KERNELS=0: then the quantized layers keep torch's packed
-forms instead (bf16 activations), read at load, so the switch takes effect for engines built
-after it is set. `built()` gives the ops either way (the tests use it).
+PAGODA_CPU_KERNELS: `1` (the default) uses them where they build; `0` turns them off (the
+quantized layers keep torch's packed forms instead, bf16 activations; read at load, so the
+switch takes effect for engines built after it is set); `require` raises where they cannot be
+built, for whatever reason (`make test` and CI set it). `built()` gives the ops whatever the
+switch says (the tests use it).
 
 The kernels are torch custom ops (torch.ops.pagoda_cpu, so torch.compile keeps them in its
 graph): `q4x16_matmul(x, packed, n, isa_limit)` and `q8x16_matmul(x, packed, scales, n,
 isa_limit)`, y = x @ w^T in float32 for 4-bit and 8-bit codes in tiles of 16 rows (laid out in
 quant_gemm.cpp, packed by layers/quant_forms.py), with x quantized per 32-wide group to int8;
-`paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, isa_limit)` over a
-float32 paged cache, read in place; `isa()` names the instruction set picked at run time (0
+`paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, isa_limit)` (one
+query row per request) and `paged_attention(q, k_cache, v_cache, block_tables, query_start,
+seq_lens, scale, isa_limit)` (any mix of prefill chunks and decodes) over a float32 paged cache,
+read in place, each row reduced the same way whatever the rows beside it; `isa()` names the instruction set picked at run time (0
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
 caps it (tests run every path).
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -32,31 +39,56 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("quant_gemm.cpp", "decode_attention.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("quant_gemm.cpp", "paged_attention.cpp")]
 HEADER = Path(__file__).with_name("common.h")
 ISA_NAMES = ("scalar", "AVX2 + FMA", "AVX-512 VNNI")
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
 
+SWITCH = "PAGODA_CPU_KERNELS"
+
+
+class KernelBuildError(RuntimeError):
+    """The kernels could not be built and PAGODA_CPU_KERNELS=require asks for them."""
+
+
 def kernels() -> Any | None:
     """The ops for the layers to use: None with PAGODA_CPU_KERNELS=0 or where they cannot be
-    built."""
-    if os.environ.get("PAGODA_CPU_KERNELS", "1") == "0":
+    built; with PAGODA_CPU_KERNELS=require, a KernelBuildError where they cannot be."""
+    switch = os.environ.get(SWITCH, "1")
+    if switch == "0":
         return None
-    return built()
+    ops = built()
+    if ops is None and switch == "require":
+        raise KernelBuildError(f"{SWITCH}=require, but {_state['why']}")
+    return ops
 
 
 def built() -> Any | None:
     """torch.ops.pagoda_cpu once built (or loaded from the cache), None where they cannot be
-    (logged once)."""
+    (logged once: a warning without a compiler, an error where the build failed)."""
     with _lock:
         if "module" not in _state:
             _state["module"] = _build()
         return _state["module"]
 
 
+def compiler() -> str | None:
+    """The C++ compiler torch's cpp_extension runs ($CXX, else c++), where it is installed."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def _build() -> Any | None:
+    cxx = compiler()
+    if cxx is None:
+        _state["why"] = f"there is no C++ compiler ({os.environ.get('CXX', 'c++')} not found)"
+        logger.warning(
+            "CPU kernels not built: %s; using torch's quantized ops (install g++ for pagoda's "
+            "kernels)",
+            _state["why"],
+        )
+        return None
     try:
         from torch.utils import cpp_extension
 
@@ -70,8 +102,9 @@ def _build() -> Any | None:
             is_python_module=False,
             verbose=False,
         )
-    except Exception as e:  # noqa: BLE001 - no compiler, no headers: the torch path stays
-        logger.warning("CPU kernels could not be built (%s); using torch's quantized ops", e)
+    except Exception as e:  # noqa: BLE001 - a compile error, no headers: the torch path stays
+        _state["why"] = f"the build with {cxx} failed: {e}"
+        logger.error("CPU kernels failed to build; using torch's quantized ops. %s", _state["why"])
         return None
     ops = torch.ops.pagoda_cpu
     _register_fakes()
@@ -101,5 +134,11 @@ def _register_fakes() -> None:
     @torch.library.register_fake("pagoda_cpu::paged_decode_attention")  # type: ignore[misc]
     def _attention(
         q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, isa_limit: int
+    ) -> Any:
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("pagoda_cpu::paged_attention")  # type: ignore[misc]
+    def _rows(
+        q: Any, k: Any, v: Any, tables: Any, starts: Any, lens: Any, scale: float, isa_limit: int
     ) -> Any:
         return torch.empty_like(q)

@@ -1,10 +1,14 @@
 """`python -m pagoda.kernels.cpu`: build the CPU kernels into the extension cache now (the
-Makefile's setup runs it). Where they cannot be built, the warning is logged and it exits 0:
-pagoda runs on torch's ops."""
+Makefile's setup runs it). Without a C++ compiler it logs a warning and exits 0: pagoda runs on
+torch's ops. A failed build (a compiler is there) exits 1 with the compiler's output, as does
+any failure under PAGODA_CPU_KERNELS=require."""
 
 import logging
+import os
+import sys
 
-from pagoda.kernels.cpu import built
+from pagoda.kernels.cpu import SWITCH, built, compiler
 
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-built()
+if built() is None and (compiler() is not None or os.environ.get(SWITCH) == "require"):
+    sys.exit(1)
