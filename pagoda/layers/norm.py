@@ -4,7 +4,9 @@ Contract (as vLLM's): `norm(x)` returns the normalized x; `norm(x, residual)` fi
 `h = x + residual` and returns `(norm(h), h)`, so a decoder layer carries the running residual
 stream without a separate add. Statistics are computed in float32 and cast back before the
 weight multiply, as HF transformers does, so fp32 results match HF bit for bit. Backend
-`triton` runs the fused kernel of pagoda/kernels/norm.py (same contract, tested against this).
+`triton` runs the fused kernel of pagoda/kernels/norm.py (same contract, tested against this);
+on CPU with pagoda's C++ kernels, float32 rows run pagoda_cpu's (kernels/cpu/row_ops.cpp), the
+same function in eager and compiled steps.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from torch import nn
 
 class RMSNorm(nn.Module):
     backend = "torch"  # or "triton", set by the model runner
+    # torch backend on CPU with pagoda's C++ kernels built (set likewise): float32 rows run
+    # pagoda_cpu.rms_norm / add_rms_norm, which compiled decode steps call too
+    cpu_kernel = False
 
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None
@@ -34,10 +39,22 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.backend == "triton":
             return self._forward_triton(x, residual)
+        if self.cpu_kernel and x.dtype == torch.float32:
+            return self._forward_cpu(x, residual)
         if residual is None:
             return self._norm(x)
         hidden = x + residual
         return self._norm(hidden), hidden
+
+    def _forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = torch.ops.pagoda_cpu
+        flat = x.reshape(-1, x.shape[-1])  # Qwen3's per-head norms: (num_tokens * heads, head_dim)
+        if residual is None:
+            return ops.rms_norm(flat, self.weight, self.eps, 2).view(x.shape)
+        out, hidden = ops.add_rms_norm(flat, residual.reshape(flat.shape), self.weight, self.eps, 2)
+        return out.view(x.shape), hidden.view(x.shape)
 
     def _forward_triton(
         self, x: torch.Tensor, residual: torch.Tensor | None

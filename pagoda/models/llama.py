@@ -60,6 +60,7 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     qkv_bias = False  # bias on q/k/v even without `attention_bias` (Qwen2)
     backend = "torch"  # "triton": rotary fused into the KV-cache write; set by the model runner
+    cpu_kernel = False  # float32 rotary on pagoda's C++ kernels (kernels/cpu/row_ops.cpp)
 
     def __init__(
         self, config: Any, layer_idx: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
@@ -124,14 +125,24 @@ class LlamaAttention(nn.Module):
                 q, k = self.qk_transform(q, k)
             return self.attn(q, k, v, ctx, rotary=(cos, sin), qk_norm=norm)
         q, k = self.qk_transform(q, k)
+        rotate = (
+            self._rotate_cpu if self.cpu_kernel and qkv.dtype == torch.float32 else apply_rotary
+        )
         if self.joint_rotary:
             # q and k are adjacent in qkv: one rotation over both heads' rows
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size], cos, sin, self.head_dim)
+            qk = rotate(qkv[:, : self.q_size + self.kv_size], cos, sin, self.head_dim)
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
         else:
-            q = apply_rotary(q, cos, sin, self.head_dim)  # (num_tokens, num_heads * head_dim)
-            k = apply_rotary(k, cos, sin, self.head_dim)  # (num_tokens, num_kv_heads * head_dim)
+            q = rotate(q, cos, sin, self.head_dim)  # (num_tokens, num_heads * head_dim)
+            k = rotate(k, cos, sin, self.head_dim)  # (num_tokens, num_kv_heads * head_dim)
         return self.attn(q, k, v, ctx)  # (num_tokens, num_heads * head_dim)
+
+    @staticmethod
+    def _rotate_cpu(
+        x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    ) -> torch.Tensor:
+        """apply_rotary on pagoda's CPU kernels; cos, sin: (num_tokens, 1, head_dim // 2)."""
+        return torch.ops.pagoda_cpu.rotary(x, cos.squeeze(1), sin.squeeze(1), head_dim, 2)
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook applied to q and k before rotary (Qwen3 normalizes per head here)."""
@@ -401,7 +412,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, RMSNorm, SiluAndMul, LlamaAttention)):
                 module.backend = backend
-            if isinstance(module, Attention):
+            if isinstance(module, (Attention, RMSNorm, SiluAndMul, LlamaAttention)):
                 module.cpu_kernel = cpu_kernel
         self.model.fused_max_rows = 0
         # the fused forms add the residual inside row-parallel projections and keep no separate

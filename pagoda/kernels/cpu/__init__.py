@@ -1,4 +1,4 @@
-"""pagoda's CPU kernels: a C++ extension (quant_gemm.cpp, paged_attention.cpp) built on first
+"""pagoda's CPU kernels: a C++ extension (quant_gemm.cpp, paged_attention.cpp, row_ops.cpp) built on first
 use with torch's cpp_extension and cached (TORCH_EXTENSIONS_DIR, by default under
 ~/.cache/torch_extensions), with a log line saying so; `python -m pagoda.kernels.cpu` builds it
 ahead (the Makefile's setup does). Where there is no C++ compiler, `kernels()` is None and
@@ -19,7 +19,9 @@ quant_gemm.cpp, packed by layers/quant_forms.py), with x quantized per 32-wide g
 `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, isa_limit)` (one
 query row per request) and `paged_attention(q, k_cache, v_cache, block_tables, query_start,
 seq_lens, scale, isa_limit)` (any mix of prefill chunks and decodes) over a float32 paged cache,
-read in place, each row reduced the same way whatever the rows beside it; `isa()` names the instruction set picked at run time (0
+read in place, each row reduced the same way whatever the rows beside it; `rms_norm`,
+`add_rms_norm`, `silu_and_mul` and `rotary` (row_ops.cpp), which eager and compiled steps share,
+so that the two compute the same bits; `isa()` names the instruction set picked at run time (0
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
 caps it (tests run every path).
 """
@@ -39,7 +41,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("quant_gemm.cpp", "paged_attention.cpp")]
+SOURCES = [
+    Path(__file__).with_name(n) for n in ("quant_gemm.cpp", "paged_attention.cpp", "row_ops.cpp")
+]
 HEADER = Path(__file__).with_name("common.h")
 ISA_NAMES = ("scalar", "AVX2 + FMA", "AVX-512 VNNI")
 _lock = threading.Lock()
@@ -136,6 +140,22 @@ def _register_fakes() -> None:
         q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, isa_limit: int
     ) -> Any:
         return torch.empty_like(q)
+
+    @torch.library.register_fake("pagoda_cpu::rms_norm")  # type: ignore[misc]
+    def _rms_norm(x: Any, weight: Any, eps: float, isa_limit: int) -> Any:
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("pagoda_cpu::add_rms_norm")  # type: ignore[misc]
+    def _add_rms_norm(x: Any, residual: Any, weight: Any, eps: float, isa_limit: int) -> Any:
+        return x.new_empty(x.shape), x.new_empty(x.shape)
+
+    @torch.library.register_fake("pagoda_cpu::silu_and_mul")  # type: ignore[misc]
+    def _silu_and_mul(x: Any, isa_limit: int) -> Any:
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @torch.library.register_fake("pagoda_cpu::rotary")  # type: ignore[misc]
+    def _rotary(x: Any, cos: Any, sin: Any, head_dim: int, isa_limit: int) -> Any:
+        return x.new_empty(x.shape)
 
     @torch.library.register_fake("pagoda_cpu::paged_attention")  # type: ignore[misc]
     def _rows(

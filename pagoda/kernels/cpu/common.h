@@ -96,6 +96,51 @@ __attribute__((target("avx2,fma"))) inline void quantize_group_avx2(const float*
   *xs = d * static_cast<float>(*qsum);
 }
 
+// ---- exp(x) for x <= 0 (scores minus their max, -|x| for a sigmoid) --------------------------
+
+// A weight below exp(-44) (2^-63) is taken as 0: next to the max score's weight of 1 it is far
+// below float32 rounding, and its products with values would be denormal floats, which cost
+// the CPU some hundred cycles each (peaked attention, e.g. on a sink token, has many).
+constexpr float MIN_EXPONENT = -44.f;
+
+inline float exp_nonpositive(float x) { return x >= MIN_EXPONENT ? std::exp(x) : 0.f; }
+
+// exp(x) for x <= 0 (scores minus their max): 2^(x log2 e) as 2^round * a degree-6 polynomial
+// of the remainder (relative error about 2e-7); 0 below MIN_EXPONENT.
+__attribute__((target("avx2,fma"))) inline __m256 exp_nonpositive_avx2(__m256 x) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(MIN_EXPONENT)), _mm256_set1_ps(1.44269504089f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718056f));  // |f| <= ln2/2
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_and_ps(r, _mm256_cmp_ps(x, _mm256_set1_ps(MIN_EXPONENT), _CMP_GE_OQ));
+}
+
+// exp_nonpositive_avx2's per-lane arithmetic, sixteen lanes at a time.
+__attribute__((target("avx2,fma,avx512f,avx512dq,avx512vl"))) inline __m512 exp_nonpositive_avx512(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(MIN_EXPONENT)), _mm512_set1_ps(1.44269504089f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718056f));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(MIN_EXPONENT), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(keep, r);
+}
+
 struct Activations {
   at::Tensor q, xd, xs, qsum;  // (M, K) int8, (M, K / 32) float32 twice, (M, K / 32) int32
 };

@@ -1,0 +1,271 @@
+// The row-wise ops of a decoder layer on CPU, float32: RMSNorm (with the residual add before it),
+// SiLU-and-mul and rotary. Eager steps and compiled decode steps (-O1 and up, where inductor
+// keeps them as calls) run these same functions, so a position's activations are the same bits
+// whichever kind of step computes it; each row's arithmetic depends on that row alone, never on
+// the rows beside it or the threads (README, "Determinism").
+//
+//   rms_norm(x, weight, eps, isa_limit): x (T, n) -> weight * (x * r), r = 1 / sqrt(mean(x^2) +
+//     eps), the sum of squares in a fixed order (16 or 8 lanes, then a fixed tree).
+//   add_rms_norm(x, residual, weight, eps, isa_limit) -> (rms_norm(h), h), h = x + residual.
+//   silu_and_mul(x, isa_limit): x (T, 2d), gate | up -> (T, d), gate * sigmoid(gate) * up, with
+//     sigmoid from exp(-|gate|) (common.h's polynomial on the SIMD paths).
+//   rotary(x, cos, sin, head_dim, isa_limit): x (T, heads * head_dim) -> the same, each head's
+//     halves (x1, x2) -> (x1 * cos - x2 * sin, x2 * cos + x1 * sin), cos and sin (T, head_dim / 2).
+//
+// Rows of x may be a view with a row stride (the q|k columns of a packed qkv); the outputs are
+// contiguous. AVX-512, AVX2 + FMA and scalar paths, chosen at run time.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include "common.h"
+
+namespace pagoda_cpu {
+namespace {
+
+#define PAGODA_ROW_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512vl")))
+#define PAGODA_ROW_AVX2 __attribute__((target("avx2,fma")))
+
+constexpr int64_t GRAIN = 16;  // rows a thread takes at least
+
+// ---- sum of squares -----------------------------------------------------------------------------
+
+PAGODA_ROW_AVX512 float sum_squares_avx512(const float* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  float r = _mm512_reduce_add_ps(acc);
+  for (; i < n; ++i) r += x[i] * x[i];
+  return r;
+}
+
+PAGODA_ROW_AVX2 float sum_squares_avx2(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  float r = _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+  for (; i < n; ++i) r += x[i] * x[i];
+  return r;
+}
+
+float sum_squares_scalar(const float* x, int64_t n) {
+  float r = 0.f;
+  for (int64_t i = 0; i < n; ++i) r += x[i] * x[i];
+  return r;
+}
+
+float sum_squares(const float* x, int64_t n, Isa isa) {
+  if (isa == Isa::kVnni) return sum_squares_avx512(x, n);
+  if (isa == Isa::kAvx2) return sum_squares_avx2(x, n);
+  return sum_squares_scalar(x, n);
+}
+
+// out = w * (x * r)
+void scale_row(const float* x, const float* w, float r, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+float inverse_rms(const float* x, int64_t n, float eps, Isa isa) {
+  return 1.f / std::sqrt(sum_squares(x, n, isa) / static_cast<float>(n) + eps);
+}
+
+// ---- SiLU-and-mul -------------------------------------------------------------------------------
+
+// gate * sigmoid(gate) * up; sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below, e = exp(-|g|)
+PAGODA_ROW_AVX512 void silu_mul_avx512(const float* g, const float* u, int64_t d, float* out) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 e = exp_nonpositive_avx512(_mm512_or_ps(gv, sign));  // exp(-|g|)
+    const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 num = _mm512_mask_blend_ps(neg, one, e);
+    const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i)));
+  }
+  for (; i < d; ++i) {
+    const float e = exp_nonpositive(-std::fabs(g[i]));
+    out[i] = g[i] * ((g[i] < 0.f ? e : 1.f) / (1.f + e)) * u[i];
+  }
+}
+
+PAGODA_ROW_AVX2 void silu_mul_avx2(const float* g, const float* u, int64_t d, float* out) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 e = exp_nonpositive_avx2(_mm256_or_ps(gv, sign));
+    const __m256 neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 num = _mm256_blendv_ps(one, e, neg);
+    const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < d; ++i) {
+    const float e = exp_nonpositive(-std::fabs(g[i]));
+    out[i] = g[i] * ((g[i] < 0.f ? e : 1.f) / (1.f + e)) * u[i];
+  }
+}
+
+void silu_mul_scalar(const float* g, const float* u, int64_t d, float* out) {
+  for (int64_t i = 0; i < d; ++i) {
+    const float e = exp_nonpositive(-std::fabs(g[i]));
+    out[i] = g[i] * ((g[i] < 0.f ? e : 1.f) / (1.f + e)) * u[i];
+  }
+}
+
+// ---- rotary -------------------------------------------------------------------------------------
+
+// One head: (x1, x2) -> (x1 * c - x2 * s, x2 * c + x1 * s), each product rounded, then the sum.
+void rotate_head(const float* x, const float* c, const float* s, int64_t half, float* out) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[half + i];
+    const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
+    out[i] = a - b;
+    out[half + i] = e + f;
+  }
+}
+
+// ---- checks -------------------------------------------------------------------------------------
+
+// x: float32 (T, n) whose rows are contiguous (any row stride)
+void check_float_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2, name, " must be (rows, width)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, name, ": each row must be contiguous");
+}
+
+void check_weight(const at::Tensor& weight, int64_t n) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kFloat &&
+                  weight.is_contiguous(),
+              "weight: contiguous float32 (", n, ",)");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa_limit) {
+  check_float_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
+  check_weight(weight, n);
+  const Isa isa = pick_isa(isa_limit);
+  auto out = at::empty({rows, n}, at::kFloat);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = xp + t * ld;
+      scale_row(row, wp, inverse_rms(row, n, static_cast<float>(eps), isa), n, op + t * n);
+    }
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps,
+                                                int64_t isa_limit) {
+  check_float_rows(x, "x");
+  check_float_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual: the same shape");
+  const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0), ldr = residual.stride(0);
+  check_weight(weight, n);
+  const Isa isa = pick_isa(isa_limit);
+  auto out = at::empty({rows, n}, at::kFloat);
+  auto hidden = at::empty({rows, n}, at::kFloat);
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* hp = hidden.data_ptr<float>();
+  at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* h = hp + t * n;
+      for (int64_t i = 0; i < n; ++i) h[i] = xp[t * ldx + i] + rp[t * ldr + i];
+      scale_row(h, wp, inverse_rms(h, n, static_cast<float>(eps), isa), n, op + t * n);
+    }
+  });
+  return {out, hidden};
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x: (rows, 2 * d), gate then up");
+  const int64_t rows = x.size(0), d = x.size(1) / 2, ld = x.stride(0);
+  const Isa isa = pick_isa(isa_limit);
+  auto out = at::empty({rows, d}, at::kFloat);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * ld;
+      if (isa == Isa::kVnni) {
+        silu_mul_avx512(g, g + d, d, op + t * d);
+      } else if (isa == Isa::kAvx2) {
+        silu_mul_avx2(g, g + d, d, op + t * d);
+      } else {
+        silu_mul_scalar(g, g + d, d, op + t * d);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t head_dim, int64_t isa_limit) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && x.size(1) % head_dim == 0,
+              "x: (rows, heads * head_dim), head_dim even");
+  const int64_t rows = x.size(0), width = x.size(1), half = head_dim / 2, ld = x.stride(0);
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == half &&
+                    t->scalar_type() == at::kFloat && t->stride(1) == 1,
+                "cos, sin: float32 (rows, head_dim / 2), rows contiguous");
+  }
+  (void)isa_limit;  // one path: products and sums of single elements vectorize as they are
+  auto out = at::empty({rows, width}, at::kFloat);
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldc = cos.stride(0), lds = sin.stride(0);
+  at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < width; h += head_dim) {
+        rotate_head(xp + t * ld + h, cp + t * ldc, sp + t * lds, half, op + t * width + h);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace pagoda_cpu
+
+TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa_limit) -> Tensor");
+  m.def(
+      "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int isa_limit) -> "
+      "(Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor x, int isa_limit) -> Tensor");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin, int head_dim, int isa_limit) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
+  m.impl("rms_norm", &pagoda_cpu::rms_norm);
+  m.impl("add_rms_norm", &pagoda_cpu::add_rms_norm);
+  m.impl("silu_and_mul", &pagoda_cpu::silu_and_mul);
+  m.impl("rotary", &pagoda_cpu::rotary);
+}
