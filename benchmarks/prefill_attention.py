@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -66,11 +67,16 @@ def attention_alone(lens: list[int], rounds: int) -> list[dict[str, Any]]:
                     continue  # the scalar path is a fallback, slow by design
                 ms = _median_ms(
                     {
-                        "row_kernel": lambda isa=isa: ops.paged_attention(
-                            q, k, v, table, starts, seq, dim**-0.5, isa
+                        "row_kernel": partial(
+                            ops.paged_attention, q, k, v, table, starts, seq, dim**-0.5, isa
                         ),
-                        "sdpa": lambda: F.scaled_dot_product_attention(
-                            queries, keys, values, is_causal=True, enable_gqa=True
+                        "sdpa": partial(
+                            F.scaled_dot_product_attention,
+                            queries,
+                            keys,
+                            values,
+                            is_causal=True,
+                            enable_gqa=True,
                         ),
                     },
                     rounds,
@@ -102,7 +108,9 @@ def ttft(lens: list[int], rounds: int) -> list[dict[str, Any]]:
 
     attention.Attention.forward = forward  # type: ignore[method-assign]
     max_len = max(lens)
-    llm = LLM(enable_prefix_caching=False, max_model_len=max_len + 16, max_num_batched_tokens=max_len)
+    llm = LLM(
+        enable_prefix_caching=False, max_model_len=max_len + 16, max_num_batched_tokens=max_len
+    )
     params = SamplingParams(temperature=0.0, max_tokens=1)
     rng = random.Random(0)
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import QuantMethod
+from pagoda.layers.quant_forms import cpu_matmul_norm, cpu_matmul_silu
 
 Part = tuple[int, int]  # (start, length) along one dimension of a checkpoint tensor
 
@@ -74,6 +75,39 @@ class Linear(nn.Module):
         )
         if self.in_part is not None:  # row-parallel: sum the ranks' partial products, then bias
             y = self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+    def after_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), as a decoder layer feeds its projections:
+        `norm` an RMSNorm, residual None for the first layer (then x itself is returned). On
+        pagoda's CPU kernels the norm runs inside the matmul's call (quant_forms.cpu_matmul_norm):
+        one op in a compiled step."""
+        if self._fused_cpu(x) and getattr(norm, "cpu_kernel", False):
+            y, hidden = cpu_matmul_norm(self, x, residual, norm)
+            return self._finish(y.to(x.dtype)), hidden
+        if residual is None:
+            return self(norm(x)), x
+        normed, hidden = norm(x, residual)
+        return self(normed), hidden
+
+    def after_act(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """self(act(x)) for a SiluAndMul `act`, in one call on pagoda's CPU kernels."""
+        if self._fused_cpu(x) and getattr(act, "cpu_kernel", False):
+            return self._finish(cpu_matmul_silu(self, x).to(x.dtype))
+        return self(act(x))
+
+    def _fused_cpu(self, x: torch.Tensor) -> bool:
+        """Whether a row op can run inside this layer's CPU-kernel matmul: its weight is in the
+        kernels' form, it is whole (no row-parallel sum) and x is float32."""
+        return (
+            getattr(self, "kernel", None) in ("cpu_q4", "cpu_q8")
+            and self.in_part is None
+            and x.dtype == torch.float32
+        )
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
     def shard(self, name: str, tensor: Any, shard_id: str | None) -> Any:

@@ -303,6 +303,31 @@ def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], layer.cpu_rows)
 
 
+def cpu_matmul_norm(
+    layer: Any, x: torch.Tensor, residual: torch.Tensor | None, norm: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cpu_matmul of norm(x + residual) and x + residual (x where residual is None), in one
+    call: x, residual (T, K); norm a RMSNorm -> (float32 (T, N), (T, K))."""
+    ops = torch.ops.pagoda_cpu
+    if layer.kernel == "cpu_q4":
+        return ops.q4x16_matmul_norm(  # type: ignore[no-any-return]
+            x, residual, norm.weight, norm.eps, layer.packed, layer.cpu_rows, 2
+        )
+    return ops.q8x16_matmul_norm(  # type: ignore[no-any-return]
+        x, residual, norm.weight, norm.eps, layer.packed, layer.packed_scales, layer.cpu_rows, 2
+    )
+
+
+def cpu_matmul_silu(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """cpu_matmul of silu(gate) * up in one call: x (T, 2K), gate | up -> float32 (T, N)."""
+    ops = torch.ops.pagoda_cpu
+    if layer.kernel == "cpu_q4":
+        return ops.q4x16_matmul_silu(x, layer.packed, layer.cpu_rows, 2)  # type: ignore[no-any-return]
+    return ops.q8x16_matmul_silu(  # type: ignore[no-any-return]
+        x, layer.packed, layer.packed_scales, layer.cpu_rows, 2
+    )
+
+
 def take_float_weight(module: Any) -> torch.Tensor:
     """Remove a module's float `weight` parameter and return its data; the module keeps its
     device and dtype (`device`, `dtype`) for the stored form that replaces it."""

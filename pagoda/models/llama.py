@@ -37,6 +37,9 @@ PACKED_MODULES = (
 
 
 class LlamaMLP(nn.Module):
+    """gate_up_proj, SiLU-and-mul, down_proj: run by LlamaDecoderLayer.forward, which feeds
+    gate_up_proj its norm (Linear.after_norm) and down_proj its activation (after_act)."""
+
     def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -52,12 +55,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias, dtype, tp, part)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # (num_tokens, 2 * intermediate_size)
-        return self.down_proj(self.act_fn(gate_up))  # (num_tokens, hidden_size)
-
 
 class LlamaAttention(nn.Module):
+    """qkv_proj, then `attend` (rotary, the KV-cache write, paged attention), then o_proj: run by
+    LlamaDecoderLayer.forward, which feeds qkv_proj its norm (Linear.after_norm)."""
+
     qkv_bias = False  # bias on q/k/v even without `attention_bias` (Qwen2)
     backend = "torch"  # "triton": rotary fused into the KV-cache write; set by the model runner
     cpu_kernel = False  # float32 rotary on pagoda's C++ kernels (kernels/cpu/row_ops.cpp)
@@ -93,18 +95,6 @@ class LlamaAttention(nn.Module):
         # q and k are still adjacent in qkv at rotary time unless a subclass transforms them
         self.joint_rotary = type(self).qk_transform is LlamaAttention.qk_transform
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale, layer_idx)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        ctx: ForwardContext | None = None,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(
-            hidden_states
-        )  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
-        return self.o_proj(self.attend(qkv, cos, sin, ctx))  # (num_tokens, hidden_size)
 
     def attend(
         self,
@@ -177,15 +167,16 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         ctx: ForwardContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # hidden_states, residual: (num_tokens, hidden_size); residual is None for layer 0
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin, ctx)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        # hidden_states, residual: (num_tokens, hidden_size); residual is None for layer 0.
+        # Each norm runs with the projection after it (Linear.after_norm: one op on the CPU
+        # kernels), SiLU-and-mul with down_proj.
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = attn.qkv_proj.after_norm(hidden_states, residual, self.input_layernorm)
+        hidden_states = attn.o_proj(attn.attend(qkv, cos, sin, ctx))  # (num_tokens, hidden_size)
+        gate_up, residual = mlp.gate_up_proj.after_norm(
+            hidden_states, residual, self.post_attention_layernorm
+        )
+        return mlp.down_proj.after_act(gate_up, mlp.act_fn), residual
 
     def forward_fused(
         self,

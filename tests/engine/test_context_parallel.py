@@ -33,13 +33,13 @@ from pagoda.runner.step_inputs import build_attention_metadata
 from tests.conftest import _randomize
 from tests.engine.test_tensor_parallel import (
     ENGINE,
-    GGUF_NEAR_TIE,
     PARAMS,
     PROMPTS,
+    assert_gguf_keeps_one_rank_s_quality,
     assert_smollm2_float32_equals_one_process,
     kill_rank_1_mid_run,
 )
-from tests.equivalence import assert_same_outputs, assert_same_up_to_a_near_tie
+from tests.equivalence import assert_same_outputs
 
 
 def _run(llm: LLM) -> Any:
@@ -225,18 +225,13 @@ def test_smollm2_float32_pcp2_equals_one_process(smollm2_llm: LLM) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_pcp2_agrees_up_to_a_near_tie(smollm2_path: str) -> None:
-    """The shipped GGUF, kept quantized (bf16 activations in its kernels): prompts of different
-    lengths in one batch, greedy, equal up to a first divergence at a near-tie (the first prompt
-    meets an exact tie of one process's top two at its 18th token)."""
-    prompts = [
-        "The capital of France is",
-        "Write a haiku about rain.",
-        "List three prime numbers and explain why each is prime, in one sentence each.",
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
-    want = LLM(smollm2_path, max_model_len=1024).generate(prompts, params, use_tqdm=False)
-    two = LLM(smollm2_path, max_model_len=1024, prefill_context_parallel_size=2)
-    got = two.generate(prompts, params, use_tqdm=False)
-    two.engine.shutdown()
-    assert_same_up_to_a_near_tie(got, want, GGUF_NEAR_TIE)
+def test_smollm2_gguf_pcp2_keeps_one_rank_s_quality(
+    smollm2_path: str, smollm2_tokenizer: Any
+) -> None:
+    """Context parallelism merges each row's attention over the ranks' positions (torch's SDPA
+    on each rank's keys, then the partials combined), another rounding than one rank's, and one
+    that follows the batch (README "Determinism"): held to one rank's quality
+    (tests/engine/test_tensor_parallel.py states the bounds)."""
+    assert_gguf_keeps_one_rank_s_quality(
+        smollm2_path, smollm2_tokenizer, own_bits=False, prefill_context_parallel_size=2
+    )

@@ -3,7 +3,6 @@ server keeps serving afterwards."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx

@@ -9,7 +9,6 @@ import random
 import time
 from collections import Counter
 
-import httpx
 import pytest
 
 from pagoda import LLM, SamplingParams

@@ -280,6 +280,18 @@ def test_streamed_tool_calls_equal_the_whole_ones(smollm2_server: ServerProcess)
         stream=True,
         **fields,
     )
+    content, finish, calls = _streamed(stream)
+    assert finish == "tool_calls" and content == ""
+    expected = [
+        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+        for c in whole["message"]["tool_calls"]
+    ]
+    assert calls == expected
+
+
+def _streamed(stream: Any) -> tuple[str, str | None, list[dict[str, str]]]:
+    """A streamed chat's (content, finish_reason, calls), each call's name and arguments put
+    together from its pieces in index order."""
     calls: dict[int, dict[str, str]] = {}
     content, finish = "", None
     for chunk in stream:
@@ -292,12 +304,7 @@ def test_streamed_tool_calls_equal_the_whole_ones(smollm2_server: ServerProcess)
                 calls[d.index] = {"name": d.function.name or "", "arguments": ""}
             assert d.function is not None
             calls[d.index]["arguments"] += d.function.arguments or ""
-    assert finish == "tool_calls" and content == ""
-    expected = [
-        {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-        for c in whole["message"]["tool_calls"]
-    ]
-    assert [calls[i] for i in sorted(calls)] == expected
+    return content, finish, [calls[i] for i in sorted(calls)]
 
 
 def test_a_tool_call_round_trip_with_the_openai_client(smollm2_server: ServerProcess) -> None:
@@ -377,22 +384,9 @@ def test_auto_parses_the_calls_the_model_writes_whole_and_streamed(
     stream = smollm2_server.client().chat.completions.create(
         model=_model(smollm2_server), max_tokens=60, stream=True, **fields
     )
-    calls: dict[int, dict[str, str]] = {}
-    content, finish = "", None
-    for chunk in stream:
-        streamed = chunk.choices[0]
-        content += streamed.delta.content or ""
-        finish = streamed.finish_reason or finish
-        for d in streamed.delta.tool_calls or ():
-            if d.id is not None:
-                assert d.function is not None and d.type == "function"
-                calls[d.index] = {"name": d.function.name or "", "arguments": ""}
-            assert d.function is not None
-            calls[d.index]["arguments"] += d.function.arguments or ""
+    content, finish, calls = _streamed(stream)
     assert finish == "tool_calls" and content == ""
-    assert list(calls.values()) == [
-        {"name": "get_weather", "arguments": call["function"]["arguments"]}
-    ]
+    assert calls == [{"name": "get_weather", "arguments": call["function"]["arguments"]}]
     # "none": the same greedy text, the call left unparsed in the content
     none = _chat(smollm2_server, **(fields | {"tool_choice": "none"}), max_tokens=60)["choices"][0]
     assert none["message"]["tool_calls"] == [] and none["finish_reason"] == "stop"

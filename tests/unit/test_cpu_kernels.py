@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType, quantize
 
 from pagoda.kernels.cpu import built
@@ -539,3 +540,91 @@ def test_paged_attention_refuses_what_it_cannot_take() -> None:
         OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens.clamp(max=3), 0.2, 2)
     with pytest.raises(RuntimeError, match="outside the cache"):
         OPS.paged_attention(q, cache.k, cache.v, tables + 1000, starts, lens, 0.2, 2)
+
+
+# ---- row ops (row_ops.cpp) and the matmuls' prologues --------------------------------------------
+
+
+def _rows(t: int, n: int, seed: int) -> torch.Tensor:
+    return torch.randn(t, n, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("n", [576, 64, 37])  # SmolLM2's width, a head, a ragged tail
+def test_rms_norm_matches_torch_and_each_row_keeps_its_bits(isa: int, n: int) -> None:
+    assert OPS is not None
+    x, residual = _rows(9, n, 1), _rows(9, n, 2)
+    weight = _rows(1, n, 3)[0]
+    out, hidden = OPS.add_rms_norm(x, residual, weight, 1e-5, isa)
+    h = x + residual
+    assert torch.equal(hidden, h)
+    want = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(out, want, rtol=2e-6, atol=1e-6)  # sums of n squares, rounded
+    assert torch.equal(OPS.rms_norm(h, weight, 1e-5, isa), out)
+    for t in (0, 4, 8):  # a row alone, out of a view with a row stride
+        one, _ = OPS.add_rms_norm(x[t : t + 1], residual[t : t + 1], weight, 1e-5, isa)
+        assert torch.equal(one, out[t : t + 1])
+    first, same = OPS.add_rms_norm(x, None, weight, 1e-5, isa)  # a model's first layer
+    assert torch.equal(same, x) and torch.equal(first, OPS.rms_norm(x, weight, 1e-5, isa))
+    wide = torch.cat([x, residual], dim=1)[:, :n]  # rows with a stride
+    assert torch.equal(OPS.rms_norm(wide, weight, 1e-5, isa), OPS.rms_norm(x, weight, 1e-5, isa))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("d", [1536, 40])
+def test_silu_and_mul_matches_torch_and_each_row_keeps_its_bits(isa: int, d: int) -> None:
+    assert OPS is not None
+    x = _rows(7, 2 * d, 4)
+    x[0, :4] = torch.tensor([-60.0, 60.0, 0.0, -0.0])  # exp's floor, a saturated sigmoid, zeros
+    out = OPS.silu_and_mul(x, isa)
+    gate, up = x.chunk(2, dim=-1)
+    # the SIMD paths' exp is a polynomial within about 2e-7
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    for t in range(7):
+        assert torch.equal(OPS.silu_and_mul(x[t : t + 1], isa), out[t : t + 1])
+
+
+def test_rotary_matches_apply_rotary_on_a_view_of_qkv() -> None:
+    from pagoda.layers.rotary import apply_rotary
+
+    assert OPS is not None
+    qkv = _rows(5, 15 * 64 + 3 * 64, 5)
+    qk = qkv[:, : 12 * 64]  # q and k heads, rows with qkv's stride
+    angles = _rows(5, 32, 6)
+    cos, sin = angles.cos(), angles.sin()
+    out = OPS.rotary(qk, cos, sin, 64, 2)
+    want = apply_rotary(qk, cos[:, None], sin[:, None], 64)
+    torch.testing.assert_close(out, want, rtol=0, atol=2e-6)
+    for t in range(5):
+        assert torch.equal(
+            OPS.rotary(qk[t : t + 1], cos[t : t + 1], sin[t : t + 1], 64, 2), out[t : t + 1]
+        )
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_matmul_prologues_equal_the_ops_apart(isa: int) -> None:
+    """q4 / q8 matmuls with the norm or the activation in the same call: the bits of the row op,
+    then the matmul."""
+    assert OPS is not None
+    k, n = 128, 48
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(7))
+    scale, offset = torch.rand(n, k // 32) * 0.02 + 1e-3, torch.randn(n, k // 32) * 0.05
+    q4 = pack_q4x16(codes, scale, offset)
+    codes8, scale8 = quantize_int8_rows(torch.randn(n, k))
+    q8, q8_scales = pack_q8x16(codes8, scale8[:, None])
+    x, residual, weight = _rows(6, k, 8), _rows(6, k, 9), _rows(1, k, 10)[0]
+    normed, hidden = OPS.add_rms_norm(x, residual, weight, 1e-5, isa)
+    y4, h4 = OPS.q4x16_matmul_norm(x, residual, weight, 1e-5, q4, n, isa)
+    y8, h8 = OPS.q8x16_matmul_norm(x, residual, weight, 1e-5, q8, q8_scales, n, isa)
+    assert torch.equal(h4, hidden) and torch.equal(h8, hidden)
+    assert torch.equal(y4, OPS.q4x16_matmul(normed, q4, n, isa))
+    assert torch.equal(y8, OPS.q8x16_matmul(normed, q8, q8_scales, n, isa))
+    gate_up = _rows(6, 2 * k, 11)
+    act = OPS.silu_and_mul(gate_up, isa)
+    assert torch.equal(
+        OPS.q4x16_matmul_silu(gate_up, q4, n, isa), OPS.q4x16_matmul(act, q4, n, isa)
+    )
+    assert torch.equal(
+        OPS.q8x16_matmul_silu(gate_up, q8, q8_scales, n, isa),
+        OPS.q8x16_matmul(act, q8, q8_scales, n, isa),
+    )

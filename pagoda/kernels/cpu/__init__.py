@@ -21,7 +21,9 @@ query row per request) and `paged_attention(q, k_cache, v_cache, block_tables, q
 seq_lens, scale, isa_limit)` (any mix of prefill chunks and decodes) over a float32 paged cache,
 read in place, each row reduced the same way whatever the rows beside it; `rms_norm`,
 `add_rms_norm`, `silu_and_mul` and `rotary` (row_ops.cpp), which eager and compiled steps share,
-so that the two compute the same bits; `isa()` names the instruction set picked at run time (0
+so that the two compute the same bits, and `q4x16_matmul_norm` / `q8x16_matmul_norm` /
+`q4x16_matmul_silu` / `q8x16_matmul_silu`, the matmuls with the norm or the activation before
+them in one call; `isa()` names the instruction set picked at run time (0
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
 caps it (tests run every path).
 """
@@ -140,6 +142,33 @@ def _register_fakes() -> None:
         q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, isa_limit: int
     ) -> Any:
         return torch.empty_like(q)
+
+    @torch.library.register_fake("pagoda_cpu::q4x16_matmul_norm")  # type: ignore[misc]
+    def _q4_norm(
+        x: Any, residual: Any, weight: Any, eps: float, packed: Any, n: int, isa_limit: int
+    ) -> Any:
+        return x.new_empty((x.shape[0], n)), x.new_empty(x.shape)
+
+    @torch.library.register_fake("pagoda_cpu::q8x16_matmul_norm")  # type: ignore[misc]
+    def _q8_norm(
+        x: Any,
+        residual: Any,
+        weight: Any,
+        eps: float,
+        packed: Any,
+        scales: Any,
+        n: int,
+        isa_limit: int,
+    ) -> Any:
+        return x.new_empty((x.shape[0], n)), x.new_empty(x.shape)
+
+    @torch.library.register_fake("pagoda_cpu::q4x16_matmul_silu")  # type: ignore[misc]
+    def _q4_silu(x: Any, packed: Any, n: int, isa_limit: int) -> Any:
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake("pagoda_cpu::q8x16_matmul_silu")  # type: ignore[misc]
+    def _q8_silu(x: Any, packed: Any, scales: Any, n: int, isa_limit: int) -> Any:
+        return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("pagoda_cpu::rms_norm")  # type: ignore[misc]
     def _rms_norm(x: Any, weight: Any, eps: float, isa_limit: int) -> Any:

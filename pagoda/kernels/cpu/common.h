@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 
 namespace pagoda_cpu {
 
@@ -164,6 +165,14 @@ inline Activations quantize(const at::Tensor& x, Isa isa) {
   }
   return a;
 }
+
+// row_ops.cpp: the norm and the activation quant_gemm.cpp runs before its matmuls
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa_limit);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
+                                                const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps,
+                                                int64_t isa_limit);
+at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit);
 
 inline void check_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "x must be (M, K)");

@@ -456,10 +456,10 @@ PAGODA_AVX512 inline void scores4_blocks_avx512(const QueryVec* v, int count, co
 }
 
 // out_h[0 .. 16 * DV) = sum over positions [0, n) in order of w_h[p] * v[p] (FMAs, from 0), for
-// HB query heads of one kv head; v[p] is position p's values of that kv head.
+// HB query heads of one kv head; v[p] + off is position p's values of that kv head.
 template <int DV, int HB>
 PAGODA_AVX512 inline void weighted_block_avx512(const float* const* w, const float* const* v,
-                                                int64_t n, float* const* out) {
+                                                int64_t off, int64_t n, float* const* out) {
   __m512 acc[HB][DV];
 #pragma GCC unroll 8
   for (int h = 0; h < HB; ++h) {
@@ -471,7 +471,7 @@ PAGODA_AVX512 inline void weighted_block_avx512(const float* const* w, const flo
     for (int h = 0; h < HB; ++h) wv[h] = _mm512_set1_ps(w[h][p]);
 #pragma GCC unroll 8
     for (int i = 0; i < DV; ++i) {
-      const __m512 x = _mm512_loadu_ps(v[p] + 16 * i);
+      const __m512 x = _mm512_loadu_ps(v[p] + off + 16 * i);
 #pragma GCC unroll 8
       for (int h = 0; h < HB; ++h) acc[h][i] = _mm512_fmadd_ps(wv[h], x, acc[h][i]);
     }
@@ -485,87 +485,184 @@ PAGODA_AVX512 inline void weighted_block_avx512(const float* const* w, const flo
 // Heads per weighted_block_avx512 call: accumulators (HB x DV registers) within 24 of the 32.
 template <int DV>
 PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const float* const* v,
-                                                int64_t n, float* const* out, int64_t heads) {
+                                                int64_t off, int64_t n, float* const* out,
+                                                int64_t heads) {
   constexpr int HB = DV <= 4 ? 6 : 3;
   int64_t h = 0;
-  for (; h + HB <= heads; h += HB) weighted_block_avx512<DV, HB>(w + h, v, n, out + h);
+  for (; h + HB <= heads; h += HB) weighted_block_avx512<DV, HB>(w + h, v, off, n, out + h);
   switch (heads - h) {
-    case 5: weighted_block_avx512<DV, 5>(w + h, v, n, out + h); break;
-    case 4: weighted_block_avx512<DV, 4>(w + h, v, n, out + h); break;
-    case 3: weighted_block_avx512<DV, 3>(w + h, v, n, out + h); break;
-    case 2: weighted_block_avx512<DV, 2>(w + h, v, n, out + h); break;
-    case 1: weighted_block_avx512<DV, 1>(w + h, v, n, out + h); break;
+    case 5: weighted_block_avx512<DV, 5>(w + h, v, off, n, out + h); break;
+    case 4: weighted_block_avx512<DV, 4>(w + h, v, off, n, out + h); break;
+    case 3: weighted_block_avx512<DV, 3>(w + h, v, off, n, out + h); break;
+    case 2: weighted_block_avx512<DV, 2>(w + h, v, off, n, out + h); break;
+    case 1: weighted_block_avx512<DV, 1>(w + h, v, off, n, out + h); break;
     default: break;
   }
 }
 
-// attend_group_avx512 for d = 64 or 128; krow, vrow: scratch for a chunk's position pointers.
+// The blocked group: positions' key and value pointers first, then the scores in blocks of query
+// vectors (SCORES: the blocks' function), the single positions past a row's n4 (scores_avx2, as
+// the plain path), each head's max and sum of exponentials (EXP_SUM), and the weighted values
+// in registers (WEIGHTED). krow, vrow: scratch for a chunk's position pointers.
+#define PAGODA_ATTEND_BLOCKED(SCORES, EXP_SUM, WEIGHTED)                                         \
+  const int64_t d = s.dim, row = s.kv_heads * d;                                               \
+  int64_t most = 0, most4 = 0;                                                                 \
+  for (int i = 0; i < count; ++i) {                                                            \
+    most = std::max(most, w[i].n);                                                             \
+    most4 = std::max(most4, w[i].n4);                                                          \
+  }                                                                                            \
+  for (int64_t p = 0; p < most; ++p) {                                                         \
+    const int64_t pos = begin + p;                                                             \
+    const int64_t slot = table[pos / s.block_size] * s.block_size + pos % s.block_size;        \
+    krow[p] = kc + slot * row;                                                                 \
+    vrow[p] = vc + slot * row;                                                                 \
+  }                                                                                            \
+  for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                                \
+    for (int64_t p = 0; p < most4; p += 4) {                                                   \
+      const float* k4[4] = {krow[p] + kh * d, krow[p + 1] + kh * d, krow[p + 2] + kh * d,      \
+                            krow[p + 3] + kh * d};                                             \
+      QueryVec block[4];                                                                       \
+      int filled = 0;                                                                          \
+      for (int i = 0; i < count; ++i) {                                                        \
+        if (p + 4 > w[i].n4) continue;                                                         \
+        for (int64_t j = 0; j < s.group; ++j) {                                                \
+          const int64_t h = kh * s.group + j;                                                  \
+          block[filled++] = QueryVec{w[i].q + h * d, w[i].scores + h * w[i].n};                \
+          if (filled == 4) {                                                                   \
+            SCORES(block, 4, k4, d, s.scale, p);                                               \
+            filled = 0;                                                                        \
+          }                                                                                    \
+        }                                                                                      \
+      }                                                                                        \
+      SCORES(block, filled, k4, d, s.scale, p);                                                \
+    }                                                                                          \
+  }                                                                                            \
+  for (int i = 0; i < count; ++i) {                                                            \
+    const RowWork& r = w[i];                                                                   \
+    for (int64_t p = r.n4; p < r.n; ++p) {                                                     \
+      for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                            \
+        scores_avx2(r.q + kh * s.group * d, krow[p] + kh * d, s.group, d, s.scale,             \
+                    r.scores + kh * s.group * r.n + p, r.n);                                   \
+      }                                                                                        \
+    }                                                                                          \
+    for (int64_t h = 0; h < s.heads; ++h) {                                                    \
+      float* sh = r.scores + h * r.n;                                                          \
+      float* out = r.part + h * (d + 2);                                                       \
+      out[0] = max_avx2(sh, r.n);                                                              \
+      out[1] = EXP_SUM(sh, r.n, out[0]);                                                       \
+    }                                                                                          \
+    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                              \
+      const float* weights[MAX_HEADS];                                                         \
+      float* outs[MAX_HEADS];                                                                  \
+      for (int64_t j = 0; j < s.group; ++j) {                                                  \
+        weights[j] = r.scores + (kh * s.group + j) * r.n;                                      \
+        outs[j] = r.part + (kh * s.group + j) * (d + 2) + 2;                                   \
+      }                                                                                        \
+      WEIGHTED(weights, vrow, kh * d, r.n, outs, s.group, d);                                  \
+    }                                                                                          \
+  }
+
+PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const float* const* v,
+                                                int64_t off, int64_t n, float* const* out,
+                                                int64_t heads, int64_t d) {
+  if (d == 64) {
+    weighted_heads_avx512<4>(w, v, off, n, out, heads);
+  } else {
+    weighted_heads_avx512<8>(w, v, off, n, out, heads);
+  }
+}
+
+// attend_group_avx512 for d = 64 or 128.
 PAGODA_AVX512 void attend_group_avx512_blocked(const Shape& s, const RowWork* w, int count,
                                                const float* kc, const float* vc,
                                                const int32_t* table, int64_t begin,
                                                const float** krow, const float** vrow) {
-  const int64_t d = s.dim, row = s.kv_heads * d;
-  int64_t most = 0, most4 = 0;
-  for (int i = 0; i < count; ++i) {
-    most = std::max(most, w[i].n);
-    most4 = std::max(most4, w[i].n4);
+  PAGODA_ATTEND_BLOCKED(scores4_blocks_avx512, exp_shifted_sum_avx512, weighted_heads_avx512)
+}
+
+// ---- AVX2 with 64- or 128-wide heads: the same blocking in 16 registers -------------------------
+//
+// attend_group_avx2_blocked gives every row attend_group_avx2's bits: blocks of up to two query
+// vectors against four positions (8 accumulators), scores4_avx2's chains and sum4 tree; the
+// weighted values of two heads at a time, 32 of a head's values in registers per pass.
+
+template <int NQ>
+__attribute__((target("avx2,fma"))) inline void scores4_block_avx2(const QueryVec* v,
+                                                                   const float* const* k,
+                                                                   int64_t d, float scale,
+                                                                   int64_t p) {
+  __m256 acc[NQ][4];
+  for (int a = 0; a < NQ; ++a) {
+    for (int c = 0; c < 4; ++c) acc[a][c] = _mm256_setzero_ps();
   }
-  for (int64_t p = 0; p < most; ++p) {
-    const int64_t pos = begin + p;
-    const int64_t slot = table[pos / s.block_size] * s.block_size + pos % s.block_size;
-    krow[p] = kc + slot * row;
-    vrow[p] = vc + slot * row;
-  }
-  for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
-    for (int64_t p = 0; p < most4; p += 4) {
-      const float* k4[4] = {krow[p] + kh * d, krow[p + 1] + kh * d, krow[p + 2] + kh * d,
-                            krow[p + 3] + kh * d};
-      QueryVec block[4];
-      int filled = 0;
-      for (int i = 0; i < count; ++i) {
-        if (p + 4 > w[i].n4) continue;
-        for (int64_t j = 0; j < s.group; ++j) {
-          const int64_t h = kh * s.group + j;
-          block[filled++] = QueryVec{w[i].q + h * d, w[i].scores + h * w[i].n};
-          if (filled == 4) {
-            scores4_blocks_avx512(block, 4, k4, d, s.scale, p);
-            filled = 0;
-          }
-        }
-      }
-      scores4_blocks_avx512(block, filled, k4, d, s.scale, p);
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 k0 = _mm256_loadu_ps(k[0] + i), k1 = _mm256_loadu_ps(k[1] + i),
+                 k2 = _mm256_loadu_ps(k[2] + i), k3 = _mm256_loadu_ps(k[3] + i);
+    for (int a = 0; a < NQ; ++a) {
+      const __m256 qv = _mm256_loadu_ps(v[a].q + i);
+      acc[a][0] = _mm256_fmadd_ps(qv, k0, acc[a][0]);
+      acc[a][1] = _mm256_fmadd_ps(qv, k1, acc[a][1]);
+      acc[a][2] = _mm256_fmadd_ps(qv, k2, acc[a][2]);
+      acc[a][3] = _mm256_fmadd_ps(qv, k3, acc[a][3]);
     }
   }
-  std::vector<const float*> v(most);
-  for (int i = 0; i < count; ++i) {
-    const RowWork& r = w[i];
-    for (int64_t p = r.n4; p < r.n; ++p) {
-      for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
-        scores_avx2(r.q + kh * s.group * d, krow[p] + kh * d, s.group, d, s.scale,
-                    r.scores + kh * s.group * r.n + p, r.n);
-      }
-    }
-    for (int64_t h = 0; h < s.heads; ++h) {
-      float* sh = r.scores + h * r.n;
-      float* out = r.part + h * (d + 2);
-      out[0] = max_avx2(sh, r.n);
-      out[1] = exp_shifted_sum_avx512(sh, r.n, out[0]);
-    }
-    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
-      for (int64_t p = 0; p < r.n; ++p) v[p] = vrow[p] + kh * d;
-      const float* weights[MAX_HEADS];
-      float* outs[MAX_HEADS];
-      for (int64_t j = 0; j < s.group; ++j) {
-        weights[j] = r.scores + (kh * s.group + j) * r.n;
-        outs[j] = r.part + (kh * s.group + j) * (d + 2) + 2;
-      }
-      if (d == 64) {
-        weighted_heads_avx512<4>(weights, v.data(), r.n, outs, s.group);
-      } else {
-        weighted_heads_avx512<8>(weights, v.data(), r.n, outs, s.group);
-      }
+  for (int a = 0; a < NQ; ++a) {
+    _mm_storeu_ps(v[a].scores + p, _mm_mul_ps(sum4_avx2(acc[a][0], acc[a][1], acc[a][2], acc[a][3]),
+                                              _mm_set1_ps(scale)));
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline void scores4_blocks_avx2(const QueryVec* v, int count,
+                                                                    const float* const* k,
+                                                                    int64_t d, float scale,
+                                                                    int64_t p) {
+  int a = 0;
+  for (; a + 2 <= count; a += 2) scores4_block_avx2<2>(v + a, k, d, scale, p);
+  if (a < count) scores4_block_avx2<1>(v + a, k, d, scale, p);
+}
+
+// out_h[off2 .. off2 + 32) for two heads (HB = 2) or one, over positions in order (FMAs from 0)
+template <int HB>
+__attribute__((target("avx2,fma"))) inline void weighted_slice_avx2(const float* const* w,
+                                                                    const float* const* v,
+                                                                    int64_t off, int64_t n,
+                                                                    float* const* out) {
+  __m256 acc[HB][4];
+  for (int h = 0; h < HB; ++h) {
+    for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    __m256 wv[HB];
+    for (int h = 0; h < HB; ++h) wv[h] = _mm256_set1_ps(w[h][p]);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 x = _mm256_loadu_ps(v[p] + off + 8 * i);
+      for (int h = 0; h < HB; ++h) acc[h][i] = _mm256_fmadd_ps(wv[h], x, acc[h][i]);
     }
   }
+  for (int h = 0; h < HB; ++h) {
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out[h] + 8 * i, acc[h][i]);
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline void weighted_heads_avx2(const float* const* w,
+                                                                    const float* const* v,
+                                                                    int64_t off, int64_t n,
+                                                                    float* const* out,
+                                                                    int64_t heads, int64_t d) {
+  for (int64_t c = 0; c < d; c += 32) {  // 32 of each head's values at a time
+    float* slice[MAX_HEADS];
+    for (int64_t h = 0; h < heads; ++h) slice[h] = out[h] + c;
+    int64_t h = 0;
+    for (; h + 2 <= heads; h += 2) weighted_slice_avx2<2>(w + h, v, off + c, n, slice + h);
+    if (h < heads) weighted_slice_avx2<1>(w + h, v, off + c, n, slice + h);
+  }
+}
+
+// attend_group_avx2 for d = 64 or 128.
+__attribute__((target("avx2,fma"))) void attend_group_avx2_blocked(
+    const Shape& s, const RowWork* w, int count, const float* kc, const float* vc,
+    const int32_t* table, int64_t begin, const float** krow, const float** vrow) {
+  PAGODA_ATTEND_BLOCKED(scores4_blocks_avx2, exp_shifted_sum_avx2, weighted_heads_avx2)
 }
 
 // Merges a row's chunks into its query heads' outputs: exp(m_c - M) rescales each.
@@ -637,7 +734,7 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
   const pagoda_cpu::Isa isa = pagoda_cpu::pick_isa(isa_limit);
   const bool simd = isa != pagoda_cpu::Isa::kScalar;
   const bool wide = isa == pagoda_cpu::Isa::kVnni && d % 16 == 0;  // AVX-512 F among VNNI's
-  const bool blocked = wide && (d == 64 || d == 128) && s.group <= MAX_HEADS;
+  const bool blocked = simd && (d == 64 || d == 128) && s.group <= MAX_HEADS;
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, num_items, 1, [&](int64_t begin_item, int64_t end_item) {
     std::unique_ptr<float[]> scores(new float[largest * s.heads * widest]);  // written before read
@@ -656,8 +753,10 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
       }
       if (count == 0) continue;
       const int32_t* table = rows[g0].table;
-      if (blocked) {
+      if (blocked && wide) {
         attend_group_avx512_blocked(s, work, count, kc, vc, table, begin, krow.get(), vrow.get());
+      } else if (blocked) {
+        attend_group_avx2_blocked(s, work, count, kc, vc, table, begin, krow.get(), vrow.get());
       } else if (wide) {
         attend_group_avx512(s, work, count, kc, vc, table, begin);
       } else if (simd) {

@@ -361,6 +361,43 @@ at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at:
   });
 }
 
+// ---- with a prologue: the row op before the matmul in the same call ----------------------------
+//
+// A compiled decode step calls each custom op from its wrapper at a cost of microseconds, so the
+// norm before a projection and the activation before down_proj run inside the projection's op:
+// y = matmul(rms_norm(x + residual)) with x + residual returned too, or y =
+// matmul(silu_and_mul(x)). The row ops are row_ops.cpp's, so eager steps (which call these ops
+// too) and compiled ones compute the same bits.
+
+std::tuple<at::Tensor, at::Tensor> q4x16_matmul_norm(const at::Tensor& x,
+                                                     const c10::optional<at::Tensor>& residual,
+                                                     const at::Tensor& weight, double eps,
+                                                     const at::Tensor& packed, int64_t n,
+                                                     int64_t isa_limit) {
+  auto [normed, hidden] = add_rms_norm(x, residual, weight, eps, isa_limit);
+  return {q4x16_matmul(normed, packed, n, isa_limit), hidden};
+}
+
+std::tuple<at::Tensor, at::Tensor> q8x16_matmul_norm(const at::Tensor& x,
+                                                     const c10::optional<at::Tensor>& residual,
+                                                     const at::Tensor& weight, double eps,
+                                                     const at::Tensor& packed,
+                                                     const at::Tensor& scales, int64_t n,
+                                                     int64_t isa_limit) {
+  auto [normed, hidden] = add_rms_norm(x, residual, weight, eps, isa_limit);
+  return {q8x16_matmul(normed, packed, scales, n, isa_limit), hidden};
+}
+
+at::Tensor q4x16_matmul_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                             int64_t isa_limit) {
+  return q4x16_matmul(silu_and_mul(x, isa_limit), packed, n, isa_limit);
+}
+
+at::Tensor q8x16_matmul_silu(const at::Tensor& x, const at::Tensor& packed,
+                             const at::Tensor& scales, int64_t n, int64_t isa_limit) {
+  return q8x16_matmul(silu_and_mul(x, isa_limit), packed, scales, n, isa_limit);
+}
+
 // The activations as the kernels quantize them (for the tests): (q, xd, xs)
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   const Activations a = quantize(float_rows(x), best_isa());
@@ -377,6 +414,15 @@ int64_t isa() { return static_cast<int64_t>(best_isa()); }
 TORCH_LIBRARY(pagoda_cpu, m) {
   m.def("q4x16_matmul(Tensor x, Tensor packed, int n, int isa_limit) -> Tensor");
   m.def("q8x16_matmul(Tensor x, Tensor packed, Tensor scales, int n, int isa_limit) -> Tensor");
+  m.def(
+      "q4x16_matmul_norm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor packed, "
+      "int n, int isa_limit) -> (Tensor, Tensor)");
+  m.def(
+      "q8x16_matmul_norm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor packed, "
+      "Tensor scales, int n, int isa_limit) -> (Tensor, Tensor)");
+  m.def("q4x16_matmul_silu(Tensor x, Tensor packed, int n, int isa_limit) -> Tensor");
+  m.def(
+      "q8x16_matmul_silu(Tensor x, Tensor packed, Tensor scales, int n, int isa_limit) -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("isa() -> int", &pagoda_cpu::isa);
 }
@@ -384,5 +430,9 @@ TORCH_LIBRARY(pagoda_cpu, m) {
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
   m.impl("q4x16_matmul", &pagoda_cpu::q4x16_matmul);
   m.impl("q8x16_matmul", &pagoda_cpu::q8x16_matmul);
+  m.impl("q4x16_matmul_norm", &pagoda_cpu::q4x16_matmul_norm);
+  m.impl("q8x16_matmul_norm", &pagoda_cpu::q8x16_matmul_norm);
+  m.impl("q4x16_matmul_silu", &pagoda_cpu::q4x16_matmul_silu);
+  m.impl("q8x16_matmul_silu", &pagoda_cpu::q8x16_matmul_silu);
   m.impl("quantize_activations", &pagoda_cpu::quantize_activations);
 }

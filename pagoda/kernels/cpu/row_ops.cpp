@@ -6,20 +6,24 @@
 //
 //   rms_norm(x, weight, eps, isa_limit): x (T, n) -> weight * (x * r), r = 1 / sqrt(mean(x^2) +
 //     eps), the sum of squares in a fixed order (16 or 8 lanes, then a fixed tree).
-//   add_rms_norm(x, residual, weight, eps, isa_limit) -> (rms_norm(h), h), h = x + residual.
+//   add_rms_norm(x, residual, weight, eps, isa_limit) -> (rms_norm(h), h), h = x + residual
+//     (x itself where residual is None: a model's first layer).
 //   silu_and_mul(x, isa_limit): x (T, 2d), gate | up -> (T, d), gate * sigmoid(gate) * up, with
 //     sigmoid from exp(-|gate|) (common.h's polynomial on the SIMD paths).
 //   rotary(x, cos, sin, head_dim, isa_limit): x (T, heads * head_dim) -> the same, each head's
 //     halves (x1, x2) -> (x1 * cos - x2 * sin, x2 * cos + x1 * sin), cos and sin (T, head_dim / 2).
 //
 // Rows of x may be a view with a row stride (the q|k columns of a packed qkv); the outputs are
-// contiguous. AVX-512, AVX2 + FMA and scalar paths, chosen at run time.
+// contiguous. AVX-512, AVX2 + FMA and scalar paths, chosen at run time. quant_gemm.cpp runs the
+// norm and the activation as its matmuls' prologues (declared in common.h), so a compiled step
+// calls one op where it would call two.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -156,6 +160,8 @@ void check_weight(const at::Tensor& weight, int64_t n) {
               "weight: contiguous float32 (", n, ",)");
 }
 
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa_limit) {
   check_float_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
@@ -174,26 +180,35 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
+                                                const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps,
                                                 int64_t isa_limit) {
   check_float_rows(x, "x");
-  check_float_rows(residual, "residual");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual: the same shape");
-  const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0), ldr = residual.stride(0);
+  const bool add = residual.has_value();  // none (a model's first layer): h = x
+  if (add) {
+    check_float_rows(*residual, "residual");
+    TORCH_CHECK(x.sizes() == residual->sizes(), "x and residual: the same shape");
+  }
+  const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0);
+  const int64_t ldr = add ? residual->stride(0) : 0;
   check_weight(weight, n);
   const Isa isa = pick_isa(isa_limit);
   auto out = at::empty({rows, n}, at::kFloat);
   auto hidden = at::empty({rows, n}, at::kFloat);
   const float* xp = x.data_ptr<float>();
-  const float* rp = residual.data_ptr<float>();
+  const float* rp = add ? residual->data_ptr<float>() : nullptr;
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* hp = hidden.data_ptr<float>();
   at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* h = hp + t * n;
-      for (int64_t i = 0; i < n; ++i) h[i] = xp[t * ldx + i] + rp[t * ldr + i];
+      if (add) {
+        for (int64_t i = 0; i < n; ++i) h[i] = xp[t * ldx + i] + rp[t * ldr + i];
+      } else {
+        std::copy(xp + t * ldx, xp + t * ldx + n, h);
+      }
       scale_row(h, wp, inverse_rms(h, n, static_cast<float>(eps), isa), n, op + t * n);
     }
   });
@@ -251,13 +266,12 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-}  // namespace
 }  // namespace pagoda_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int isa_limit) -> Tensor");
   m.def(
-      "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, int isa_limit) -> "
+      "add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, int isa_limit) -> "
       "(Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x, int isa_limit) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, int head_dim, int isa_limit) -> Tensor");
