@@ -156,8 +156,8 @@ class WorkerGroup:
         for conn in self.conns:
             try:
                 conn.send((method, args, reply_all))
-            except (BrokenPipeError, ConnectionResetError, EOFError) as e:
-                raise self._failure() from e
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                raise self._failure() from None  # the pipe broke as a rank went: says which
 
     def _receive(self, rank: int) -> Any:
         """Rank `rank`'s next reply; an error (see _failure) if it reports one or a rank dies."""
@@ -166,8 +166,8 @@ class WorkerGroup:
         if conn in ready or conn.poll():
             try:
                 status, value = conn.recv()
-            except (EOFError, OSError) as e:
-                raise self._failure() from e
+            except (EOFError, OSError):
+                raise self._failure() from None  # the pipe broke as a rank went: says which
             if status == "error":
                 self._last_words[rank] = (value[0], value[1])
                 raise self._failure(reporter=rank)

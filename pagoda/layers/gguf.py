@@ -14,7 +14,9 @@ Inside a 32-value block, value j < 16 is the low nibble of byte j and value j + 
 A Q4_K super-block holds 8 sub-blocks of 32; its 128 nibble bytes are 4 chunks of 32 bytes whose
 low nibbles are sub-block 2i and high nibbles sub-block 2i + 1.
 
-Q8_0 (34 bytes / 32: d (f16), 32 int8) decodes to int8 codes with one scale per 32 values.
+Q8_0 (34 bytes / 32: d (f16), 32 int8) decodes to int8 codes with one scale per 32 values, and
+so does Q5_0 (22 bytes / 32: d (f16), 4 bytes of high bits, 16 bytes of nibbles; value j's fifth
+bit is bit j of the little-endian uint32 of high bits), as code - 16 in [-16, 15] with scale d.
 Every decoder reproduces `gguf.dequantize` bit for bit through `dequantize_groups` (tested).
 """
 
@@ -27,7 +29,14 @@ import torch
 
 GROUP = 32
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-_BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+EIGHT_BIT_TYPES = ("Q8_0", "Q5_0")  # int8 codes, one scale per 32 values, no offset
+_BLOCK_BYTES = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+}
 
 
 @dataclass(frozen=True)
@@ -78,7 +87,7 @@ class GGUFWeight:
 class GroupCodes:
     """w = scale[:, g] * codes + offset[:, g] for columns of group g (offset None: no offset).
 
-    codes: (rows, cols) uint8 (4-bit) or int8 (Q8_0); scale, offset: (rows, cols // 32) float32.
+    codes: (rows, cols) uint8 (4-bit) or int8 (Q8_0, Q5_0); scale, offset: (rows, cols // 32) float32.
     """
 
     codes: torch.Tensor
@@ -104,13 +113,18 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def decode(w: GGUFWeight) -> GroupCodes:
-    """The group codes of a Q4_0, Q4_1, Q4_K or Q8_0 tensor."""
+    """The group codes of a Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0 tensor."""
     rows, cols = w.shape
     blocks = _blocks(w)
     if w.qtype == "Q8_0":
         scale = _f16(blocks[:, :2])
         codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
         return _group_codes(codes, scale, None, rows, cols)
+    if w.qtype == "Q5_0":
+        high = np.ascontiguousarray(blocks[:, 2:6]).view("<u4")  # (n, 1)
+        fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        codes = (_nibbles(blocks[:, 6:]) | (fifth << 4)).astype(np.int8) - np.int8(16)
+        return _group_codes(codes, _f16(blocks[:, :2]), None, rows, cols)
     if w.qtype == "Q4_0":
         d = _f16(blocks[:, :2])
         return _group_codes(_nibbles(blocks[:, 2:]), d, -8 * d, rows, cols)

@@ -158,9 +158,9 @@ class FP8Method(QuantMethod):
 
 
 class GGUFMethod(QuantMethod):
-    """GGUF blocks kept quantized: Q4_0 / Q4_1 / Q4_K repacked for the int4 op and Q8_0 as two
-    int4 halves (group 32, no re-quantization); Q6_K, other types and mixed layers re-quantized
-    per row to int8; float tensors (F32 / F16) stay float."""
+    """GGUF blocks kept quantized: Q4_0 / Q4_1 / Q4_K repacked for the int4 op and Q8_0 / Q5_0
+    as int8 codes (group 32, no re-quantization); Q6_K, the other types and layers mixing the
+    two kinds re-quantized per row to int8; float tensors (F32 / F16) stay float."""
 
     name = "gguf"
     loads_raw = True
@@ -177,7 +177,7 @@ class GGUFMethod(QuantMethod):
             return
         qtypes = {p.qtype if isinstance(p, gguf.GGUFWeight) else "float" for p in parts}
         four_bit = qtypes <= set(gguf.FOUR_BIT_TYPES)
-        if four_bit or qtypes == {"Q8_0"}:
+        if four_bit or qtypes <= set(gguf.EIGHT_BIT_TYPES):
             groups = [gguf.decode(p) for p in parts]
             codes = torch.cat([g.codes for g in groups])
             scale = torch.cat([g.scale for g in groups])

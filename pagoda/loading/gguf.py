@@ -34,7 +34,12 @@ _GGUF_LAYER_NAMES = {
 }
 # Derived from the config instead (llama3 rope factors).
 _GGUF_SKIPPED = {"rope_freqs"}
-_GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# The types of the common GGUF files. Those without a group decoding (layers.gguf.decode) are
+# dequantized by the gguf package and, in a quantized layer, re-quantized to int8 rows.
+_GGUF_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+)  # fmt: skip
 _GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 

@@ -1,5 +1,5 @@
 """pagoda's CPU kernels (pagoda/kernels/cpu): each quantized matmul against its torch reference
-over the GGUF formats (Q4_0, Q4_1, Q4_K, Q8_0) and int8 rows, odd shapes, every instruction set
+over the GGUF formats (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0) and int8 rows, odd shapes, every instruction set
 this CPU has (scalar, AVX2, AVX-512 VNNI) and 1 or 2 threads; the paged decode attention against
 paged_attention_torch's decode path. Skipped where the extension cannot be built (no compiler):
 pagoda then runs on torch's ops.
@@ -79,9 +79,8 @@ def _run(qtype: str, x: torch.Tensor, weight: gguf.GGUFWeight, isa: int) -> torc
     assert OPS is not None
     g = gguf.decode(weight)
     n = g.codes.shape[0]
-    if qtype == "Q8_0":
+    if g.offset is None:  # Q8_0, Q5_0
         return OPS.q8x16_matmul(x, *pack_q8x16(g.codes, g.scale), n, isa)
-    assert g.offset is not None
     return OPS.q4x16_matmul(x, pack_q4x16(g.codes, g.scale, g.offset), n, isa)
 
 
@@ -96,7 +95,7 @@ def _held(qtype: str, weight: gguf.GGUFWeight) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0"])
 @pytest.mark.parametrize(
     ("m", "n", "k"), [(1, 37, 256), (3, 64, 512), (5, 1538, 256), (9, 20, 768), (67, 48, 256)]
 )
@@ -114,7 +113,7 @@ def test_gguf_formats_match_the_reference(
         size = g.codes.double().view(n, k // 32, 32) * g.scale.double().abs()[..., None]
         ulp = ((size + g.offset.double().abs()[..., None]) * 2**-11).view(n, k)
         assert (rounding <= ulp * 1.0001).all()
-    elif qtype != "Q8_0":
+    else:
         assert rounding.max() == 0
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     y = _run(qtype, x, weight, isa)
@@ -242,7 +241,8 @@ def _gguf_layer(sizes: dict[str, int], qtype: str, cols: int) -> tuple[MergedLin
 
 @pytest.mark.usefixtures("kernels_on")
 @pytest.mark.parametrize(
-    ("qtype", "kernel"), [("Q4_1", "cpu_q4"), ("Q4_K", "cpu_q4"), ("Q8_0", "cpu_q8")]
+    ("qtype", "kernel"),
+    [("Q4_1", "cpu_q4"), ("Q4_K", "cpu_q4"), ("Q5_0", "cpu_q8"), ("Q8_0", "cpu_q8")],
 )
 def test_a_gguf_layer_keeps_only_the_kernel_form_for_any_row_count(qtype: str, kernel: str) -> None:
     # 88 rows: not in 16s (torch's int4 op would not take them: int8 rows, re-quantized)
@@ -260,8 +260,8 @@ def test_other_gguf_types_and_the_tied_vocabulary_are_int8_rows_once() -> None:
     data = np.random.default_rng(5).standard_normal((40, 64)).astype(np.float32)
     q5 = Linear(64, 40)
     q5.set_quant_method(GGUFMethod())
-    q5.load("weight", gguf.GGUFWeight("Q5_0", quantize(data, GGMLQuantizationType.Q5_0), (40, 64)))
-    q5.finalize()  # no group decoding for Q5_0: re-quantized per row
+    q5.load("weight", gguf.GGUFWeight("Q5_1", quantize(data, GGMLQuantizationType.Q5_1), (40, 64)))
+    q5.finalize()  # no group decoding for Q5_1: re-quantized per row
     assert q5.kernel == "cpu_q8" and q5.packed_scales.shape == (3, 1, 16)
     emb, head = VocabEmbedding(1000, 64), LMHead(1000, 64)
     with torch.no_grad():

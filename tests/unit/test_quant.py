@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, dequantize, quantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 
 from pagoda.config import EngineConfig
 from pagoda.layers import gguf as gguf_blocks
@@ -65,18 +65,34 @@ def _bf16_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def _random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random raw blocks whose f16 fields are finite and of a realistic size."""
-    per_block, nbytes = gguf_blocks._BLOCK_BYTES[qtype]
+    """Random raw blocks whose f16 fields (d, dmin) are finite and of a realistic size."""
+    per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     n = rows * cols // per_block
     raw = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
-    f16_fields = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 1, "Q4_K": 2}[qtype]
-    for i in range(f16_fields):
+    for at in _F16_FIELDS[qtype]:
         values = rng.uniform(-0.05, 0.05, size=n).astype(np.float16)
-        raw[:, 2 * i : 2 * i + 2] = values.view(np.uint8).reshape(n, 2)
+        raw[:, at : at + 2] = values.view(np.uint8).reshape(n, 2)
     return raw.reshape(rows, cols // per_block * nbytes)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+# Byte offsets of each block's f16 fields (ggml-common.h's block structs).
+_F16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("rows,cols", [(16, 256), (48, 512)])
 def test_gguf_block_decoding_is_bit_exact(qtype: str, rows: int, cols: int) -> None:
     raw = _random_blocks(qtype, rows, cols, np.random.default_rng(rows + cols))
@@ -87,15 +103,19 @@ def test_gguf_block_decoding_is_bit_exact(qtype: str, rows: int, cols: int) -> N
     assert torch.equal(w.dequantize(), ours)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_gguf_decoding_of_quantized_floats(qtype: str) -> None:
     data = np.random.default_rng(0).standard_normal((32, 128)).astype(np.float32)
     raw = quantize(data, GGMLQuantizationType[qtype])
     g = gguf_blocks.decode(gguf_blocks.GGUFWeight(qtype, raw, (32, 128)))
     ref = dequantize(raw, GGMLQuantizationType[qtype])
     assert np.array_equal(gguf_blocks.dequantize_groups(g).numpy(), ref)
-    if qtype != "Q8_0":
+    if qtype in gguf_blocks.FOUR_BIT_TYPES:
         assert int(g.codes.max()) <= 15 and g.codes.dtype == torch.uint8
+    else:
+        assert g.codes.dtype == torch.int8 and g.offset is None
+    if qtype == "Q5_0":  # all 32 codes in use: the fifth bit is read
+        assert int(g.codes.min()) == -16 and int(g.codes.max()) == 15
 
 
 def test_gguf_decoding_of_the_embedded_model() -> None:
@@ -278,14 +298,51 @@ def test_gguf_q8_0_layer_runs_its_exact_codes_as_two_int4_halves() -> None:
     _close(layer(x), _bf16_round(x) @ ref_w.t())
 
 
-def test_gguf_layer_of_other_types_uses_int8_rows_and_float_stays_float() -> None:
+def test_gguf_q5_0_layer_keeps_its_codes_as_int8_groups() -> None:
+    data = np.random.default_rng(4).standard_normal((48, 256)).astype(np.float32)
+    layer = _gguf_linear("Q5_0", data)
+    ref_w = torch.from_numpy(
+        dequantize(quantize(data, GGMLQuantizationType.Q5_0), GGMLQuantizationType.Q5_0)
+    )
+    x = torch.randn(5, 256)
+    _close(layer(x), _bf16_round(x) @ ref_w.t())
+
+
+def test_gguf_layer_mixing_q8_0_and_q5_0_keeps_both_codes() -> None:
+    layer = MergedLinear(256, {"gate": 32, "up": 48})
+    layer.set_quant_method(GGUFMethod())
+    rng = np.random.default_rng(6)
+    refs = []
+    for shard, qtype, rows in (("gate", "Q8_0", 32), ("up", "Q5_0", 48)):
+        raw = quantize(
+            rng.standard_normal((rows, 256)).astype(np.float32), GGMLQuantizationType[qtype]
+        )
+        layer.load("weight", gguf_blocks.GGUFWeight(qtype, raw, (rows, 256)), shard)
+        refs.append(torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype])))
+    layer.finalize()
+    assert layer.kernel == "int8x2"
+    x = torch.randn(3, 256)
+    _close(layer(x), _bf16_round(x) @ torch.cat(refs).t())
+
+
+@pytest.mark.parametrize("qtype", ["Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+def test_gguf_layer_of_other_types_uses_int8_rows(qtype: str) -> None:
+    """No group decoding: the gguf package's dequantization, re-quantized per row to int8."""
+    raw = _random_blocks(qtype, 32, 256, np.random.default_rng(5))
+    w = gguf_blocks.GGUFWeight(qtype, raw, (32, 256))
+    layer = Linear(256, 32)
+    layer.set_quant_method(GGUFMethod())
+    layer.load("weight", w)
+    layer.finalize()
+    assert layer.kernel == "int8"
+    x = torch.randn(2, 256)
+    # int8 rows: each weight within scale / 2 = amax / 254 of the reference.
+    _close(layer(x), x @ w.dequantize().t(), rel=2e-2)
+
+
+def test_gguf_float_layer_stays_float() -> None:
     data = np.random.default_rng(5).standard_normal((32, 64)).astype(np.float32)
-    q5 = _gguf_linear("Q5_0", data)  # no group decoding for Q5_0: re-quantized per row
-    assert q5.kernel == "int8"
     x = torch.randn(2, 64)
-    q5_raw = quantize(data, GGMLQuantizationType.Q5_0)
-    q5_w = torch.from_numpy(dequantize(q5_raw, GGMLQuantizationType.Q5_0))
-    _close(q5(x), x @ q5_w.t(), rel=2e-2)
     f32 = Linear(64, 32)
     f32.set_quant_method(GGUFMethod())
     f32.load("weight", torch.from_numpy(data))
