@@ -207,23 +207,34 @@ class EngineCore:
 
     def _update(self, out: SchedulerOutput, runner_output: Any) -> list[EngineCoreOutput]:
         """The scheduler's update, and the grammars advanced: a sample whose grammar has ended
-        finishes here, with finish_reason "stop" and no token past the grammar's end."""
+        finishes here, with finish_reason "stop" and no token past the grammar's end; one whose
+        grammar refused a token finishes with "error", without that token."""
         outputs = self.scheduler.update(out, runner_output)
         structured = self.structured
         if structured is None or not structured.matchers:
             return outputs
-        ended = structured.accept(outputs)
-        if ended:
-            self.scheduler.finish_requests(ended, RequestStatus.FINISHED_STOPPED, all_samples=False)
-            for o in outputs:
-                keep = ended.get(o.request_id)
-                if keep is not None:
-                    o.new_token_ids, o.new_logprobs = o.new_token_ids[:keep], o.new_logprobs[:keep]
-                    o.finish_reason = RequestStatus.FINISHED_STOPPED.finish_reason
-                    o.stop_reason = None
-                    o.grammar_ended = True
+        ended, broken = structured.accept(outputs)
+        for cuts, status in (
+            (ended, RequestStatus.FINISHED_STOPPED),
+            (broken, RequestStatus.FINISHED_ERROR),
+        ):
+            if cuts:
+                self._finish_cut(outputs, cuts, status)
         structured.sweep()
         return outputs
+
+    def _finish_cut(
+        self, outputs: list[EngineCoreOutput], cuts: dict[str, int], status: RequestStatus
+    ) -> None:
+        """Finish the samples of `cuts` with `status`, each output keeping its first new tokens."""
+        self.scheduler.finish_requests(cuts, status, all_samples=False)
+        for o in outputs:
+            keep = cuts.get(o.request_id)
+            if keep is not None:
+                o.new_token_ids, o.new_logprobs = o.new_token_ids[:keep], o.new_logprobs[:keep]
+                o.finish_reason = status.finish_reason
+                o.stop_reason = None
+                o.grammar_ended = True
 
     def _admit_structured(self, structured: StructuredOutputs) -> list[EngineCoreOutput]:
         """Queue the requests whose grammar is compiled; those whose grammar failed end as

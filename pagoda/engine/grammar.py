@@ -9,7 +9,8 @@ its logits as a token bitmask every step it samples.
   compiled, so a slow schema stalls nobody else; then each sample has its own matcher. Before a
   step runs, `bitmasks` gives each sampling row its allowed tokens; after it, `accept` advances
   the matchers with the sampled tokens and names the samples whose grammar has ended, which the
-  engine finishes with finish_reason "stop".
+  engine finishes with finish_reason "stop", and those whose grammar refused a token (which the
+  mask should have prevented), which it finishes with "error": the client gets an error.
 
 A matcher only ever sees tokens that were sampled under its mask, so it never has to roll back:
 a preempted request keeps its output tokens. A request verifying speculative drafts gets a mask
@@ -210,12 +211,14 @@ class StructuredOutputs:
             for i, (sid, _, _) in enumerate(rows)
         }
 
-    def accept(self, outputs: Iterable[Any]) -> dict[str, int]:
-        """Advance each sample's matcher with its new tokens. The samples whose grammar has now
-        ended (or failed: logged), each with how many of its new tokens to keep: a step that
-        verified drafts may have sampled past the grammar's end (the EOS its mask then allows),
-        which the engine drops, so the output is what plain decoding gives."""
+    def accept(self, outputs: Iterable[Any]) -> tuple[dict[str, int], dict[str, int]]:
+        """Advance each sample's matcher with its new tokens. Returns the samples whose grammar
+        has now ended, then those whose grammar refused a token (logged), each with how many of
+        its new tokens to keep: a step that verified drafts may have sampled past the grammar's
+        end (the EOS its mask then allows), which the engine drops, so the output is what plain
+        decoding gives; a refused token and those after it are dropped."""
         ended: dict[str, int] = {}
+        broken: dict[str, int] = {}
         for out in outputs:
             entry = self.matchers.get(out.request_id)
             if entry is None or not out.new_token_ids or entry[1].is_stopped():
@@ -232,13 +235,13 @@ class StructuredOutputs:
                         token,
                         matcher.get_error(),
                     )
-                    ended[out.request_id] = len(tokens)
+                    broken[out.request_id] = i
                     break
                 if matcher.is_stopped():
                     if i + 1 < len(tokens) or out.finish_reason is None:
                         ended[out.request_id] = i + 1
                     break
-        return ended
+        return ended, broken
 
     def sweep(self) -> None:
         """Forget the matchers of finished samples."""

@@ -25,6 +25,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # The engine could not go on with the sample (its grammar refused a sampled token): the
+    # client gets an error, never a normal end with a cut output.
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -39,6 +42,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -65,7 +65,10 @@ async def create_chat_completion(
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    plan = tool_plan(body, state.config.enable_auto_tool_choice, state.config.tool_call_parser)
+    tokenizer = state.engine.tokenizer
+    added = tokenizer.get_added_vocab() if body.tools and tokenizer is not None else {}
+    config = state.config
+    plan = tool_plan(body, config.enable_auto_tool_choice, config.tool_call_parser, added)
     text, ids = state.engine.chat_prompt(
         conversation(body.messages),
         body.chat_template,

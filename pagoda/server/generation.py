@@ -54,14 +54,33 @@ async def add_all(
 
 
 async def collect(engine: AsyncEngine, streams: list[RequestStream]) -> list[RequestOutput]:
-    """The finished output of every stream."""
+    """The finished output of every stream; APIError 500 if a sample ended in an error."""
     outs: list[RequestOutput | None] = [None] * len(streams)
     try:
         async for i, out in merge([engine.outputs(s, delta=False) for s in streams]):
             outs[i] = out
     except EngineDeadError as e:
         raise APIError(503, f"the engine is not running: {e}") from e
-    return [o for o in outs if o is not None]
+    done = [o for o in outs if o is not None]
+    for out in done:
+        check_sample_errors(out)
+    return done
+
+
+class GenerationError(Exception):
+    """A sample the engine could not finish (finish_reason "error"), as vLLM raises it."""
+
+
+GENERATION_ERROR = (
+    "the engine could not finish the output: its grammar (structured outputs or tool_choice) "
+    "refused the token the model produced; see the server log"
+)
+
+
+def check_sample_errors(out: RequestOutput) -> None:
+    """APIError 500 where a sample of `out` finished with "error"."""
+    if any(c.finish_reason == "error" for c in out.outputs):
+        raise APIError(500, GENERATION_ERROR)
 
 
 async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

@@ -95,7 +95,7 @@ _ITL_BUCKETS = (
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0,
 )  # fmt: skip
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason values
 
 disable_created_metrics()  # no `_created` series, as in vLLM's exposition
 

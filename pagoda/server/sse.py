@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from pagoda.client.async_client import AsyncEngine, EngineDeadError, RequestStream
 from pagoda.outputs import CompletionOutput
 from pagoda.server.errors import error_body
-from pagoda.server.generation import merge, usage
+from pagoda.server.generation import GENERATION_ERROR, GenerationError, merge, usage
 from pagoda.server.protocol import Usage
 
 logger = logging.getLogger("pagoda.server")
@@ -57,6 +57,8 @@ async def sse_stream(
                 index = i * n + c.index
                 if index in done or not (c.text or c.token_ids or c.finish_reason):
                     continue
+                if c.finish_reason == "error":
+                    raise GenerationError(GENERATION_ERROR)
                 if c.finish_reason is not None:
                     done.add(index)
                 completion_tokens += len(c.token_ids)
@@ -81,8 +83,10 @@ def _stream_error(rid: str, e: Exception) -> str:
     """Log an error raised once a stream's headers are sent (the client only sees it as an SSE
     event), then the event. A dead engine is logged without a traceback: its cause is logged
     where the engine died."""
-    traceback = None if isinstance(e, EngineDeadError) else e
+    traceback = None if isinstance(e, (EngineDeadError, GenerationError)) else e
     logger.error("request %s: error in the stream: %r", rid, e, exc_info=traceback)
     if isinstance(e, EngineDeadError):
         return sse_event(error_body(503, str(e)))
+    if isinstance(e, GenerationError):
+        return sse_event(error_body(500, str(e)))
     return sse_event(error_body(500, f"internal error ({type(e).__name__})"))

@@ -14,6 +14,7 @@ as vLLM answers them.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -59,8 +60,15 @@ class ToolPlan:
         return reason
 
 
-def tool_plan(body: ChatCompletionRequest, auto_tool_choice: bool, parser: str | None) -> ToolPlan:
-    """The request's ToolPlan; APIError 400 naming the field for what vLLM refuses."""
+def tool_plan(
+    body: ChatCompletionRequest,
+    auto_tool_choice: bool,
+    parser: str | None,
+    added_tokens: Collection[str] = (),
+) -> ToolPlan:
+    """The request's ToolPlan; APIError 400 naming the field for what vLLM refuses.
+    `added_tokens`: the tokenizer's added tokens (`get_added_vocab`), which the grammar accepts
+    where their text is expected."""
     choice = body.tool_choice
     if not body.tools:
         if choice is not None and choice != "none":
@@ -93,7 +101,8 @@ def tool_plan(body: ChatCompletionRequest, auto_tool_choice: bool, parser: str |
         )
     functions = [t["function"] for t in tools]
     if choice == "required":
-        return ToolPlan(tools, "required", _grammar(functions, body.parallel_tool_calls))
+        grammar = _grammar(functions, body.parallel_tool_calls, added_tokens)
+        return ToolPlan(tools, "required", grammar)
     chosen = [f for f in functions if f["name"] == choice.function.name]
     if not chosen:
         raise APIError(
@@ -102,10 +111,12 @@ def tool_plan(body: ChatCompletionRequest, auto_tool_choice: bool, parser: str |
             f"({names})",
             "tool_choice",
         )
-    return ToolPlan(tools, "named", _grammar(chosen, parallel=False))
+    return ToolPlan(tools, "named", _grammar(chosen, False, added_tokens))
 
 
-def _grammar(functions: list[dict[str, Any]], parallel: bool) -> StructuredOutputsParams:
+def _grammar(
+    functions: list[dict[str, Any]], parallel: bool, added_tokens: Collection[str]
+) -> StructuredOutputsParams:
     """A Lark grammar of Hermes calls to `functions` (one, or several on separate lines)."""
     calls = [
         {
@@ -122,14 +133,22 @@ def _grammar(functions: list[dict[str, Any]], parallel: bool) -> StructuredOutpu
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": CALL_JSON_STYLE}
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    lark = f"{start}\ncall: {json.dumps(OPEN + chr(10))} %json {json.dumps(schema)} "
-    lark += json.dumps("\n" + CLOSE)
+    lark = f'{start}\ncall: {_literal(OPEN, added_tokens)} "\\n" %json {json.dumps(schema)} '
+    lark += f'"\\n" {_literal(CLOSE, added_tokens)}'
     error = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark))
     if error:
         raise APIError(
             400, f"tools: a function's parameters are not a usable JSON schema: {error}", "tools"
         )
     return StructuredOutputsParams(grammar=lark)
+
+
+def _literal(text: str, added_tokens: Collection[str]) -> str:
+    """The grammar's literal for `text`, or for the tokenizer's added token of that text as well
+    (Qwen2.5 writes <tool_call> as its token 151657): llguidance reads an added token as a
+    special token, which only `<name>` in a grammar matches, never the quoted text."""
+    quoted = json.dumps(text)
+    return f"({quoted} | {text})" if text in added_tokens else quoted
 
 
 def tool_calls_out(calls: list[ToolCall]) -> list[ToolCallOut]:

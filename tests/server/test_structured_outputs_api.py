@@ -11,6 +11,7 @@ import json
 import re
 from typing import Any, Literal
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -404,3 +405,32 @@ def test_auto_and_none_leave_a_text_answer_alone(smollm2_server: ServerProcess) 
         assert "<tool_call>" not in c["message"]["content"] and c["message"]["tool_calls"] == []
         assert c["finish_reason"] in ("stop", "length")
     assert plain["message"]["tool_calls"] == []
+
+
+def test_a_token_its_grammar_refuses_is_an_error_not_a_stop(
+    smollm2_server: ServerProcess,
+) -> None:
+    """The grammar asks for the text of an added token (SmolLM2's "<repo_name>", id 3):
+    llguidance's mask lets the token itself through, then refuses it. The request must not end
+    as a normal "stop" with a cut output: a 500 in OpenAI's shape, whole or streamed, and the
+    server goes on serving."""
+    body = {
+        "prompt": "Say hi:",
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "structured_outputs": {"grammar": 'start: "<repo_name>" "x"'},
+    }
+    r = smollm2_server.post("/v1/completions", body)
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["code"] == 500 and "grammar" in error["message"]
+    url, streamed_body = smollm2_server.url + "/v1/completions", {**body, "stream": True}
+    with httpx.stream("POST", url, json=streamed_body, headers=smollm2_server.headers) as events:
+        assert events.status_code == 200  # the headers went before the error was known
+        lines = [line for line in events.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    streamed = json.loads(lines[-2][len("data: ") :])
+    assert streamed["error"]["code"] == 500 and "grammar" in streamed["error"]["message"]
+    fine = {**body, "structured_outputs": {"grammar": 'start: ("<repo_name>" | <repo_name>) "x"'}}
+    r = smollm2_server.post("/v1/completions", fine)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text

@@ -129,3 +129,22 @@ def test_the_grammar_takes_calls_and_nothing_else(
     ]
     for plan, text, expected in cases:
         assert _accepts(plan, tokenizer, smollm2_tokenizer, text) is expected, (plan.mode, text)
+
+
+def test_the_grammar_names_the_added_tokens_of_its_markers() -> None:
+    """Where the tokenizer has `<tool_call>` / `</tool_call>` as added tokens (Qwen2.5), the
+    grammar takes each as the token or as its text (tests/models/test_real_gguf.py runs it)."""
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [], "tools": TOOLS, "tool_choice": "required"}
+    )
+    added = {"<tool_call>": 151657, "</tool_call>": 151658, "<|im_end|>": 151645}
+    aware = tool_plan(body, False, None, added).grammar
+    plain = tool_plan(body, False, None).grammar
+    assert aware is not None and aware.grammar is not None
+    assert plain is not None and plain.grammar is not None
+    assert '("<tool_call>" | <tool_call>)' in aware.grammar
+    assert '("</tool_call>" | </tool_call>)' in aware.grammar
+    assert "| <" not in plain.grammar
+    assert not llguidance.LLMatcher.validate_grammar(
+        llguidance.LLMatcher.grammar_from_lark(aware.grammar)
+    )
