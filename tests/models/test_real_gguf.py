@@ -4,8 +4,9 @@ tensors are Q5_0, Q8_0, Q6_K and Q4_K, and its 896-wide rows are not whole 256-b
 them are Q5_0.
 
 - Dequantized to float32 (`quantization="none"`), pagoda's greedy output equals HF transformers'
-  on the same file under the strict oracle (tests/oracle.py): 10 prompts of 64 tokens, tokens
-  exact or a true near-tie of the reference, each chosen token's log-prob within 1e-3.
+  on the same file under the strict oracle (tests/oracle.py, HF forced to pagoda's tokens): 10
+  prompts of 64 tokens, each token HF's top-1 or a true near-tie of it, each log-prob within
+  1e-3.
 - Kept quantized (the default), `LLM(model=FILE)` answers a chat with the file's own template,
   and its prompt log-probs over the suite's eval text stay close to the float32 model's; under
   tool_choice "required" it calls a tool through its `<tool_call>` token.
@@ -29,7 +30,7 @@ from pagoda.client.tool_calls import parse_tool_calls
 from pagoda.server.protocol import ChatCompletionRequest
 from pagoda.server.tools import tool_plan
 from tests.models.test_quant_quality import TEXT, compare, score
-from tests.oracle import assert_greedy_matches, hf_greedy
+from tests.oracle import TIE_GAP, assert_forced_match, hf_forced
 
 PROMPTS = [
     "def quicksort(arr):",
@@ -85,24 +86,19 @@ def _prompt_ids(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_qwen05_float_greedy_matches_hf_on_the_same_file(qwen05_path: str, float_llm: LLM) -> None:
+    """Pagoda runs free; HF scores pagoda's tokens in one forward per prompt (tests/oracle.py,
+    hf_forced and rule 6): at every step pagoda's token is HF's top-1 after the same prefix, or a
+    near tie of it, and its log-prob is within 1e-3 of HF's."""
     prompt_ids = _prompt_ids(float_llm)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
-    outs = [
-        o.outputs[0]
-        for o in float_llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
-    ]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+    outs = float_llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
     folder, name = os.path.split(qwen05_path)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = hf_greedy(hf, prompt_ids, MAX_TOKENS)
+        expected = hf_forced(hf, prompt_ids, [o.outputs[0].token_ids for o in outs])
     del hf
-    chosen = [[step[t].logprob for t, step in zip(o.token_ids, o.logprobs or [])] for o in outs]
-    assert_greedy_matches(
-        [o.token_ids for o in outs],
-        expected,
-        chosen,
-        finish_reasons=[o.finish_reason for o in outs],
-    )
+    ties = assert_forced_match(outs, expected, tie_gap=TIE_GAP, logprob_atol=1e-3)
+    assert 5 * ties <= len(PROMPTS) + len(CHATS), f"{ties} near ties: over rule 5's 1 in 5"
 
 
 @pytest.fixture(scope="module")
