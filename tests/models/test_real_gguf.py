@@ -31,6 +31,7 @@ from pagoda.server.protocol import ChatCompletionRequest
 from pagoda.server.tools import tool_plan
 from tests.models.test_quant_quality import TEXT, compare, score
 from tests.oracle import TIE_GAP, assert_forced_match, hf_forced
+from tests.server.test_structured_outputs_api import SCHEMAS, TOOLS
 
 PROMPTS = [
     "def quicksort(arr):",
@@ -50,15 +51,6 @@ CHATS = [
     ],
 ]
 MAX_TOKENS = 64
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 20},
-        "unit": {"enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
 # 24 blocks of 16 per sequence hold a prompt and its 64 tokens; 10 sequences at once.
 ENGINE_ARGS = dict(num_gpu_blocks_override=256, max_model_len=4096)
 
@@ -141,7 +133,7 @@ def test_qwen05_required_tool_call_through_its_special_token(quantized_llm: LLM)
     where the text is expected. Without the added tokens, llguidance's mask lets the token
     through and then refuses it: the sample ends with finish_reason "error" (a 500 at the
     server), never a "stop" with the content cut."""
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    tools = TOOLS[:1]  # get_weather(city, unit)
     body = ChatCompletionRequest.model_validate(
         {"messages": [], "tools": tools, "tool_choice": "required"}
     )
@@ -161,5 +153,5 @@ def test_qwen05_required_tool_call_through_its_special_token(quantized_llm: LLM)
     assert fixed.token_ids[0] == open_id and fixed.finish_reason == "stop", fixed.text
     content, [call] = parse_tool_calls(fixed.text)
     assert content is None and call.name == "get_weather"
-    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
     assert unaware.finish_reason == "error" and unaware.token_ids == []
