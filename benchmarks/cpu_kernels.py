@@ -187,7 +187,7 @@ def decode_attention(ops: Any, repeats: int) -> list[dict[str, Any]]:
 
         def kernel() -> None:
             for c in caches:
-                ops.paged_decode_attention(q, c.k, c.v, tables, lens, 0.125, 2)  # noqa: B023
+                ops.paged_decode_attention(q, c.k, c.v, tables, lens, 0.125, 0, 2)  # noqa: B023
 
         def compiled() -> None:
             for c in caches:

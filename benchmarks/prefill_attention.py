@@ -68,7 +68,7 @@ def attention_alone(lens: list[int], rounds: int) -> list[dict[str, Any]]:
                 ms = _median_ms(
                     {
                         "row_kernel": partial(
-                            ops.paged_attention, q, k, v, table, starts, seq, dim**-0.5, isa
+                            ops.paged_attention, q, k, v, table, starts, seq, dim**-0.5, 0, isa
                         ),
                         "sdpa": partial(
                             F.scaled_dot_product_attention,

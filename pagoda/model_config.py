@@ -21,6 +21,19 @@ def head_dim_of(hf_config: Any) -> int:
     return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
 
 
+def sliding_window_of(hf_config: Any, index: int) -> int | None:
+    """The attention window of layer `index` (HF's rule): `sliding_window` where `layer_types`
+    marks the layer "sliding_attention", or on every layer when the config has a window and no
+    layer types (Mistral); None: the full causal context."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if not window:
+        return None
+    if layer_types is None or layer_types[index] == "sliding_attention":
+        return int(window)
+    return None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs to know of a checkpoint, derived once from its HF config."""
@@ -48,6 +61,11 @@ class ModelConfig:
     def num_layers_per_rank(self) -> int:
         """Layers (and KV caches) this rank holds: all of them without pipeline parallelism."""
         return self.rank_layers or self.num_layers
+
+    @property
+    def sliding_window_layers(self) -> int:
+        """Layers attending a sliding window (all the others see the whole context)."""
+        return sum(sliding_window_of(self.hf_config, i) is not None for i in range(self.num_layers))
 
     @property
     def num_kv_heads(self) -> int:

@@ -5,7 +5,7 @@
   this fixture or the ones below built on it) is skipped, naming the package; under CI and in
   `make test` such a skip fails the run (tests/skip_policy.py).
 - `smollm2_hf`: HF transformers' float32 model from that GGUF, the oracle for SmolLM2 (~17 s).
-- `tiny_model_dir(arch)`: a folder with a tiny random HF model ("llama", "qwen2", "qwen3") saved as
+- `tiny_model_dir(arch)`: a folder with a tiny random HF model (TINY_ARCHS) saved as
   safetensors plus SmolLM2's tokenizer, so the tiny models run end to end on strings.
 - `tiny_weights_dir(arch)`: the same model without a tokenizer, for token-id runs
   (`skip_tokenizer_init=True`) that need no embedded model.
@@ -27,7 +27,14 @@ import torch
 # kernels are defined, so it is set before any test imports pagoda.kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from tests import skip_policy
 
@@ -47,7 +54,9 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+# The window of the tiny models with sliding-window layers: well inside PROMPT_A's 21 tokens
+TINY_SLIDING_WINDOW = 6
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -88,6 +97,27 @@ def _tiny_config(arch: str) -> Any:
     if arch == "qwen3":
         # head_dim 32 != hidden_size / num_heads: the explicit head_dim must be honored.
         return Qwen3Config(**_COMMON, num_hidden_layers=2, head_dim=32, tie_word_embeddings=True)
+    if arch == "mistral":
+        # a sliding window on every layer
+        window = TINY_SLIDING_WINDOW
+        return MistralConfig(**_COMMON, num_hidden_layers=2, sliding_window=window)
+    if arch == "gemma3":
+        # 7 layers: 5 local (window 6, rope base 10k), 1 global (base 1M, linear scaling x2),
+        # 1 local; head_dim 32 != hidden / heads and query_pre_attn_scalar != head_dim
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0},
+        }
+        common = {**_COMMON, "hidden_activation": "gelu_pytorch_tanh"}
+        return Gemma3TextConfig(
+            **common,
+            num_hidden_layers=7,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=TINY_SLIDING_WINDOW,
+            rope_parameters=rope,
+            tie_word_embeddings=True,
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; one of {TINY_ARCHS}")
 
 

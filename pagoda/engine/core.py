@@ -116,6 +116,18 @@ class EngineCore:
             self.num_blocks / blocks_per_seq,
             model_config.max_model_len,
         )
+        if model_config.sliding_window_layers:
+            # One block table serves every layer (scheduling/kv_cache_manager.py), so a local
+            # layer keeps its blocks behind the window: the sizing above counts the whole context
+            # for every layer. Freeing them needs a block table per window kind (vLLM's hybrid
+            # KV cache manager), not built.
+            logger.info(
+                "%d of %d layers attend a sliding window of %s tokens; their KV blocks behind "
+                "the window are kept (one block table for all layers) and counted above",
+                model_config.sliding_window_layers,
+                model_config.num_layers,
+                model_config.hf_config.sliding_window,
+            )
         self.runner.warm_up_kernels()
         self.runner.capture_cuda_graphs()
         self.runner.compile_decode_step()

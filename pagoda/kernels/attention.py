@@ -14,13 +14,20 @@ Decode stage 1 runs one program per (sequence, kv head, split) over all query he
 head's group, so each key tile is read once per group. Prefill runs one program per (sequence,
 BLOCK_M query rows, head) and reads pages only up to its last row's position (causal).
 
+Sliding window (`window` > 0): the query at position p attends to keys [p - window + 1, p]. Decode
+splits the pages from the one holding seq_len - window on; prefill starts at the tile holding
+its first row's window start; positions before a row's window are masked. window 0: full
+attention, the same loads and arithmetic as without a window. The window is not specialized on
+(a model's windows make no kernel variants of their own).
+
 A quantized cache (int8, float8_e4m3fn) is dequantized in the kernel exactly as `dequantize_kv`
 does: values.float() * scale, cast to the query dtype, then the dot.
 
 Softmax runs in base 2: scores are multiplied by scale * log2(e) and the running max of each
 split is kept in those units; the decode merge uses the same units.
 
-Decode, split s of S for a sequence with n pages, P = cdiv(n, S):
+Decode, split s of S for a sequence with n pages, P = cdiv(n, S) (under a window, pages
+counted from the one holding seq_len - window):
 
     pages    | 0 ... P-1 | P ... 2P-1 | ... | (S-1)P ... n-1 |   (a split past n has no pages)
     stage 1  | split 0   | split 1    | ... | split S-1      |   -> partial out, max, sum-exp
@@ -60,7 +67,7 @@ _PREFILL_BLOCK_M = 64
 _PREFILL_BLOCK_N = 64
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _decode_stage1_kernel(
     q_ptr,
     out_ptr,
@@ -75,6 +82,7 @@ def _decode_stage1_kernel(
     mid_m_ptr,  # (B, num_heads, num_splits) float32, running max (base-2 units)
     mid_l_ptr,  # (B, num_heads, num_splits) float32, sum of exp2(score - max)
     qk_scale,  # scale * log2(e)
+    window,  # sliding window (0: full attention)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -103,8 +111,12 @@ def _decode_stage1_kernel(
     num_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    pages_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE), num_splits)
-    start = split * pages_per_split * BLOCK_SIZE
+    # keys [lo, seq_len); the splits share the pages from lo's on, so split 0's first tile
+    # holds lo and every split's first tile a visible key
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    first_page = lo // BLOCK_SIZE
+    pages_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE) - first_page, num_splits)
+    start = (first_page + split * pages_per_split) * BLOCK_SIZE
     end = tl.minimum(start + pages_per_split * BLOCK_SIZE, seq_len)
 
     h = tl.arange(0, BLOCK_H)
@@ -124,7 +136,7 @@ def _decode_stage1_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
+        valid = (pos >= lo) & (pos < end)
         k = _load_kv_tile(
             k_ptr, k_scale_ptr, block_row_ptr, pos, valid, kv_head, d, d_mask,
             stride_kb, stride_ks, stride_kh, stride_sb, stride_ss, stride_sh,
@@ -206,7 +218,7 @@ def _decode_stage2_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(
     q_ptr,
     out_ptr,
@@ -219,6 +231,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     qk_scale,  # scale * log2(e)
+    window,  # sliding window (0: full attention)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -264,10 +277,13 @@ def _prefill_kernel(
 
     # Causal: the last row of this tile sees keys [0, context_len + (tile + 1) * BLOCK_M).
     end = tl.minimum(seq_len, context_len + (tile + 1) * BLOCK_M)
+    # Window: row i sees keys from row_lo[i] on; the tile's first row sees the earliest.
+    row_lo = tl.where(window > 0, q_pos - window + 1, 0)  # (BLOCK_M,)
+    lo = tl.where(window > 0, tl.maximum(context_len + tile * BLOCK_M + 1 - window, 0), 0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     sum_exp = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(lo // BLOCK_N * BLOCK_N, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         k = _load_kv_tile(
@@ -276,11 +292,15 @@ def _prefill_kernel(
             q.dtype, BLOCK_SIZE, QUANT,
         )  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        # Every row sees position 0, so each row's max is finite after the first tile.
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= row_lo[:, None])
+        s = tl.where(valid[None, :] & visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # Without a window every row sees position 0, so each row's max is finite after the
+        # first tile; a row whose window starts in a later tile has none yet: shift by 0 there
+        # (nothing accumulates: exp2(-inf) = 0).
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
         sum_exp = sum_exp * alpha + tl.sum(p, 1)
         v = _load_kv_tile(
             v_ptr, v_scale_ptr, block_row_ptr, pos, valid, kv_head, d, d_mask,
@@ -290,7 +310,8 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
-    o = acc / sum_exp[:, None]
+    # Rows past query_len (not stored) may see no key under a window: no 0 / 0 for them.
+    o = acc / tl.where(sum_exp > 0, sum_exp, 1.0)[:, None]
     tl.store(
         out_ptr + (tokens * stride_ot + head * stride_oh)[:, None] + d[None, :],
         o.to(out_ptr.dtype.element_ty),
@@ -325,8 +346,10 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int,
+    window: int = 0,
 ) -> None:
-    """Attention of one query token per sequence to its keys [0, seq_len) in the paged cache.
+    """Attention of one query token per sequence to its keys [0, seq_len) in the paged cache,
+    [seq_len - window, seq_len) under a sliding window (window > 0).
 
     q, out: (num_tokens, num_heads, head_dim), last dim contiguous, any token/head strides.
     token_idx: (B,) int64, the q/out row of each sequence; only those rows of out are written.
@@ -364,6 +387,7 @@ def paged_decode_attention(
         mid_m,
         mid_l,
         scale * _LOG2E,
+        window,
         *strides,
         block_tables.stride(0),
         BLOCK_H=max(triton.next_power_of_2(group), _MIN_DOT),
@@ -400,8 +424,10 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,
     max_query_len: int,
     scale: float,
+    window: int = 0,
 ) -> None:
-    """Causal attention of chunked prefills: each query attends to keys [0, its position].
+    """Causal attention of chunked prefills: each query attends to keys [0, its position],
+    (its position - window, its position] under a sliding window (window > 0).
 
     q, out: (num_tokens, num_heads, head_dim), last dim contiguous, any token/head strides.
     token_start: (P,) int32, first q/out row of prefill p; its query_lens[p] rows are contiguous.
@@ -428,6 +454,7 @@ def paged_prefill_attention(
         seq_lens,
         block_tables,
         scale * _LOG2E,
+        window,
         *strides,
         block_tables.stride(0),
         BLOCK_M=_PREFILL_BLOCK_M,

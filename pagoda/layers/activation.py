@@ -1,4 +1,4 @@
-"""Gated activation over a fused gate_up projection: silu(gate) * up."""
+"""Gated activations over a fused gate_up projection: silu(gate) * up, gelu_tanh(gate) * up."""
 
 from __future__ import annotations
 
@@ -21,3 +21,12 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up (Gemma's GeGLU, HF's "gelu_pytorch_tanh"): torch on every backend."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, 2 * d), gate in the first half, up in the second -> (num_tokens, d)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

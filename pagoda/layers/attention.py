@@ -6,8 +6,14 @@ request's keys [0, position] read back from the cache. Any mix of chunked prefil
 allowed in one batch (see forward_context.py for the layout). Backend `triton` (the GPU default)
 runs the kernels of pagoda/kernels/ over the same cache and metadata.
 
+Sliding window (`sliding_window=W`, Mistral / Gemma 3's local layers, as in HF transformers):
+the query at position p attends to keys [max(0, p - W + 1), p] only, its last W positions, in
+every backend; None (or 0): the full causal attention above. The cache still holds every
+position (the window is a mask over the reads).
+
 Under prefill context parallelism (metadata.context_parallel set) a rank's cache holds every
-N-th position of each request, and layers/context_parallel.py attends across the ranks.
+N-th position of each request, and layers/context_parallel.py attends across the ranks (full
+attention only: a sliding-window layer raises there).
 
 A quantized cache (`--kv-cache-dtype int8|fp8`) is quantized here on write and dequantized here
 on read, to the query dtype, before attention: nothing else reads the cache's values.
@@ -37,15 +43,26 @@ class Attention(nn.Module):
     cpu_kernel = False  # torch backend on CPU with pagoda's C++ kernels built; set likewise
 
     def __init__(
-        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        layer_idx: int,
+        *,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0
+        if sliding_window is not None and sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0 or None: full), got {sliding_window}")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.layer_idx = layer_idx
+        # keys [p - W + 1, p] for the query at position p; None: full causal attention
+        self.sliding_window = sliding_window or None
 
     def forward(
         self,
@@ -70,7 +87,14 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        window = self.sliding_window or 0
         if meta.context_parallel is not None:
+            if window:
+                raise ValueError(
+                    "sliding-window attention is not supported with prefill context parallelism "
+                    f"(layer {self.layer_idx}: sliding_window={window}); run without "
+                    "--prefill-context-parallel-size"
+                )
             out = context_parallel_attention(
                 q,
                 k,
@@ -82,11 +106,13 @@ class Attention(nn.Module):
                 self.scale,
             )
         elif self.backend == "triton":
-            out = paged_attention_triton(q, k, v, cache, meta, self.scale, rotary, qk_norm)
+            out = paged_attention_triton(
+                q, k, v, cache, meta, self.scale, rotary, qk_norm, window=window
+            )
         else:
             write_kv_cache(k, v, cache, meta.slot_mapping)
             if not (self.cpu_kernel and cache.k.dtype == torch.float32):
-                out = paged_attention_torch(q, cache, meta, self.scale)
+                out = paged_attention_torch(q, cache, meta, self.scale, window)
             elif meta.num_decodes == num_tokens:
                 out = torch.ops.pagoda_cpu.paged_decode_attention(
                     q,
@@ -95,6 +121,7 @@ class Attention(nn.Module):
                     meta.decode_block_tables,
                     meta.decode_seq_lens,
                     self.scale,
+                    window,
                     2,
                 )
             else:  # the same per-row reduction over prefill chunks and decodes alike
@@ -106,15 +133,21 @@ class Attention(nn.Module):
                     meta.query_start_loc,
                     meta.req_seq_lens,
                     self.scale,
+                    window,
                     2,
                 )
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
 
 def paged_attention_torch(
-    q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Reference paged attention. q: (num_tokens, num_heads, head_dim) -> same shape.
+    """Reference paged attention. q: (num_tokens, num_heads, head_dim) -> same shape; window:
+    the sliding window (keys [p - window + 1, p] for position p), None or 0 for full attention.
     Traced by torch.compile (compiled CPU decode steps), decode rows take
     decode_attention_reductions instead of SDPA."""
     gqa = q.shape[1] != cache.k.shape[2]
@@ -124,36 +157,59 @@ def paged_attention_torch(
         qd = q if pure_decode else q.index_select(0, meta.decode_token_idx)
         if torch.compiler.is_compiling():
             od = decode_attention_reductions(
-                qd, cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+                qd, cache, meta.decode_block_tables, meta.decode_seq_lens, scale, window
             )
         else:
-            od = _decode_attention_sdpa(qd, cache, meta, scale, gqa)
+            od = _decode_attention_sdpa(qd, cache, meta, scale, gqa, window)
         if pure_decode:
             return od
         out.index_copy_(0, meta.decode_token_idx, od)
-    return _prefill_attention_torch(q, out, cache, meta, scale, gqa)
+    return _prefill_attention_torch(q, out, cache, meta, scale, gqa, window)
 
 
 def _decode_attention_sdpa(
-    qd: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float, gqa: bool
+    qd: torch.Tensor,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    gqa: bool,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The decode rows qd (num_decodes, H, D) -> (num_decodes, H, D), by SDPA over the
-    gathered keys and values with an additive mask (built once a step, kept on meta)."""
+    gathered keys and values with an additive mask (built once a step per window, kept on
+    meta)."""
     kd, vd = read_kv(cache, meta.decode_block_tables, qd.dtype)  # (B, L, Hkv, D)
-    if meta.decode_mask is None:
-        key_pos = torch.arange(kd.shape[1], device=qd.device)
-        valid = key_pos.unsqueeze(0) < meta.decode_seq_lens.unsqueeze(1)  # (B, L)
-        # additive (0 / -inf) in q's dtype: SDPA would convert a bool mask in every layer
-        additive = torch.zeros(valid.shape, dtype=qd.dtype, device=qd.device)
-        meta.decode_mask = additive.masked_fill_(~valid, float("-inf"))[:, None, None, :]
+    if not window:
+        if meta.decode_mask is None:
+            meta.decode_mask = _decode_mask(meta.decode_seq_lens, kd.shape[1], qd.dtype, None)
+        mask = meta.decode_mask
+    elif window in meta.decode_window_masks:
+        mask = meta.decode_window_masks[window]
+    else:
+        mask = _decode_mask(meta.decode_seq_lens, kd.shape[1], qd.dtype, window)
+        meta.decode_window_masks[window] = mask
     return F.scaled_dot_product_attention(
         qd.unsqueeze(2),  # (B, H, 1, D)
         kd.transpose(1, 2),  # (B, Hkv, L, D)
         vd.transpose(1, 2),
-        attn_mask=meta.decode_mask,
+        attn_mask=mask,
         scale=scale,
         enable_gqa=gqa,
     ).squeeze(2)
+
+
+def _decode_mask(
+    seq_lens: torch.Tensor, num_keys: int, dtype: torch.dtype, window: int | None
+) -> torch.Tensor:
+    """(B, 1, 1, num_keys) additive mask of decode rows of lengths seq_lens (B,): 0 on keys
+    [seq_len - window, seq_len) ([0, seq_len) without a window), -inf elsewhere."""
+    key_pos = torch.arange(num_keys, device=seq_lens.device)
+    valid = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)  # (B, L)
+    if window:
+        valid &= key_pos.unsqueeze(0) >= (seq_lens - window).unsqueeze(1)
+    # additive (0 / -inf) in q's dtype: SDPA would convert a bool mask in every layer
+    additive = torch.zeros(valid.shape, dtype=dtype, device=seq_lens.device)
+    return additive.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
 
 def _prefill_attention_torch(
@@ -163,6 +219,7 @@ def _prefill_attention_torch(
     meta: AttentionMetadata,
     scale: float,
     gqa: bool,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The prefill rows of paged_attention_torch, written into out (num_tokens, H, D)."""
     block_size = cache.k.shape[1]
@@ -174,7 +231,15 @@ def _prefill_attention_torch(
         qp = q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0)
         kp, vp = read_kv(cache, block_ids, q.dtype, p.seq_len)  # (seq_len, Hkv, D)
         mask: torch.Tensor | None = None
-        if q_len != p.seq_len:  # chunk after cached context: query i sees keys [0, its position]
+        if window and window < p.seq_len:  # the last row's window starts past position 0
+            # keys from the first row's window start on; query i sees (its position - window,
+            # its position]
+            first = max(0, p.seq_len - q_len + 1 - window)
+            kp, vp = kp[first:], vp[first:]
+            q_pos = torch.arange(p.seq_len - q_len, p.seq_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(first, p.seq_len, device=q.device).unsqueeze(0)
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        elif q_len != p.seq_len:  # chunk after cached context: query i sees keys [0, its position]
             q_pos = torch.arange(p.seq_len - q_len, p.seq_len, device=q.device).unsqueeze(1)
             mask = torch.arange(p.seq_len, device=q.device).unsqueeze(0) <= q_pos
         op = F.scaled_dot_product_attention(
@@ -196,6 +261,7 @@ def decode_attention_reductions(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Decode attention as elementwise products and sums, for torch.compile: inductor fuses
     the block gather (and dequantization) into the reductions and never materializes the
@@ -203,6 +269,7 @@ def decode_attention_reductions(
     paged_attention_torch is the reference it is tested against.
 
     q: (B, H, D); block_tables (B, max_blocks); seq_lens (B,) -> (B, H, D) in q's dtype.
+    window: keys [seq_len - window, seq_len) only; None or 0: [0, seq_len).
     """
     batch, num_heads, head_dim = q.shape
     k, v = read_kv(cache, block_tables, torch.float32)  # (B, L, Hkv, D)
@@ -212,6 +279,8 @@ def decode_attention_reductions(
     scores = (qg * k.permute(0, 2, 1, 3).unsqueeze(2)).sum(-1) * scale  # (B, Hkv, g, L)
     key_pos = torch.arange(k.shape[1], device=q.device)
     valid = key_pos.unsqueeze(0) < seq_lens.unsqueeze(1)  # (B, L)
+    if window:
+        valid = valid & (key_pos.unsqueeze(0) >= (seq_lens - window).unsqueeze(1))
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = (probs.unsqueeze(-1) * v.permute(0, 2, 1, 3).unsqueeze(2)).sum(-2)  # (B, Hkv, g, D)
@@ -227,10 +296,12 @@ def paged_attention_triton(
     scale: float,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """The triton backend: write k/v by slot (padding slots skipped), normalizing (qk_norm) and
     rotating (rotary: cos, sin) q and k on the way when given, then one decode call (split-K)
-    and one prefill call. Launches only; no host sync, so CUDA graphs capture it."""
+    and one prefill call, each over the sliding `window` (0: full attention). Launches only; no
+    host sync, so CUDA graphs capture it."""
     from pagoda.kernels import attention as kernels
     from pagoda.kernels.kv_cache import write_kv_cache as write_kv_cache_triton
     from pagoda.kernels.rotary_kv_cache import rotary_write_kv_cache
@@ -251,6 +322,7 @@ def paged_attention_triton(
             meta.decode_seq_lens,
             scale,
             meta.decode_num_splits,
+            window,
         )
     if meta.prefills:
         kernels.paged_prefill_attention(
@@ -263,5 +335,6 @@ def paged_attention_triton(
             meta.prefill_block_tables,
             meta.max_prefill_query_len,
             scale,
+            window,
         )
     return out

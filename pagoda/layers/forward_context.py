@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,6 +76,8 @@ class AttentionMetadata:
     # (num_decodes, 1, 1, max_blocks * block_size) additive mask (0 = attend, -inf = not):
     # built by the torch backend's first layer of a step and reused by the others.
     decode_mask: torch.Tensor | None = None
+    # The same for sliding-window layers, one per window (key: the window).
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     # Prefill context parallelism (layers/context_parallel.py): this rank's rows and KV slots;
     # the model then runs on those rows only. None: one rank computes every row.
     context_parallel: ContextParallelMetadata | None = None

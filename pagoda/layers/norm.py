@@ -20,6 +20,9 @@ class RMSNorm(nn.Module):
     # torch backend on CPU with pagoda's C++ kernels built (set likewise): float32 rows run
     # pagoda_cpu.rms_norm / add_rms_norm, which compiled decode steps call too
     cpu_kernel = False
+    # Gemma's norms scale by (1 + w): 1.0 there. The parameter holds the factor itself
+    # (checkpoint value + offset, `from_checkpoint`), so every backend runs the same norm.
+    weight_offset = 0.0
 
     def __init__(
         self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None
@@ -27,6 +30,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def from_checkpoint(self, weight: torch.Tensor) -> torch.Tensor:
+        """The parameter's value for checkpoint tensor `weight` (HF's value)."""
+        return weight + self.weight_offset if self.weight_offset else weight
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # x: (..., hidden_size)

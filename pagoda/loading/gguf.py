@@ -13,27 +13,9 @@ from tqdm import tqdm
 
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.loading.gguf_index import read_gguf_index
+from pagoda.models import gguf_family
+from pagoda.models.family import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, GGUF_SKIPPED, ModelFamily
 
-_GGUF_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Derived from the config instead (llama3 rope factors).
-_GGUF_SKIPPED = {"rope_freqs"}
 # The types of the common GGUF files. Those without a group decoding (layers.gguf.decode) are
 # dequantized by the gguf package and, in a quantized layer, re-quantized to int8 rows.
 _GGUF_TYPES = (
@@ -43,16 +25,18 @@ _GGUF_TYPES = (
 _GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
-    """HF parameter name of a GGUF tensor; None for tensors the models derive themselves."""
+def gguf_to_hf_name(gguf_name: str, family: ModelFamily | None = None) -> str | None:
+    """HF parameter name of a GGUF tensor (in `family`'s layout; Llama's when None); None for
+    tensors the models derive themselves."""
     base, _, suffix = gguf_name.rpartition(".")
-    if base in _GGUF_SKIPPED:
+    if base in GGUF_SKIPPED:
         return None
-    if base in _GGUF_GLOBAL_NAMES:
-        return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}"
+    if base in GGUF_GLOBAL_NAMES:
+        return f"{GGUF_GLOBAL_NAMES[base]}.{suffix}"
+    layer_names = GGUF_LAYER_NAMES if family is None else family.layer_names()
     parts = base.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} is not supported by pagoda's models")
 
 
@@ -79,10 +63,13 @@ def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWe
     index = read_gguf_index(path)
     fields: dict[str, Any] = index.fields
     arch = fields.get("general.architecture")
+    family = gguf_family(str(arch))
+    if family is None:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported by pagoda's models")
     n_head: Any = fields.get(f"{arch}.attention.head_count")
     n_kv_head: Any = fields.get(f"{arch}.attention.head_count_kv") or n_head
     for tensor in tqdm(index.tensors, desc="Loading GGUF", unit="tensor"):
-        name = gguf_to_hf_name(tensor.name)
+        name = gguf_to_hf_name(tensor.name, family)
         if name is None:
             continue
         qtype = tensor.tensor_type.name
@@ -91,10 +78,9 @@ def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWe
                 f"GGUF tensor {tensor.name!r} has type {qtype}; supported: {', '.join(_GGUF_TYPES)}"
             )
         heads = None
-        # llama.cpp permutes q/k rows (weights and biases) only for its "llama" architecture.
-        if arch == "llama" and ".attn_q." in tensor.name:
+        if family.gguf_permute_qk and ".attn_q." in tensor.name:
             heads = int(n_head)
-        elif arch == "llama" and ".attn_k." in tensor.name:
+        elif family.gguf_permute_qk and ".attn_k." in tensor.name:
             heads = int(n_kv_head)
         if raw and qtype not in _GGUF_FLOAT_TYPES:
             rows = int(np.prod(tensor.shape[1:]))
@@ -107,4 +93,6 @@ def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWe
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, copy=True)  # a view of the read-only memory map
         dense = torch.from_numpy(array.astype(np.float32, copy=False))
+        if family.gguf_norm_shift and name.endswith("norm.weight"):
+            dense = dense - family.gguf_norm_shift
         yield name, dense if heads is None else unpermute_qk(dense, heads)

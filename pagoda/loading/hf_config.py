@@ -1,6 +1,6 @@
 """The config of a checkpoint (an HF folder's config.json through transformers, or derived from a
 GGUF file's metadata once and cached, see pagoda/loading/model_files.py) and what is read from
-it: the architecture names and the longest sequence it supports."""
+it: the longest sequence it supports (the architecture names: models/__init__.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from pagoda.loading.model_files import gguf_cache_dir, save_to_cache
-
-# GGUF configs carry no `architectures`; their model_type picks the class.
-_ARCH_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 
 class GGUFConfig(SimpleNamespace):
@@ -53,20 +45,7 @@ def _write(path: str, text: str) -> None:
         f.write(text)
 
 
-def architecture_of(hf_config: Any) -> list[str]:
-    """The checkpoint's HF architecture names (GGUF configs: derived from model_type)."""
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    if not architectures and hf_config.model_type in _ARCH_BY_MODEL_TYPE:
-        architectures = [_ARCH_BY_MODEL_TYPE[hf_config.model_type]]
-    return architectures or [f"<model_type {hf_config.model_type}>"]
-
-
 def max_positions(hf_config: Any) -> int:
-    """Longest sequence the checkpoint supports exactly: max_position_embeddings, or the
-    sliding window where one applies (pagoda attends to the full context)."""
-    limit = int(hf_config.max_position_embeddings)
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None)
-    if window and (layer_types is None or "sliding_attention" in layer_types):
-        limit = min(limit, int(window))
-    return limit
+    """Longest sequence the checkpoint supports: max_position_embeddings (a sliding window
+    limits what a layer attends to, not the sequence: layers/attention.py)."""
+    return int(hf_config.max_position_embeddings)

@@ -25,12 +25,12 @@ from pagoda.layers.parallel import SINGLE, WHOLE_MODEL, PipelineStage, TensorPar
 from pagoda.layers.quant import QUANTIZED_EMBEDDING_METHODS, make_method
 from pagoda.layers.quant_forms import stored_bytes
 from pagoda.loading.gguf import iter_gguf
-from pagoda.loading.hf_config import architecture_of, load_hf_config, max_positions
+from pagoda.loading.hf_config import load_hf_config, max_positions
 from pagoda.loading.model_files import resolve_model
 from pagoda.loading.safetensors import iter_safetensors
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
-from pagoda.models import MODEL_REGISTRY, get_model_class
+from pagoda.models import MODEL_REGISTRY, architectures_of, get_model_class
 from pagoda.models.interface import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def load_model(
     tokenizer = None
     if load_tokenizer and not config.skip_tokenizer_init:
         tokenizer = load_tokenizer_for(config)
-    architectures = architecture_of(hf_config)
+    architectures = architectures_of(hf_config)
     model_cls = get_model_class(architectures)
     architecture = next(a for a in architectures if a in MODEL_REGISTRY)
     max_model_len = _max_model_len(config, hf_config)
@@ -98,17 +98,12 @@ def load_model(
         quantization=quantization,
         weight_bytes=weight_bytes,
         tensor_parallel_size=tp.size,
-        rank_kv_heads=_rank_kv_heads(model),
+        rank_kv_heads=model.rank_kv_heads(),
         pipeline_parallel_size=pp.size,
-        rank_layers=model.model.end_layer - model.model.start_layer,
+        rank_layers=model.num_held_layers(),
         prefill_context_parallel_size=config.prefill_context_parallel_size,
     )
     return model, model_config, tokenizer
-
-
-def _rank_kv_heads(model: Any) -> int:
-    """The kv heads this rank's attention layers hold (its share under tensor parallelism)."""
-    return int(model.model.layers[model.model.start_layer].self_attn.num_kv_heads)
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
@@ -155,9 +150,8 @@ def _load_weights(
         model.finalize_weights()
     if quantization in QUANTIZED_EMBEDDING_METHODS:
         # a few large operators: every thread helps
-        for vocab in (model.model.embed_tokens, model.lm_head):  # None off their stage
-            if vocab is not None:
-                vocab.quantize_int8()
+        for vocab in model.vocab_layers():
+            vocab.quantize_int8()
 
 
 @contextlib.contextmanager

@@ -1,19 +1,29 @@
-"""Model registry: HF architecture name (config.architectures) -> pagoda model class."""
+"""The registry: every model family pagoda runs, one line each (its ModelFamily table, which
+names its HF architectures and GGUF names, and its class). docs/adding-a-model.md walks through
+adding one."""
 
 from __future__ import annotations
 
-from pagoda.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
-from pagoda.models.qwen3 import Qwen3ForCausalLM
+from typing import Any
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+from pagoda.models import gemma3, llama, mistral, qwen3
+from pagoda.models.base import DecoderForCausalLM
+from pagoda.models.family import ModelFamily
+
+FAMILIES: tuple[tuple[ModelFamily, type[DecoderForCausalLM]], ...] = (
+    (llama.FAMILY, llama.LlamaForCausalLM),
+    (mistral.FAMILY, mistral.MistralForCausalLM),
+    (llama.QWEN2_FAMILY, llama.Qwen2ForCausalLM),
+    (qwen3.FAMILY, qwen3.Qwen3ForCausalLM),
+    (gemma3.FAMILY, gemma3.Gemma3ForCausalLM),
+)
+
+MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
+    arch: cls for family, cls in FAMILIES for arch in family.architectures
 }
 
 
-def get_model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
+def get_model_class(architectures: list[str]) -> type[DecoderForCausalLM]:
     """The class of the first supported architecture in a checkpoint's `architectures`."""
     for arch in architectures:
         if arch in MODEL_REGISTRY:
@@ -22,3 +32,19 @@ def get_model_class(architectures: list[str]) -> type[LlamaForCausalLM]:
         f"model architecture {architectures} is not supported; "
         f"supported architectures: {', '.join(MODEL_REGISTRY)}"
     )
+
+
+def architectures_of(hf_config: Any) -> list[str]:
+    """The checkpoint's HF architecture names; a config without them (one read from a GGUF
+    file) names its family by model_type."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not architectures:
+        for family, _ in FAMILIES:
+            if hf_config.model_type in family.model_types:
+                return [family.architectures[0]]
+    return architectures or [f"<model_type {hf_config.model_type}>"]
+
+
+def gguf_family(gguf_arch: str) -> ModelFamily | None:
+    """The family of GGUF files whose general.architecture is `gguf_arch` (None: unknown)."""
+    return next((f for f, _ in FAMILIES if gguf_arch in f.gguf_archs), None)

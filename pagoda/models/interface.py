@@ -1,5 +1,6 @@
-"""The model interface the runner and the loader use: any registered architecture provides it
-(models/__init__.py maps HF architecture names to classes), so neither names a model class."""
+"""The model interface the runner and the loader use: every registered family provides it
+(models/__init__.py, the registry; models/base.py, DecoderForCausalLM, implements it), so
+neither names a model class nor reaches into a model's modules."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class CausalLM(Protocol):
     ) -> torch.Tensor:
         """(num_tokens,) ids and positions -> (num_tokens, hidden_size), inside forward_context.
         Under pipeline parallelism a stage after the first takes the previous stage's `stream`,
-        and a stage before the last returns its own (models/llama.py, LlamaModel.forward)."""
+        and a stage before the last returns its own (models/base.py, DecoderModel.forward)."""
         ...
 
     def compute_logits(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
@@ -42,6 +43,18 @@ class CausalLM(Protocol):
         ...
 
     def set_kernel_backend(self, backend: str) -> None: ...
+
+    def num_held_layers(self) -> int:
+        """Decoder layers (and KV caches) this pipeline stage holds."""
+        ...
+
+    def rank_kv_heads(self) -> int:
+        """KV heads in each of this rank's caches (its share under tensor parallelism)."""
+        ...
+
+    def vocab_layers(self) -> list[Any]:
+        """The embedding and LM head this stage holds (quantize_int8 for weight-quantized runs)."""
+        ...
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Route HF-named tensors to their layers; returns what was written."""

@@ -9,16 +9,28 @@ import torch
 
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.parallel import SINGLE, TensorParallel
+from pagoda.models.family import ModelFamily
 from pagoda.models.llama import LlamaAttention, LlamaForCausalLM
+
+FAMILY = ModelFamily(
+    architectures=("Qwen3ForCausalLM",), model_types=("qwen3",), gguf_archs=("qwen3",)
+)
 
 
 class Qwen3Attention(LlamaAttention):
+    norm_cls = RMSNorm  # of q and k per head
+
     def __init__(
-        self, config: Any, layer_idx: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
+        self,
+        config: Any,
+        layer_idx: int,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+        index: int | None = None,
     ) -> None:
-        super().__init__(config, layer_idx, dtype, tp)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        super().__init__(config, layer_idx, dtype, tp, index)
+        self.q_norm = self.norm_cls(self.head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = self.norm_cls(self.head_dim, config.rms_norm_eps, dtype)
 
     def qk_transform(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens = q.shape[0]

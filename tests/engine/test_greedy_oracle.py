@@ -4,9 +4,14 @@ tests/oracle.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagoda import LLM, SamplingParams
-from tests.oracle import assert_outputs_match, hf_greedy
+from tests.oracle import assert_greedy_matches, assert_outputs_match, hf_greedy, hf_logits
+
+# float32 through the C++ kernels against HF's SDPA: the same tolerance as the models' logits
+# tests (tests/models/test_models.py, TINY_ATOL), on log-probabilities
+LOGPROB_ATOL = 1e-4
 
 PROMPTS = [
     "The capital of France is",
@@ -46,7 +51,7 @@ def test_smollm2_greedy_matches_hf(smollm2_llm: LLM, smollm2_hf) -> None:
     assert_outputs_match(outs + chat_outs, expected + expected[len(PROMPTS) :])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_tiny_models_greedy_match_hf(arch: str, tiny_model_dir, tiny_hf_model) -> None:
     path = tiny_model_dir(arch)
     llm = LLM(path, quantization="none", num_gpu_blocks_override=256, max_num_batched_tokens=64)
@@ -54,3 +59,33 @@ def test_tiny_models_greedy_match_hf(arch: str, tiny_model_dir, tiny_hf_model) -
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], _greedy(24))
     expected = hf_greedy(tiny_hf_model(arch), prompt_ids, 24)
     assert_outputs_match(outs, expected)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_sliding_window_models_logprobs_match_hf(arch: str, tiny_model_dir, tiny_hf_model) -> None:
+    """The sliding-window families (window 6, conftest.py) through the whole engine on the
+    C++ kernels: prompts of 3 to 30 tokens prefilled in chunks of at most 16 tokens beside
+    other requests' decodes, then 24 decoded tokens; tokens, their log-probs and every prompt
+    token's log-prob against HF."""
+    path = tiny_model_dir(arch)
+    llm = LLM(path, quantization="none", num_gpu_blocks_override=256, max_num_batched_tokens=16)
+    prompt_ids = [[(11 * i + 5 * j) % 1000 + 7 for j in range(3 + 9 * i)] for i in range(4)]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0, prompt_logprobs=0
+    )
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+    hf_model = tiny_hf_model(arch)
+    completions = [out.outputs[0] for out in outs]
+    assert_greedy_matches(
+        [c.token_ids for c in completions],
+        hf_greedy(hf_model, prompt_ids, 24),
+        [[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)] for c in completions],
+        finish_reasons=[c.finish_reason for c in completions],
+        logprob_atol=LOGPROB_ATOL,
+    )
+    for ids, out in zip(prompt_ids, outs):
+        expected = torch.log_softmax(hf_logits(hf_model, ids), dim=-1)
+        assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+        got = [out.prompt_logprobs[pos][token].logprob for pos, token in enumerate(ids) if pos]
+        want = [float(expected[pos - 1, token]) for pos, token in enumerate(ids) if pos]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=LOGPROB_ATOL)

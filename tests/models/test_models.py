@@ -2,7 +2,10 @@
 through the paged KV cache, and a flat batch of two sequences; plus loader and registry errors.
 
 The tiny random models (conftest.py) cover Llama (llama3 rope, sharded safetensors, untied head),
-Qwen2 (q/k/v bias, tied) and Qwen3 (q/k norm, explicit head_dim); SmolLM2 comes from its GGUF.
+Qwen2 (q/k/v bias, tied), Qwen3 (q/k norm, explicit head_dim), Mistral (a sliding window on
+every layer) and Gemma 3 (local and global layers, their own rope, (1 + w) norms, GeGLU, scaled
+embedding); the window (6) is well inside the prompts, so chunks and decodes cross it. SmolLM2
+comes from its GGUF.
 """
 
 from __future__ import annotations
@@ -22,15 +25,15 @@ from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.rotary import compute_inv_freq, get_rope, rope_parameters
 from pagoda.loading.gguf import gguf_to_hf_name, unpermute_qk
-from pagoda.loading.hf_config import load_hf_config, max_positions
+from pagoda.loading.hf_config import GGUFConfig, load_hf_config, max_positions
 from pagoda.loading.loader import iter_weights, load_model
 from pagoda.loading.model_files import resolve_model
-from pagoda.models import get_model_class
+from pagoda.models import FAMILIES, MODEL_REGISTRY, architectures_of, get_model_class, gguf_family
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.runner.step_inputs import build_attention_metadata
 from tests.oracle import assert_greedy_matches, assert_logits_close, hf_greedy, hf_logits
 
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
 BLOCK_SIZE = 4
 TINY_ATOL = 1e-4
 SMOLLM2_ATOL = 5e-4
@@ -279,6 +282,19 @@ def test_gguf_tensor_names() -> None:
     assert gguf_to_hf_name("rope_freqs.weight") is None
     with pytest.raises(ValueError, match="not supported"):
         gguf_to_hf_name("blk.0.ffn_gate_exps.weight")
+    # Gemma 3's table: four norms per layer, `ffn_norm` the one before the MLP
+    gemma = gguf_family("gemma3")
+    assert gemma is not None and gemma.gguf_norm_shift == 1.0 and not gemma.gguf_permute_qk
+    for gguf, hf in (
+        ("attn_norm", "input_layernorm"),
+        ("post_attention_norm", "post_attention_layernorm"),
+        ("ffn_norm", "pre_feedforward_layernorm"),
+        ("post_ffw_norm", "post_feedforward_layernorm"),
+        ("attn_q_norm", "self_attn.q_norm"),
+    ):
+        assert gguf_to_hf_name(f"blk.5.{gguf}.weight", gemma) == f"model.layers.5.{hf}.weight"
+    assert gguf_family("llama") is not None and gguf_family("llama").gguf_permute_qk
+    assert gguf_family("phi9") is None
 
 
 def test_gguf_config_cache_equals_fresh_config(smollm2_path: str, smollm2_hf: Any) -> None:
@@ -357,8 +373,20 @@ def test_unsupported_rope_type_raises() -> None:
 
 def test_registry_lists_supported_architectures() -> None:
     assert get_model_class(["Qwen3ForCausalLM"]).__name__ == "Qwen3ForCausalLM"
+    assert get_model_class(["Gemma3ForCausalLM"]).__name__ == "Gemma3ForCausalLM"
     with pytest.raises(ValueError, match="supported architectures: LlamaForCausalLM, Mistral"):
         get_model_class(["GPT2LMHeadModel"])
+    # every architecture name is in exactly one family's table
+    names = [a for family, _ in FAMILIES for a in family.architectures]
+    assert len(names) == len(set(names)) == len(MODEL_REGISTRY)
+
+
+def test_gguf_configs_name_their_family_by_model_type() -> None:
+    # a config read from a GGUF file carries no `architectures`
+    assert architectures_of(GGUFConfig(model_type="gemma3_text")) == ["Gemma3ForCausalLM"]
+    assert architectures_of(GGUFConfig(model_type="qwen2")) == ["Qwen2ForCausalLM"]
+    assert architectures_of(GGUFConfig(model_type="phi3")) == ["<model_type phi3>"]
+    assert architectures_of(Qwen2Config()) == ["Qwen2ForCausalLM"]
 
 
 def test_resolve_model(tmp_path: Any, smollm2_path: str, tiny_model_dir: Any) -> None:
@@ -508,8 +536,8 @@ def test_gguf_reader_gives_back_hf_tensors(
         assert "model.layers.1.self_attn.v_proj.bias" in got
 
 
-def test_max_positions_honors_sliding_window() -> None:
-    assert max_positions(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 4096
-    assert max_positions(MistralConfig(max_position_embeddings=32768, sliding_window=None)) == 32768
+def test_max_positions_is_the_checkpoints_not_its_window() -> None:
+    # a sliding window bounds what a layer attends to, not how long a sequence may be
+    assert max_positions(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 32768
     qwen2 = Qwen2Config(max_position_embeddings=32768, use_sliding_window=False)
     assert max_positions(qwen2) == 32768

@@ -7,6 +7,8 @@ them are Q5_0.
   on the same file under the strict oracle (tests/oracle.py, HF forced to pagoda's tokens): 10
   prompts of 64 tokens, each token HF's top-1 or a true near-tie of it, each log-prob within
   1e-3.
+Gemma-3-270M: test_real_gguf_gemma3.py (its own file, so that the suite's workers run the two
+side by side).
 - Kept quantized (the default), `LLM(model=FILE)` answers a chat with the file's own template,
   and its prompt log-probs over the suite's eval text stay close to the float32 model's; under
   tool_choice "required" it calls a tool through its `<tool_call>` token.

@@ -368,7 +368,7 @@ def test_paged_decode_attention_matches_the_reference(
     assert OPS is not None
     q, cache, tables, seq_lens = _decode_case(lens, heads, kv_heads, dim, block_size, len(lens))
     scale = dim**-0.5
-    out = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, scale, isa)
+    out = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, scale, 0, isa)
     expected = _reference(q, cache, tables, seq_lens, scale)
     assert out.shape == q.shape and out.dtype == torch.float32
     # float32 sums of a few hundred terms, a polynomial exp within 2e-7
@@ -378,7 +378,7 @@ def test_paged_decode_attention_matches_the_reference(
 def test_paged_decode_attention_gives_padding_rows_zeros() -> None:
     assert OPS is not None
     q, cache, tables, seq_lens = _decode_case([0, 40], 4, 2, 32, 16, 0)
-    out = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, 0.2, 2)
+    out = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, 0.2, 0, 2)
     assert out[0].eq(0).all()
     torch.testing.assert_close(out[1:], _reference(q[1:], cache, tables[1:], seq_lens[1:], 0.2))
 
@@ -391,8 +391,8 @@ def test_paged_decode_attention_reads_a_view_of_a_wider_table() -> None:
     wide[:, : tables.shape[1]] = tables
     view = wide[:, : tables.shape[1]]
     assert not view.is_contiguous()
-    out = OPS.paged_decode_attention(q, cache.k, cache.v, view, seq_lens, 0.125, 2)
-    expected = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, 0.125, 2)
+    out = OPS.paged_decode_attention(q, cache.k, cache.v, view, seq_lens, 0.125, 0, 2)
+    expected = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, 0.125, 0, 2)
     assert torch.equal(out, expected)
 
 
@@ -406,11 +406,11 @@ def test_paged_decode_attention_gives_a_request_the_same_bits_in_any_batch(
     assert OPS is not None
     lens = [190, 194, 258, 33, 1]
     q, cache, tables, seq_lens = _decode_case(lens, 9, 3, 64, 16, 3)
-    together = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, 0.125, isa)
+    together = OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, 0.125, 0, isa)
     for b in range(len(lens)):
         one = slice(b, b + 1)
         alone = OPS.paged_decode_attention(
-            q[one], cache.k, cache.v, tables[one], seq_lens[one], 0.125, isa
+            q[one], cache.k, cache.v, tables[one], seq_lens[one], 0.125, 0, isa
         )
         assert torch.equal(together[one], alone), b
 
@@ -432,11 +432,11 @@ def test_paged_decode_attention_reads_a_requests_verification_rows_once(
     table = tables.repeat(rows, 1)
     table[0, 11:] = (table[0, 11] + 1) % cache.k.shape[0]
     queries = torch.randn(rows, 9, 64, generator=torch.Generator().manual_seed(5))
-    together = OPS.paged_decode_attention(queries, cache.k, cache.v, table, lens, 0.125, isa)
+    together = OPS.paged_decode_attention(queries, cache.k, cache.v, table, lens, 0.125, 0, isa)
     for b in range(rows):
         one = slice(b, b + 1)
         alone = OPS.paged_decode_attention(
-            queries[one], cache.k, cache.v, table[one], lens[one], 0.125, isa
+            queries[one], cache.k, cache.v, table[one], lens[one], 0.125, 0, isa
         )
         assert torch.equal(together[one], alone), b
     expected = _reference(queries, cache, table, lens, 0.125)
@@ -447,13 +447,13 @@ def test_paged_decode_attention_refuses_what_it_cannot_take() -> None:
     assert OPS is not None
     q, cache, tables, seq_lens = _decode_case([20], 4, 2, 32, 16, 0)
     with pytest.raises(RuntimeError, match="float32"):
-        OPS.paged_decode_attention(q, cache.k.half(), cache.v.half(), tables, seq_lens, 0.2, 2)
+        OPS.paged_decode_attention(q, cache.k.half(), cache.v.half(), tables, seq_lens, 0.2, 0, 2)
     with pytest.raises(RuntimeError, match="beyond the block table"):
-        OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens + 100, 0.2, 2)
+        OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens + 100, 0.2, 0, 2)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        OPS.paged_decode_attention(q, cache.k, cache.v, tables + 1000, seq_lens, 0.2, 2)
+        OPS.paged_decode_attention(q, cache.k, cache.v, tables + 1000, seq_lens, 0.2, 0, 2)
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
-        OPS.paged_decode_attention(q[:, :3], cache.k, cache.v, tables, seq_lens, 0.2, 2)
+        OPS.paged_decode_attention(q[:, :3], cache.k, cache.v, tables, seq_lens, 0.2, 0, 2)
 
 
 # ---- paged attention over prefill chunks and decodes -------------------------------------------
@@ -487,13 +487,13 @@ def test_paged_attention_gives_each_row_its_decode_bits(
     assert OPS is not None
     q_lens, seq_lens = MIXED
     q, cache, tables, starts, lens = _rows_case(q_lens, seq_lens, heads, kv_heads, dim, 7)
-    out = OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens, 0.125, isa)
+    out = OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens, 0.125, 0, isa)
     for r, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
         for i in range(q_len):
             t = int(starts[r]) + i
             length = torch.tensor([seq_len - q_len + i + 1], dtype=torch.int32)
             alone = OPS.paged_decode_attention(
-                q[t : t + 1], cache.k, cache.v, tables[r : r + 1], length, 0.125, isa
+                q[t : t + 1], cache.k, cache.v, tables[r : r + 1], length, 0.125, 0, isa
             )
             assert torch.equal(out[t : t + 1], alone), (r, i)
 
@@ -509,7 +509,9 @@ def test_paged_attention_gives_the_same_bits_at_any_thread_count(isa: int) -> No
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            outs.append(OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens, 0.125, isa))
+            outs.append(
+                OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens, 0.125, 0, isa)
+            )
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
@@ -523,7 +525,7 @@ def test_paged_attention_matches_the_reference(threads: int, isa: int) -> None:
 
     q_lens, seq_lens = MIXED
     q, cache, tables, starts, lens = _rows_case(q_lens, seq_lens, 9, 3, 64, 8)
-    out = OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens, 0.125, isa)
+    out = OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens, 0.125, 0, isa)
     meta = build_attention_metadata(q_lens, seq_lens, tables.tolist(), 16)
     expected = paged_attention_torch(q, cache, meta, 0.125)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -533,13 +535,13 @@ def test_paged_attention_refuses_what_it_cannot_take() -> None:
     assert OPS is not None
     q, cache, tables, starts, lens = _rows_case([4, 1], [10, 20], 4, 2, 32, 0)
     with pytest.raises(RuntimeError, match="query_start"):
-        OPS.paged_attention(q, cache.k, cache.v, tables, starts[:2], lens, 0.2, 2)
+        OPS.paged_attention(q, cache.k, cache.v, tables, starts[:2], lens, 0.2, 0, 2)
     with pytest.raises(RuntimeError, match="from 0 to the rows of q"):
-        OPS.paged_attention(q[:3], cache.k, cache.v, tables, starts, lens, 0.2, 2)
+        OPS.paged_attention(q[:3], cache.k, cache.v, tables, starts, lens, 0.2, 0, 2)
     with pytest.raises(RuntimeError, match="query rows must be 1..seq_len"):
-        OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens.clamp(max=3), 0.2, 2)
+        OPS.paged_attention(q, cache.k, cache.v, tables, starts, lens.clamp(max=3), 0.2, 0, 2)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        OPS.paged_attention(q, cache.k, cache.v, tables + 1000, starts, lens, 0.2, 2)
+        OPS.paged_attention(q, cache.k, cache.v, tables + 1000, starts, lens, 0.2, 0, 2)
 
 
 # ---- row ops (row_ops.cpp) and the matmuls' prologues --------------------------------------------

@@ -16,14 +16,15 @@ The kernels are torch custom ops (torch.ops.pagoda_cpu, so torch.compile keeps t
 graph): `q4x16_matmul(x, packed, n, isa_limit)` and `q8x16_matmul(x, packed, scales, n,
 isa_limit)`, y = x @ w^T in float32 for 4-bit and 8-bit codes in tiles of 16 rows (laid out in
 quant_gemm.cpp, packed by layers/quant_forms.py), with x quantized per 32-wide group to int8;
-`paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, isa_limit)` (one
-query row per request) and `paged_attention(q, k_cache, v_cache, block_tables, query_start,
-seq_lens, scale, isa_limit)` (any mix of prefill chunks and decodes) over a float32 paged cache,
-read in place, each row reduced the same way whatever the rows beside it; `rms_norm`,
-`add_rms_norm`, `silu_and_mul` and `rotary` (row_ops.cpp), which eager and compiled steps share,
-so that the two compute the same bits, and `q4x16_matmul_norm` / `q8x16_matmul_norm` /
-`q4x16_matmul_silu` / `q8x16_matmul_silu`, the matmuls with the norm or the activation before
-them in one call; `isa()` names the instruction set picked at run time (0
+`paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa_limit)`
+(one query row per request) and `paged_attention(q, k_cache, v_cache, block_tables, query_start,
+seq_lens, scale, window, isa_limit)` (any mix of prefill chunks and decodes) over a float32 paged
+cache, read in place, each row reduced the same way whatever the rows beside it (window > 0: a
+sliding window, the row at position p attending to its last `window` positions; 0: full causal
+attention); `rms_norm`, `add_rms_norm`, `silu_and_mul` and `rotary` (row_ops.cpp), which eager
+and compiled steps share, so that the two compute the same bits, and `q4x16_matmul_norm` /
+`q8x16_matmul_norm` / `q4x16_matmul_silu` / `q8x16_matmul_silu`, the matmuls with the norm or
+the activation before them in one call; `isa()` names the instruction set picked at run time (0
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
 caps it (tests run every path).
 """
@@ -139,7 +140,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("pagoda_cpu::paged_decode_attention")  # type: ignore[misc]
     def _attention(
-        q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, isa_limit: int
+        q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, window: int, isa_limit: int
     ) -> Any:
         return torch.empty_like(q)
 
@@ -188,6 +189,14 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("pagoda_cpu::paged_attention")  # type: ignore[misc]
     def _rows(
-        q: Any, k: Any, v: Any, tables: Any, starts: Any, lens: Any, scale: float, isa_limit: int
+        q: Any,
+        k: Any,
+        v: Any,
+        tables: Any,
+        starts: Any,
+        lens: Any,
+        scale: float,
+        window: int,
+        isa_limit: int,
     ) -> Any:
         return torch.empty_like(q)

@@ -7,16 +7,21 @@
 //   paged_decode_attention: one query row per request.
 //     q (B, H, D); k_cache, v_cache (num_blocks, block_size, Hkv, D); block_tables (B, W)
 //     int32; seq_lens (B,) int32 -> out (B, H, D), out[b, h] = softmax(scale * q[b, h] .
-//     K[b, :L]) @ V. A request with seq_len 0 (a padding row) gets zeros.
+//     K[b, lo:L]) @ V[b, lo:L]. A request with seq_len 0 (a padding row) gets zeros.
 //   paged_attention: any mix of prefill chunks and decodes, query_start (R + 1,) int32 giving
-//     each request's rows of q (T, H, D); row t of request r attends to positions [0, p_t] with
-//     p_t its own position (causal over the chunk and the cached context before it).
+//     each request's rows of q (T, H, D); row t of request r attends to positions [lo_t, p_t]
+//     with p_t its own position (causal over the chunk and the cached context before it).
 //
-// Query heads h share kv head h / (H / Hkv) (GQA). A row's positions are split into chunks of a
-// size that follows from its own length; work items are (group of rows, chunk), split over
-// torch's intra-op threads, so that one long row still uses every thread. A group is rows with
-// the same chunk size that read the same blocks (a prefill chunk's rows, a request's
-// verification rows), which share one pass over the keys and values. Each item keeps, per row
+// Sliding window (`window` > 0, Mistral / Gemma 3): the row at position p attends to positions
+// [lo, p] with lo = max(0, p + 1 - window), its last `window` positions; window 0: lo = 0, full
+// causal attention, the same operations (and bits) as before windows existed.
+//
+// Query heads h share kv head h / (H / Hkv) (GQA). A row's positions [lo, len) are split into
+// chunks, from lo, of a size that follows from its own span len - lo; work items are (group of
+// rows, chunk), split over torch's intra-op threads, so that one long row still uses every
+// thread. A group is rows with the same lo and chunk size that read the same blocks (a prefill
+// chunk's rows, a request's verification rows; under a window, only rows whose window starts at
+// 0 share a lo), which share one pass over the keys and values. Each item keeps, per row
 // in it, its chunk's max, sum of exponentials and weighted values per query head, and a row's
 // chunks are merged afterwards (flash-decoding). Scalar, AVX2 + FMA and (head width a multiple
 // of 16) AVX-512 paths.
@@ -685,9 +690,10 @@ void merge(const Shape& s, const float* parts, int64_t num_chunks, float* out) {
   }
 }
 
-// Positions per work item of a row of `length`: a quarter of it, in whole blocks, at most
-// MAX_CHUNK. A function of the length alone, not of the threads, so a row's bits are the same
-// in any process (a tensor-parallel worker runs on its share of the cores).
+// Positions per work item of a row of `length` positions (its span len - lo): a quarter of it,
+// in whole blocks, at most MAX_CHUNK. A function of the length alone, not of the threads, so a
+// row's bits are the same in any process (a tensor-parallel worker runs on its share of the
+// cores).
 int64_t chunk_size(int64_t length, int64_t block_size) {
   constexpr int64_t pieces = 4;
   int64_t size = (length + pieces - 1) / pieces;
@@ -695,20 +701,25 @@ int64_t chunk_size(int64_t length, int64_t block_size) {
   return std::clamp<int64_t>(size, block_size, std::max(block_size, MAX_CHUNK));
 }
 
-// One query row: its query heads (heads x D floats), the block table it reads, its length (the
-// keys [0, len) it attends to; 0 for a padding row).
+// One query row: its query heads (heads x D floats), the block table it reads, the keys
+// [lo, len) it attends to (len 0 for a padding row).
 struct QueryRow {
   const float* q;
   const int32_t* table;
-  int64_t len;
+  int64_t lo, len;
 };
 
+// The first position a row of `len` positions attends to under `window` (0: the whole row).
+int64_t window_start(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
 // Attends every row into out (rows, heads, D). Rows [group_start[g], group_start[g + 1]) are a
-// group: rows whose tables agree on every block any of them reads, all with the same chunk
-// size; the group reads its first row's table, in one pass over the keys and values. A row's
-// result depends on its query, its length and the cache only (its chunks follow from its
-// length; each chunk and the merge see the same operations in any group), so it is the same
-// bits in any batch, any group, any step.
+// group: rows whose tables agree on every block any of them reads, all with the same lo and
+// chunk size; the group reads its first row's table, in one pass over the keys and values. A
+// row's result depends on its query, its [lo, len) and the cache only (its chunks follow from
+// them; each chunk and the merge see the same operations in any group), so it is the same bits
+// in any batch, any group, any step.
 void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
                  const std::vector<int64_t>& group_start, const float* kc, const float* vc,
                  int64_t isa_limit, float* op) {
@@ -717,9 +728,10 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
   std::vector<int64_t> chunk(num_rows), first(num_rows + 1, 0);
   int64_t widest = s.block_size;
   for (int64_t b = 0; b < num_rows; ++b) {
-    chunk[b] = chunk_size(rows[b].len, s.block_size);
+    const int64_t span = rows[b].len - rows[b].lo;
+    chunk[b] = chunk_size(span, s.block_size);
     widest = std::max(widest, chunk[b]);
-    first[b + 1] = first[b] + (rows[b].len + chunk[b] - 1) / chunk[b];
+    first[b + 1] = first[b] + (span + chunk[b] - 1) / chunk[b];
   }
   std::vector<std::pair<int64_t, int64_t>> items;  // (group, chunk)
   int64_t largest = 1;  // rows in a group
@@ -742,7 +754,8 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
     std::unique_ptr<const float*[]> krow(new const float*[widest]), vrow(new const float*[widest]);
     for (int64_t it = begin_item; it < end_item; ++it) {
       const auto [g, c] = items[it];
-      const int64_t g0 = group_start[g], g1 = group_start[g + 1], begin = c * chunk[g0];
+      const int64_t g0 = group_start[g], g1 = group_start[g + 1];
+      const int64_t begin = rows[g0].lo + c * chunk[g0];  // the group's rows share lo
       int count = 0;
       for (int64_t b = g0; b < g1; ++b) {
         const int64_t n = std::min<int64_t>(rows[b].len, begin + chunk[b]) - begin;
@@ -774,8 +787,8 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
   });
 }
 
-// Decode rows: where each group starts (then `batch`): runs of consecutive rows with the same
-// chunk size whose tables agree with the group's first on every block any of them reads (a
+// Decode rows: where each group starts (then `batch`): runs of consecutive rows with the same lo
+// and chunk size whose tables agree with the group's first on every block any of them reads (a
 // request's verification rows), at most MAX_GROUP.
 std::vector<int64_t> group_starts(const Shape& s, const std::vector<QueryRow>& rows) {
   const int64_t batch = static_cast<int64_t>(rows.size());
@@ -786,7 +799,9 @@ std::vector<int64_t> group_starts(const Shape& s, const std::vector<QueryRow>& r
     const int64_t reach = std::max<int64_t>(longest, rows[b].len);
     const int64_t blocks = (reach + s.block_size - 1) / s.block_size;
     const bool same = b - g < MAX_GROUP && rows[b].len > 0 && rows[g].len > 0 &&
-                      chunk_size(rows[b].len, s.block_size) == chunk_size(rows[g].len, s.block_size) &&
+                      rows[b].lo == rows[g].lo &&
+                      chunk_size(rows[b].len - rows[b].lo, s.block_size) ==
+                          chunk_size(rows[g].len - rows[g].lo, s.block_size) &&
                       std::equal(rows[g].table, rows[g].table + blocks, rows[b].table);
     if (same) {
       longest = reach;
@@ -821,18 +836,21 @@ Shape check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   return s;
 }
 
-// Request b's table covers its seq_len within the cache.
-void check_table(const Shape& s, const int32_t* table, int64_t seq_len, int64_t num_blocks) {
+// Request b's table covers its seq_len within the cache: every block from position lo's on.
+void check_table(const Shape& s, const int32_t* table, int64_t lo, int64_t seq_len,
+                 int64_t num_blocks) {
   TORCH_CHECK(seq_len >= 0 && seq_len <= s.width * s.block_size, "seq_len beyond the block table");
-  for (int64_t i = 0; i < (seq_len + s.block_size - 1) / s.block_size; ++i) {
+  for (int64_t i = lo / s.block_size; i < (seq_len + s.block_size - 1) / s.block_size; ++i) {
     TORCH_CHECK(table[i] >= 0 && table[i] < num_blocks, "block id ", table[i], " outside the cache");
   }
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t isa_limit) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  int64_t isa_limit) {
   const Shape s = check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens, scale);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   const int64_t batch = q.size(0);
@@ -842,8 +860,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
   const float* qp = q.data_ptr<float>();
   std::vector<QueryRow> rows(batch);
   for (int64_t b = 0; b < batch; ++b) {
-    check_table(s, tp + b * s.table_stride, lp[b], k_cache.size(0));
-    rows[b] = QueryRow{qp + b * s.heads * s.dim, tp + b * s.table_stride, lp[b]};
+    const int64_t lo = window_start(lp[b], window);
+    check_table(s, tp + b * s.table_stride, lo, lp[b], k_cache.size(0));
+    rows[b] = QueryRow{qp + b * s.heads * s.dim, tp + b * s.table_stride, lo, lp[b]};
   }
   auto out = at::zeros({batch, s.heads, s.dim}, at::kFloat);
   attend_rows(s, rows, group_starts(s, rows), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
@@ -853,13 +872,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 
 // Any mix of prefill chunks and decodes: request r's query rows are q[query_start[r] ..
 // query_start[r + 1]), the last of its seq_lens[r] positions, each attending to the keys up to
-// its own position; they are grouped by up to MAX_GROUP rows of one chunk size. A row's bits are
-// those paged_decode_attention gives a decode at its position.
+// its own position (from its window's start); they are grouped by up to MAX_GROUP rows of one lo
+// and chunk size. A row's bits are those paged_decode_attention gives a decode at its position.
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& query_start, const at::Tensor& seq_lens, double scale,
-                           int64_t isa_limit) {
+                           int64_t window, int64_t isa_limit) {
   const Shape s = check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens, scale);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.dim() == 1 &&
                   query_start.size(0) == seq_lens.size(0) + 1,
               "query_start: int32 (num_requests + 1,)");
@@ -878,15 +898,17 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     const int64_t q_len = qs[r + 1] - qs[r];
     TORCH_CHECK(q_len >= 1 && q_len <= lp[r], "request ", r, ": query rows must be 1..seq_len");
     const int32_t* table = tp + r * s.table_stride;
-    check_table(s, table, lp[r], k_cache.size(0));
-    int64_t group_chunk = 0;
+    check_table(s, table, window_start(lp[r] - q_len + 1, window), lp[r], k_cache.size(0));
+    int64_t group_chunk = 0, group_lo = 0;
     for (int64_t t = qs[r]; t < qs[r + 1]; ++t) {
       const int64_t len = lp[r] - (qs[r + 1] - t) + 1;
-      rows[t] = QueryRow{qp + t * s.heads * s.dim, table, len};
-      const int64_t c = chunk_size(len, s.block_size);
-      if (t == qs[r] || c != group_chunk || t - group_start.back() >= MAX_GROUP) {
+      const int64_t lo = window_start(len, window);
+      rows[t] = QueryRow{qp + t * s.heads * s.dim, table, lo, len};
+      const int64_t c = chunk_size(len - lo, s.block_size);
+      if (t == qs[r] || c != group_chunk || lo != group_lo || t - group_start.back() >= MAX_GROUP) {
         group_start.push_back(t);
         group_chunk = c;
+        group_lo = lo;
       }
     }
   }
@@ -902,10 +924,10 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int isa_limit) -> Tensor");
+      "Tensor seq_lens, float scale, int window, int isa_limit) -> Tensor");
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor query_start, Tensor seq_lens, float scale, int isa_limit) -> Tensor");
+      "Tensor query_start, Tensor seq_lens, float scale, int window, int isa_limit) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {

@@ -1,0 +1,58 @@
+"""One table per model family: which HF architectures its class serves and how GGUF files name
+its tensors. Each model file declares its FAMILY; models/__init__.py lists them (the registry).
+Plain data: the loader (loading/hf_config.py, loading/gguf.py) reads these, never a model class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+# GGUF tensor name (global, without ".weight"/".bias") -> HF module name, for every family
+GGUF_GLOBAL_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "token_embd": "model.embed_tokens",
+        "output_norm": "model.norm",
+        "output": "lm_head",
+    }
+)
+# GGUF per-layer tensor name (blk.N.<name>) -> HF name under model.layers.N, Llama's layout;
+# a family adds or overrides entries in its `gguf_layer_names`
+GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+)
+# GGUF tensors the models derive from the config instead (llama3 rope factors)
+GGUF_SKIPPED = frozenset({"rope_freqs"})
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    # HF `config.architectures` names served by the family's class (the first is its own)
+    architectures: tuple[str, ...]
+    # HF `model_type`s of configs that carry no `architectures` (those read from a GGUF file)
+    model_types: tuple[str, ...] = ()
+    # GGUF `general.architecture` values of the family's files
+    gguf_archs: tuple[str, ...] = ()
+    # per-layer GGUF names beyond (or replacing) GGUF_LAYER_NAMES
+    gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
+    # llama.cpp interleaves q/k rows of its "llama" architecture (loading/gguf.py, unpermute_qk)
+    gguf_permute_qk: bool = False
+    # llama.cpp stores RMSNorm weights plus this (Gemma's (1 + w) norms: 1.0); subtracted on
+    # load, so the model sees the HF checkpoint's values
+    gguf_norm_shift: float = 0.0
+
+    def layer_names(self) -> Mapping[str, str]:
+        return {**GGUF_LAYER_NAMES, **self.gguf_layer_names}
