@@ -54,6 +54,8 @@ if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# One tiny random model per family (`_tiny_config`); the HF oracle tests run each of them
+# (tests/models/test_models.py, tests/engine/test_greedy_oracle.py)
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 # The window of the tiny models with sliding-window layers: well inside PROMPT_A's 21 tokens
 TINY_SLIDING_WINDOW = 6

@@ -6,7 +6,10 @@ cos and sin are precomputed in float32 for positions [0, max_position) and gathe
 forward (`cos_sin`), then applied to q and k in every layer (`apply_rotary`).
 
 Rope parameters come from `config.rope_parameters` (transformers >= 5: holds rope_theta and
-rope_type) or the older `rope_theta` / `rope_scaling` attributes. Types: default, linear, llama3.
+rope_type) or the older `rope_theta` / `rope_scaling` attributes. Types: default, linear, llama3,
+longrope (Phi-3: short factors up to original_max_position_embeddings, long factors past it, cos
+and sin scaled by the attention factor). With partial_rotary_factor < 1 (Phi-4-mini) only the
+first rotary_dim = head_dim * factor values of each head rotate (`apply_partial_rotary`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -34,17 +37,24 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return out
 
 
-def compute_inv_freq(params: dict[str, Any], head_dim: int) -> torch.Tensor:
-    """(head_dim // 2,) float32 angular frequency of each rotated pair."""
+def rotary_dim_of(params: dict[str, Any], head_dim: int) -> int:
+    """The rotated values of each head: head_dim, or its partial_rotary_factor share."""
+    return int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+
+
+def compute_inv_freq(params: dict[str, Any], rotary_dim: int, long: bool = False) -> torch.Tensor:
+    """(rotary_dim // 2,) float32 angular frequency of each rotated pair (longrope: its short
+    factors, or with `long` its long ones)."""
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
             f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
     base = float(params["rope_theta"])
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    if rope_type == "longrope":
+        factors = params["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
     inv_freq = 1.0 / (base**exponents)
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])
@@ -81,7 +91,12 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         inv_freq: torch.Tensor,
         dtype: torch.dtype = torch.float32,
+        long_inv_freq: torch.Tensor | None = None,
+        long_from: int = 0,
+        scaling: float = 1.0,
     ) -> None:
+        """head_dim: the rotated values per head. Positions from `long_from` on rotate by
+        `long_inv_freq` when given (longrope); cos and sin are multiplied by `scaling`."""
         super().__init__()
         assert inv_freq.shape == (head_dim // 2,)
         self.head_dim = head_dim
@@ -90,7 +105,13 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(
             positions, inv_freq.to(positions.device)
         )  # (max_position, head_dim // 2)
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # (max_position, head_dim)
+        if long_inv_freq is not None and long_from < max_position:
+            long = torch.outer(positions[long_from:], long_inv_freq.to(positions.device))
+            freqs = torch.cat((freqs[:long_from], long))
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling != 1.0:
+            cos, sin = cos * scaling, sin * scaling
+        cache = torch.cat((cos, sin), dim=-1)  # (max_position, head_dim)
         self.register_buffer("cos_sin_cache", cache.to(dtype), persistent=False)
 
     def cos_sin(
@@ -122,10 +143,41 @@ def apply_rotary(
     return out.view(num_tokens, -1)
 
 
+def apply_partial_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rotary_dim: int
+) -> torch.Tensor:
+    """apply_rotary on the first rotary_dim values of each head; the rest pass through.
+    x: (num_tokens, heads * head_dim); cos, sin: (num_tokens, 1, rotary_dim // 2) -> like x"""
+    num_tokens = x.shape[0]
+    heads = x.view(num_tokens, -1, head_dim)
+    rot = heads[..., :rotary_dim].reshape(num_tokens, -1)
+    rot = apply_rotary(rot, cos, sin, rotary_dim).view(num_tokens, -1, rotary_dim)
+    return torch.cat((rot, heads[..., rotary_dim:]), dim=-1).view(num_tokens, -1)
+
+
 def get_rope(
     hf_config: Any, head_dim: int, max_position: int, dtype: torch.dtype = torch.float32
 ) -> RotaryEmbedding:
-    """The rotary embedding an HF config asks for, its angles kept in `dtype`; ValueError for an
-    unsupported rope type."""
-    inv_freq = compute_inv_freq(rope_parameters(hf_config), head_dim)
-    return RotaryEmbedding(head_dim, max_position, inv_freq, dtype)
+    """The rotary embedding an HF config asks for (over rotary_dim_of(head_dim) values), its
+    angles kept in `dtype`; ValueError for an unsupported rope type.
+
+    longrope: HF switches every position of a forward to the long factors once the sequence
+    passes original_max_position_embeddings (and keeps what its cache holds); here a position's
+    angle depends on the position alone: short factors before it, long from it. The two agree
+    on every sequence within the original context."""
+    params = rope_parameters(hf_config)
+    rotary_dim = rotary_dim_of(params, head_dim)
+    inv_freq = compute_inv_freq(params, rotary_dim)
+    if params["rope_type"] != "longrope":
+        return RotaryEmbedding(rotary_dim, max_position, inv_freq, dtype)
+    original = int(
+        params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+    )
+    factor = params.get("factor") or hf_config.max_position_embeddings / original
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        scaling = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    long_inv_freq = compute_inv_freq(params, rotary_dim, long=True)
+    return RotaryEmbedding(
+        rotary_dim, max_position, inv_freq, dtype, long_inv_freq, original, float(scaling)
+    )

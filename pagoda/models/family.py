@@ -34,8 +34,8 @@ GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
         "ffn_down": "mlp.down_proj",
     }
 )
-# GGUF tensors the models derive from the config instead (llama3 rope factors)
-GGUF_SKIPPED = frozenset({"rope_freqs"})
+# GGUF tensors the models derive from the config instead (llama3 and longrope rope factors)
+GGUF_SKIPPED = frozenset({"rope_freqs", "rope_factors_long", "rope_factors_short"})
 
 
 @dataclass(frozen=True)

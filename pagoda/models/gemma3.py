@@ -50,6 +50,9 @@ class Gemma3Attention(Qwen3Attention):
     def attention_scale(self, config: Any) -> float:
         return float(config.query_pre_attn_scalar) ** -0.5
 
+    def rotary_dim_of(self, config: Any) -> int:
+        return self.head_dim  # rope_parameters per layer type, each rotating whole heads
+
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(

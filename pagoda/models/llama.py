@@ -20,7 +20,13 @@ from pagoda.layers.forward_context import ForwardContext
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.parallel import SINGLE, PipelineStage, TensorParallel
-from pagoda.layers.rotary import apply_rotary, get_rope
+from pagoda.layers.rotary import (
+    apply_partial_rotary,
+    apply_rotary,
+    get_rope,
+    rope_parameters,
+    rotary_dim_of,
+)
 from pagoda.model_config import head_dim_of, sliding_window_of
 from pagoda.models.base import DecoderForCausalLM, DecoderModel
 from pagoda.models.family import ModelFamily
@@ -116,6 +122,8 @@ class LlamaAttention(nn.Module):
         scale = self.attention_scale(config)
         # q and k are still adjacent in qkv at rotary time unless a subclass transforms them
         self.joint_rotary = type(self).qk_transform is LlamaAttention.qk_transform
+        # the first rotary_dim values of each head rotate (Phi-4-mini: 3/4 of them)
+        self.rotary_dim = self.rotary_dim_of(config)
         window = sliding_window_of(config, layer_idx if index is None else index)
         self.attn = Attention(
             self.num_heads,
@@ -125,6 +133,10 @@ class LlamaAttention(nn.Module):
             layer_idx,
             sliding_window=window,
         )
+
+    def rotary_dim_of(self, config: Any) -> int:
+        """The values of each head that rotate (the config's partial_rotary_factor share)."""
+        return rotary_dim_of(rope_parameters(config), self.head_dim)
 
     def attention_scale(self, config: Any) -> float:
         """The softmax scale of q.k (Gemma: query_pre_attn_scalar ** -0.5)."""
@@ -141,6 +153,11 @@ class LlamaAttention(nn.Module):
         paged attention. qkv: (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim) ->
         (num_tokens, num_heads * head_dim)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.rotary_dim != self.head_dim:  # partial rotary: torch on every backend
+            q, k = self.qk_transform(q, k)
+            q = apply_partial_rotary(q, cos, sin, self.head_dim, self.rotary_dim)
+            k = apply_partial_rotary(k, cos, sin, self.head_dim, self.rotary_dim)
+            return self.attn(q, k, v, ctx)
         if self.backend == "triton":
             # One launch: q/k per-head norm (if any), q rotated in place, k rotated into the
             # cache, v written.

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagoda import LLM, SamplingParams
+from tests.conftest import TINY_ARCHS
 from tests.oracle import assert_greedy_matches, assert_outputs_match, hf_greedy, hf_logits
 
 # float32 through the C++ kernels against HF's SDPA: the same tolerance as the models' logits
@@ -51,7 +52,7 @@ def test_smollm2_greedy_matches_hf(smollm2_llm: LLM, smollm2_hf) -> None:
     assert_outputs_match(outs + chat_outs, expected + expected[len(PROMPTS) :])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+@pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tiny_models_greedy_match_hf(arch: str, tiny_model_dir, tiny_hf_model) -> None:
     path = tiny_model_dir(arch)
     llm = LLM(path, quantization="none", num_gpu_blocks_override=256, max_num_batched_tokens=64)

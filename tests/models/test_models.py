@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -31,9 +31,10 @@ from pagoda.loading.model_files import resolve_model
 from pagoda.models import FAMILIES, MODEL_REGISTRY, architectures_of, get_model_class, gguf_family
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.runner.step_inputs import build_attention_metadata
+from tests.conftest import TINY_ARCHS
 from tests.oracle import assert_greedy_matches, assert_logits_close, hf_greedy, hf_logits
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+ARCHS = list(TINY_ARCHS)
 BLOCK_SIZE = 4
 TINY_ATOL = 1e-4
 SMOLLM2_ATOL = 5e-4
@@ -349,6 +350,41 @@ def test_rope_inv_freq_matches_hf(rope: dict[str, Any]) -> None:
         expected, scaling = ROPE_INIT_FUNCTIONS[rope["rope_type"]](cfg, "cpu")
     assert scaling == 1.0
     torch.testing.assert_close(compute_inv_freq(rope_parameters(cfg), 64), expected)
+
+
+def test_longrope_short_then_long_factors_match_hf() -> None:
+    """Phi-3's longrope with partial rotary: positions before original_max_position_embeddings
+    take HF's short-factor angles, later ones its long-factor angles (HF's choice for a sequence
+    past the original context), both scaled by HF's attention factor."""
+    original, rotary_dim = 64, 8
+    params = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "short_factor": [1.0 + 0.25 * i for i in range(rotary_dim // 2)],
+        "long_factor": [2.0 + 0.5 * i for i in range(rotary_dim // 2)],
+        "original_max_position_embeddings": original,
+    }
+    cfg = Phi3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rope_parameters=params,
+        original_max_position_embeddings=original,
+    )
+    rope = get_rope(cfg, 16, cfg.max_position_embeddings)
+    assert rope.head_dim == rotary_dim
+    short, scaling = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu")
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](cfg, "cpu", seq_len=original + 1)
+    assert scaling > 1.0
+    for positions, inv_freq in (
+        (torch.arange(original), short),
+        (torch.arange(original, 256), long),
+    ):
+        angles = torch.outer(positions.float(), inv_freq)
+        cos, sin = rope.cos_sin(positions, torch.float32)
+        torch.testing.assert_close(cos.squeeze(1), angles.cos() * scaling)
+        torch.testing.assert_close(sin.squeeze(1), angles.sin() * scaling)
 
 
 def test_rope_parameters_fallback_to_legacy_attributes() -> None:
