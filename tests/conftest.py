@@ -32,6 +32,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
 )
@@ -56,7 +57,7 @@ if _WORKERS > 1:
 
 # One tiny random model per family (`_tiny_config`); the HF oracle tests run each of them
 # (tests/models/test_models.py, tests/engine/test_greedy_oracle.py)
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
 # The window of the tiny models with sliding-window layers: well inside PROMPT_A's 21 tokens
 TINY_SLIDING_WINDOW = 6
 
@@ -119,6 +120,25 @@ def _tiny_config(arch: str) -> Any:
             sliding_window=TINY_SLIDING_WINDOW,
             rope_parameters=rope,
             tie_word_embeddings=True,
+        )
+    if arch == "phi3":
+        # fused qkv / gate_up in the checkpoint; half of each head rotates (Phi-4-mini: 3/4),
+        # longrope within its original 64 positions (the prompts stay inside them)
+        half = 4  # rotary_dim // 2: head_dim 16, half of it rotating
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "short_factor": [1.0 + 0.25 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)],
+            "original_max_position_embeddings": 64,
+        }
+        return Phi3Config(
+            **{**_COMMON, "max_position_embeddings": 256},
+            num_hidden_layers=2,
+            rope_parameters=rope,
+            original_max_position_embeddings=64,
+            tie_word_embeddings=False,
         )
     raise ValueError(f"unknown tiny arch {arch!r}; one of {TINY_ARCHS}")
 
