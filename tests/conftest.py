@@ -35,6 +35,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from tests import skip_policy
@@ -57,7 +58,7 @@ if _WORKERS > 1:
 
 # One tiny random model per family (`_tiny_config`); the HF oracle tests run each of them
 # (tests/models/test_models.py, tests/engine/test_greedy_oracle.py)
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe")
 # The window of the tiny models with sliding-window layers: well inside PROMPT_A's 21 tokens
 TINY_SLIDING_WINDOW = 6
 
@@ -138,6 +139,19 @@ def _tiny_config(arch: str) -> Any:
             num_hidden_layers=2,
             rope_parameters=rope,
             original_max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    if arch == "qwen3_moe":
+        # 8 experts of 32, top 2 renormalized; layer 1 keeps a dense MLP (mlp_only_layers)
+        return Qwen3MoeConfig(
+            **_COMMON,
+            num_hidden_layers=3,
+            head_dim=32,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
             tie_word_embeddings=False,
         )
     raise ValueError(f"unknown tiny arch {arch!r}; one of {TINY_ARCHS}")

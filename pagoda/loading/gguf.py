@@ -84,7 +84,9 @@ def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWe
             heads = int(n_kv_head)
         if raw and qtype not in _GGUF_FLOAT_TYPES:
             rows = int(np.prod(tensor.shape[1:]))
-            weight = GGUFWeight(qtype, tensor.data, (rows, int(tensor.shape[0])))
+            # a 3-D tensor (a mixture's experts, stacked) as rows: expert-major
+            data = tensor.data.reshape(rows, -1)
+            weight = GGUFWeight(qtype, data, (rows, int(tensor.shape[0])))
             if heads is not None:
                 weight = weight.permute_rows(unpermute_qk(torch.arange(rows), heads))
             yield name, weight

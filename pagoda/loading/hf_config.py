@@ -36,8 +36,30 @@ def load_hf_config(folder: str, gguf_file: str | None, trust_remote_code: bool =
 
     # Every field (use_diff=False): absent ones would read as None here, not as class defaults.
     text = AutoConfig.from_pretrained(folder, gguf_file=gguf_file).to_json_string(use_diff=False)
+    config = {**json.loads(text), **_family_fields(os.path.join(folder, gguf_file))}
+    text = json.dumps(config, indent=2)
     save_to_cache(lambda tmp: _write(os.path.join(tmp, "config.json"), text), cached)
-    return GGUFConfig(**json.loads(text))
+    return GGUFConfig(**config)
+
+
+def _family_fields(path: str) -> dict[str, Any]:
+    """What transformers' GGUF conversion leaves out of a family's config: the file's own
+    metadata (ModelFamily.gguf_config_fields) and what llama.cpp assumes for the architecture
+    (gguf_config_values)."""
+    from pagoda.loading.gguf_index import read_gguf_index
+    from pagoda.models import gguf_family
+
+    fields = read_gguf_index(path).fields
+    arch = str(fields.get("general.architecture"))
+    family = gguf_family(arch)
+    if family is None:
+        return {}
+    out = dict(family.gguf_config_values)
+    for key, attr in family.gguf_config_fields.items():
+        value = fields.get(f"{arch}.{key}")
+        if value is not None:
+            out[attr] = value
+    return out
 
 
 def _write(path: str, text: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.models import gemma3, llama, mistral, phi3, qwen3
+from pagoda.models import gemma3, llama, mistral, phi3, qwen3, qwen3_moe
 from pagoda.models.base import DecoderForCausalLM
 from pagoda.models.family import ModelFamily
 
@@ -17,6 +17,7 @@ FAMILIES: tuple[tuple[ModelFamily, type[DecoderForCausalLM]], ...] = (
     (qwen3.FAMILY, qwen3.Qwen3ForCausalLM),
     (gemma3.FAMILY, gemma3.Gemma3ForCausalLM),
     (phi3.FAMILY, phi3.Phi3ForCausalLM),
+    (qwen3_moe.FAMILY, qwen3_moe.Qwen3MoeForCausalLM),
 )
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 # GGUF tensor name (global, without ".weight"/".bias") -> HF module name, for every family
 GGUF_GLOBAL_NAMES: Mapping[str, str] = MappingProxyType(
@@ -53,6 +54,10 @@ class ModelFamily:
     # llama.cpp stores RMSNorm weights plus this (Gemma's (1 + w) norms: 1.0); subtracted on
     # load, so the model sees the HF checkpoint's values
     gguf_norm_shift: float = 0.0
+    # GGUF metadata (<arch>.<key>) -> config attribute, where transformers' conversion drops it
+    gguf_config_fields: Mapping[str, str] = field(default_factory=dict)
+    # config values llama.cpp assumes for the architecture (not in its files)
+    gguf_config_values: Mapping[str, Any] = field(default_factory=dict)
 
     def layer_names(self) -> Mapping[str, str]:
         return {**GGUF_LAYER_NAMES, **self.gguf_layer_names}

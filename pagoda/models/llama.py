@@ -9,6 +9,7 @@ flat batch (all scheduled tokens of all requests, concatenated) and must run ins
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -55,9 +56,15 @@ class LlamaMLP(nn.Module):
     activation (after_act)."""
 
     def __init__(
-        self, config: Any, dtype: torch.dtype, tp: TensorParallel = SINGLE, act: str = ""
+        self,
+        config: Any,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+        act: str = "",
+        intermediate_size: int = 0,
     ) -> None:
-        """act: the HF activation name (config.hidden_act when empty)."""
+        """act: the HF activation name (config.hidden_act when empty); intermediate_size:
+        config.intermediate_size when 0 (a mixture's experts have their own)."""
         super().__init__()
         hidden = config.hidden_size
         bias = bool(getattr(config, "mlp_bias", False))
@@ -68,13 +75,17 @@ class LlamaMLP(nn.Module):
                 f"{', '.join(GATED_ACTIVATIONS)}"
             )
         # tensor parallel: gate/up split by rows (column-parallel), down_proj by columns
-        part = tp.part(config.intermediate_size, "intermediate_size")
+        part = tp.part(intermediate_size or config.intermediate_size, "intermediate_size")
         inter = part[1]
         self.gate_up_proj = MergedLinear(
             hidden, {"gate": inter, "up": inter}, bias, dtype, tp, {"gate": part, "up": part}
         )
         self.down_proj = Linear(inter, hidden, bias, dtype, tp, part)
         self.act_fn = GATED_ACTIVATIONS[act]()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (num_tokens, hidden_size), already normalized -> (num_tokens, hidden_size)
+        return self.down_proj.after_act(self.gate_up_proj(x), self.act_fn)
 
 
 class LlamaAttention(nn.Module):
@@ -254,18 +265,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(DecoderModel):
+    """The decoder stack with one rotary embedding for every layer; its layers are
+    LlamaDecoderLayer with `attention_cls`, or what `make_layer` builds (a family whose layers
+    differ only in their MLP, Qwen3-MoE)."""
+
     def __init__(
         self,
         config: Any,
         dtype: torch.dtype,
         tp: TensorParallel,
         pp: PipelineStage,
-        attention_cls: type[LlamaAttention],
+        attention_cls: type[LlamaAttention] | None = None,
+        make_layer: Callable[[int, int], nn.Module] | None = None,
     ) -> None:
-        def make_layer(index: int, cache_index: int) -> nn.Module:
+        def make_llama_layer(index: int, cache_index: int) -> nn.Module:
+            assert attention_cls is not None
             return LlamaDecoderLayer(config, cache_index, dtype, attention_cls, tp, index)
 
-        super().__init__(config, dtype, tp, pp, make_layer)
+        super().__init__(config, dtype, tp, pp, make_layer or make_llama_layer)
         self.rotary_emb = get_rope(
             config, head_dim_of(config), config.max_position_embeddings, dtype
         )

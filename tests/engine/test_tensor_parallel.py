@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pagoda import LLM, SamplingParams
 from pagoda.distributed.workers import UNGUARDED_MESSAGE
 from pagoda.layers.kv_cache import kv_cache_bytes
+from pagoda.layers.moe import Router, SparseMoE
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.parallel import TensorParallel
 from pagoda.layers.quant_forms import stored_bytes
@@ -73,6 +74,22 @@ def test_tp2_equals_one_rank(tiny_weights_dir: Callable[[str], str], arch: str) 
     assert_same_outputs(got, want)
     assert llm.engine.stats().num_preemptions > 0  # the pool is small enough to preempt
     _assert_each_rank_holds_half(one, llm)
+    llm.engine.shutdown()
+
+
+def test_tp2_splits_a_mixtures_experts(tiny_weights_dir: Callable[[str], str]) -> None:
+    """Expert parallelism: each of two ranks holds 4 of the 8 experts whole (not half of
+    each), the router on both; the same outputs as one rank."""
+    got, want, one, llm = _run_both(tiny_weights_dir("qwen3_moe"))
+    assert_same_outputs(got, want)
+    model: Any = one.engine.runner.model
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    experts = sum(stored_bytes(e) for m in moes for e in m.experts)
+    whole = [m for m in model.modules() if isinstance(m, (RMSNorm, Router))]
+    replicated = sum(stored_bytes(m) for m in whole + [model.model.rotary_emb])
+    rest = one.engine.model_config.weight_bytes - experts - replicated
+    for rank in llm.engine.runner.memory():  # type: ignore[union-attr]
+        assert rank["weight_bytes"] == rest // 2 + experts // 2 + replicated
     llm.engine.shutdown()
 
 

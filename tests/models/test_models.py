@@ -25,7 +25,7 @@ from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.rotary import compute_inv_freq, get_rope, rope_parameters
 from pagoda.loading.gguf import gguf_to_hf_name, unpermute_qk
-from pagoda.loading.hf_config import GGUFConfig, load_hf_config, max_positions
+from pagoda.loading.hf_config import GGUFConfig, _family_fields, load_hf_config, max_positions
 from pagoda.loading.loader import iter_weights, load_model
 from pagoda.loading.model_files import resolve_model
 from pagoda.models import FAMILIES, MODEL_REGISTRY, architectures_of, get_model_class, gguf_family
@@ -421,7 +421,8 @@ def test_gguf_configs_name_their_family_by_model_type() -> None:
     # a config read from a GGUF file carries no `architectures`
     assert architectures_of(GGUFConfig(model_type="gemma3_text")) == ["Gemma3ForCausalLM"]
     assert architectures_of(GGUFConfig(model_type="qwen2")) == ["Qwen2ForCausalLM"]
-    assert architectures_of(GGUFConfig(model_type="phi3")) == ["<model_type phi3>"]
+    assert architectures_of(GGUFConfig(model_type="phi3")) == ["Phi3ForCausalLM"]
+    assert architectures_of(GGUFConfig(model_type="gpt2")) == ["<model_type gpt2>"]
     assert architectures_of(Qwen2Config()) == ["Qwen2ForCausalLM"]
 
 
@@ -577,3 +578,71 @@ def test_max_positions_is_the_checkpoints_not_its_window() -> None:
     assert max_positions(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 32768
     qwen2 = Qwen2Config(max_position_embeddings=32768, use_sliding_window=False)
     assert max_positions(qwen2) == 32768
+
+
+def test_a_mixtures_stacked_gguf_experts_load_per_expert_and_stay_quantized(
+    tiny_weights_dir: Any, tmp_path: Any
+) -> None:
+    """Qwen3-MoE's experts in a GGUF file: one Q8_0 tensor per projection for all experts
+    (`ffn_gate_exps`: (experts, moe_intermediate, hidden)), as llama.cpp writes them. Read as
+    float they become each expert's HF tensors exactly (the quantization round trip); read raw
+    (the gguf method) each expert keeps its Q8_0 rows: no expert is decoded into a larger form."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from pagoda.layers.linear import Linear
+    from pagoda.layers.quant import make_method
+    from pagoda.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    folder = tiny_weights_dir("qwen3_moe")
+    hf_config = load_hf_config(folder, None)
+    tensors = load_file(os.path.join(folder, "model.safetensors"))
+    path = str(tmp_path / "tiny-moe.gguf")
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer.add_uint32("qwen3moe.expert_feed_forward_length", 32)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    expected: dict[str, torch.Tensor] = {}
+    for layer in (0, 2):  # the sparse layers
+        stem = f"model.layers.{layer}.mlp"
+        writer.add_tensor(
+            f"blk.{layer}.ffn_gate_inp.weight", tensors[f"{stem}.gate.weight"].numpy()
+        )
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            stacked = torch.stack(
+                [tensors[f"{stem}.experts.{e}.{proj}.weight"] for e in range(8)]
+            ).numpy()
+            quantized = gguf.quants.quantize(stacked, q8)
+            writer.add_tensor(f"blk.{layer}.ffn_{proj[:-5]}_exps.weight", quantized, raw_dtype=q8)
+            back = torch.from_numpy(gguf.quants.dequantize(quantized, q8))
+            for e in range(8):
+                expected[f"{stem}.experts.{e}.{proj}.weight"] = back[e]
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    # what transformers' GGUF config leaves out: the experts' width, llama.cpp's renormalization
+    assert _family_fields(path) == {"moe_intermediate_size": 32, "norm_topk_prob": True}
+
+    float_model = Qwen3MoeForCausalLM(hf_config)
+    float_model.load_weights(iter_weights(str(tmp_path), "tiny-moe.gguf"))
+    for name, tensor in expected.items():
+        expert, _, proj = name.rpartition(".")[0].rpartition(".")
+        linear: Any = float_model.get_submodule(expert)
+        packed = linear.down_proj if proj == "down_proj" else linear.gate_up_proj
+        rows = packed.weight if proj == "down_proj" else packed.weight.chunk(2)[proj == "up_proj"]
+        torch.testing.assert_close(rows, tensor, rtol=0, atol=0, msg=name)
+
+    raw_model = Qwen3MoeForCausalLM(hf_config)
+    method = make_method("gguf", {})
+    assert method is not None
+    for module in raw_model.modules():
+        if isinstance(module, Linear):
+            module.set_quant_method(method)
+    loaded = raw_model.load_weights(iter_weights(str(tmp_path), "tiny-moe.gguf", raw_gguf=True))
+    assert len(loaded) == 2 * (1 + 8 * 3)  # each sparse layer: the router, 8 experts' 3 tensors
+    for layer in (0, 2):
+        for expert in raw_model.model.layers[layer].mlp.experts:
+            for linear in (expert.gate_up_proj, expert.down_proj):
+                linear.finalize()  # the file holds only the experts: the others stay unloaded
+                assert linear.kernel in ("cpu_q8", "int8"), linear.kernel
