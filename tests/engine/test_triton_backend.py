@@ -178,14 +178,3 @@ def test_decode_step_launches(arch: str, tiny_model_dir: Any) -> None:
     assert record["forward_launches"] == 7 * record["num_layers"] + 3
     assert record["graph_after_forward"] == {"aten.linear": 1, "aten.argmax": 1}
     assert record["outside_graph"] == {}
-
-
-def test_triton_backend_gemma3_sliding_window_matches_hf(tiny_model_dir: Any, tiny_hf_model: Any):
-    """Gemma 3's local layers (window 6: prompts of 15 and 19 tokens, 10 more generated) and
-    global ones on the triton kernels; the family has no fused layer forms. (Two prompts: the
-    interpreter takes ~15 s a prompt for these 7 layers.)"""
-    llm = _triton_llm(tiny_model_dir("gemma3"))
-    assert llm.engine.runner.model.model.fused_max_rows == 0
-    prompts = PROMPTS[3:]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], _greedy())
-    assert_outputs_match(outs, hf_greedy(tiny_hf_model("gemma3"), prompts, MAX_TOKENS))
