@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.parallel import SINGLE, PipelineStage, TensorParallel
 from pagoda.models.base import DecoderForCausalLM, DecoderModel
 from pagoda.models.family import ModelFamily
-from pagoda.models.llama import LlamaMLP, LlamaModel
+from pagoda.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 from pagoda.models.qwen3 import Qwen3Attention
 
 FAMILY = ModelFamily(
@@ -44,34 +45,42 @@ _STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj|gate_up
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.")
 
 
-def is_sparse(config: Any, index: int) -> bool:
-    """Whether layer `index` has the mixture (HF's rule)."""
-    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-    return (
-        index not in (getattr(config, "mlp_only_layers", None) or [])
-        and config.num_experts > 0
-        and (index + 1) % step == 0
-    )
+@dataclass(frozen=True)
+class MoESpec:
+    """A layer's mixture, as its family's config names it."""
+
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool  # renormalize the top k weights to sum 1
+    intermediate_size: int  # of each expert
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class MoEDecoderLayer(nn.Module):
+    """The Llama layer with a sparse mixture (`spec`; None: a dense MLP) after attention."""
+
     def __init__(
-        self, config: Any, layer_idx: int, dtype: torch.dtype, tp: TensorParallel, index: int
+        self,
+        config: Any,
+        layer_idx: int,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        index: int,
+        attention_cls: type[LlamaAttention],
+        spec: MoESpec | None,
     ) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config, layer_idx, dtype, tp, index)
+        self.self_attn = attention_cls(config, layer_idx, dtype, tp, index)
         self.mlp: nn.Module
-        if is_sparse(config, index):
-            inter = config.moe_intermediate_size
+        if spec is not None:
 
             def make_expert(e: int) -> nn.Module:
-                return LlamaMLP(config, dtype, SINGLE, intermediate_size=inter)
+                return LlamaMLP(config, dtype, SINGLE, intermediate_size=spec.intermediate_size)
 
             self.mlp = SparseMoE(
                 config.hidden_size,
-                config.num_experts,
-                config.num_experts_per_tok,
-                bool(config.norm_topk_prob),
+                spec.num_experts,
+                spec.top_k,
+                spec.norm_topk_prob,
                 make_expert,
                 dtype,
                 tp,
@@ -96,11 +105,29 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    attention_cls: type[LlamaAttention] = Qwen3Attention
+
+    def moe_spec(self, config: Any, index: int) -> MoESpec | None:
+        """Layer `index`'s mixture, HF's rule: every decoder_sparse_step-th layer not in
+        mlp_only_layers; None: a dense MLP."""
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        dense = index in (getattr(config, "mlp_only_layers", None) or [])
+        if dense or config.num_experts == 0 or (index + 1) % step:
+            return None
+        return MoESpec(
+            config.num_experts,
+            config.num_experts_per_tok,
+            bool(config.norm_topk_prob),
+            config.moe_intermediate_size,
+        )
+
     def make_model(
         self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, pp: PipelineStage
     ) -> DecoderModel:
         def make_layer(index: int, cache_index: int) -> nn.Module:
-            return Qwen3MoeDecoderLayer(hf_config, cache_index, dtype, tp, index)
+            spec = self.moe_spec(hf_config, index)
+            attention = self.attention_cls
+            return MoEDecoderLayer(hf_config, cache_index, dtype, tp, index, attention, spec)
 
         return LlamaModel(hf_config, dtype, tp, pp, make_layer=make_layer)
 
@@ -109,7 +136,6 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
 
     def _per_expert(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """Stacked expert tensors as HF's per-expert names; only the experts this rank holds."""
-        num_experts = int(self.config.num_experts)
         for name, tensor in weights:
             expert = _EXPERT.match(name)
             if expert is not None:
@@ -121,6 +147,9 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 yield name, tensor
                 continue
             prefix, proj = match.group(1), match.group(2)
+            spec = self.moe_spec(self.config, int(prefix.split(".")[2]))
+            assert spec is not None, f"{name}: experts of a dense layer"
+            num_experts = spec.num_experts
             stacked = tensor if len(tensor.shape) == 2 else tensor.reshape(-1, tensor.shape[-1])
             rows = stacked.shape[0] // num_experts
             for e in range(num_experts):
@@ -134,10 +163,13 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 else:
                     yield f"{prefix}.{e}.{proj}.weight", part
 
+    def _mixture(self, experts: str) -> Any:
+        """The SparseMoE of `experts` (model.layers.N.mlp.experts)."""
+        return self.model.layers[int(experts.split(".")[2])].mlp
+
     def _holds(self, experts: str, e: int) -> bool:
         """Whether this rank holds expert `e` of `experts` (model.layers.N.mlp.experts)."""
         layer = int(experts.split(".")[2])
         if not self.model.start_layer <= layer < self.model.end_layer:
             return True  # another stage's: the base skips it
-        mlp: Any = self.model.layers[layer].mlp
-        return bool(mlp.holds(e))
+        return bool(self._mixture(experts).holds(e))
