@@ -32,6 +32,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -58,7 +59,7 @@ if _WORKERS > 1:
 
 # One tiny random model per family (`_tiny_config`); the HF oracle tests run each of them
 # (tests/models/test_models.py, tests/engine/test_greedy_oracle.py)
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "mixtral")
 # The window of the tiny models with sliding-window layers: well inside PROMPT_A's 21 tokens
 TINY_SLIDING_WINDOW = 6
 
@@ -153,6 +154,15 @@ def _tiny_config(arch: str) -> Any:
             norm_topk_prob=True,
             mlp_only_layers=[1],
             tie_word_embeddings=False,
+        )
+    if arch == "mixtral":
+        # every layer a mixture of 4 experts of 32, top 2; Mistral's window on every layer
+        return MixtralConfig(
+            **{**_COMMON, "intermediate_size": 32},
+            num_hidden_layers=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=TINY_SLIDING_WINDOW,
         )
     raise ValueError(f"unknown tiny arch {arch!r}; one of {TINY_ARCHS}")
 
