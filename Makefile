@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pagoda-installed
 
-.PHONY: setup serve demo test check lint typecheck browser unit bench clean lock
+.PHONY: setup serve demo test test-1.5b check lint typecheck browser unit bench clean lock
 
 # The test install is pinned: requirements/test-constraints.txt holds every resolved version
 # (pyproject keeps ranges for users). No build isolation: the pinned setuptools builds pagoda.
@@ -48,14 +48,19 @@ browser:
 # xdist_group marks did not group anything under pytest 9.2 / xdist 3.8: files were split.)
 PYTEST := $(BIN)/python -m pytest -q -x -n auto --maxprocesses 4 --dist loadfile
 
-# The whole CPU suite, slow tests included (-m '' lifts pyproject's "not slow"), as CI runs it,
-# and strict: a test may skip only for a missing GPU, and the CPU kernels must build
+# The whole CPU suite, slow tests included (this -m replaces pyproject's "not slow ..."), as CI
+# runs it, and strict: a test may skip only for a missing GPU, and the CPU kernels must build
 # (tests/skip_policy.py, PAGODA_CPU_KERNELS=require). The checks and the browser install run side
 # by side (mypy takes one core, apt the network).
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck browser
 	PAGODA_CPU_KERNELS=require $(BIN)/python -m pagoda.kernels.cpu
-	PAGODA_TEST_STRICT=1 PAGODA_CPU_KERNELS=require $(PYTEST) --durations=15 -m ''
+	PAGODA_TEST_STRICT=1 PAGODA_CPU_KERNELS=require $(PYTEST) --durations=15 -m 'not gguf_1_5b'
+
+# Qwen2.5-Coder-1.5B's file served with tools, structured output, speculation and /ui
+# (tests/models/test_real_gguf_1_5b.py): a 1 GB download and a few minutes, outside `test`.
+test-1.5b: $(STAMP) browser
+	PAGODA_TEST_STRICT=1 PAGODA_CPU_KERNELS=require $(BIN)/python -m pytest -q -m gguf_1_5b tests/models/test_real_gguf_1_5b.py
 
 # The inner loop: the default suite (no slow tests), skips allowed.
 check: $(STAMP)
