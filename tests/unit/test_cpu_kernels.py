@@ -12,8 +12,6 @@ plus, for Q4_K, fp16's rounding of its scale products."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -38,14 +36,6 @@ from pagoda.layers.quant_forms import (
 OPS = built()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the CPU kernels cannot be built here")
 ISAS = [] if OPS is None else list(range(OPS.isa() + 1))
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 def _blocks(qtype: str, rows: int, cols: int, seed: int) -> gguf.GGUFWeight:

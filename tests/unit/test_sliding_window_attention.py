@@ -23,7 +23,6 @@ with the reference over its dequantized keys and values (what every backend read
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any, NamedTuple, cast
 
@@ -158,14 +157,6 @@ def _step(case: Case, seed: int = 0, quant: torch.dtype | None = None) -> Step:
 def _close(out: torch.Tensor, expected: torch.Tensor) -> None:
     assert out.shape == expected.shape and out.dtype == expected.dtype
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 # ---- the torch reference and the reductions ------------------------------------------------------
