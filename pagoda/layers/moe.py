@@ -68,6 +68,7 @@ class SparseMoE(nn.Module):
         ids, weights = self.route(x)
         out = torch.zeros_like(x)
         flat = ids.flatten()  # (num_tokens * top_k,): token t's choices at t * top_k + j
+        flat_weights = weights.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync
         start = 0
@@ -78,7 +79,7 @@ class SparseMoE(nn.Module):
                 continue
             tokens = rows // self.top_k
             y = self.experts[e](x.index_select(0, tokens))  # (count, hidden_size)
-            y = y * weights.flatten().index_select(0, rows).unsqueeze(1)
+            y = y * flat_weights.index_select(0, rows).unsqueeze(1)
             out.index_add_(0, tokens, y)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 

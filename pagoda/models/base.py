@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -34,20 +34,6 @@ PACKED_MODULES = (
 )
 
 
-class DecoderLayer(Protocol):
-    """One layer: (hidden_states, residual) -> the same for the next layer, the residual stream
-    being their sum (residual None before the first layer); `rope` is what the stack's
-    `rotary` returned for this step."""
-
-    def __call__(
-        self,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: Any,
-        ctx: ForwardContext | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 class MissingLayer(nn.Module):
     """A decoder layer another pipeline stage holds: keeps the layer list's indices (and so the
     checkpoint's names) aligned with the model's."""
@@ -57,7 +43,11 @@ class DecoderModel(nn.Module):
     """embed_tokens, layers, norm: the stack without the LM head. A family subclass hands in
     its layers (`make_layer(index, cache_index)`: checkpoint layer `index`, reading this
     stage's KV cache `cache_index`), holds its rotary embedding(s) and overrides `rotary`, and
-    `embed` or `make_norm` where its checkpoint differs from Llama's."""
+    `embed` or `make_norm` where its checkpoint differs from Llama's.
+
+    A layer is called as `layer(hidden_states, residual, rope, ctx)` and returns the next
+    (hidden_states, residual), the residual stream being their sum (residual None before the
+    first layer); `rope` is what `rotary` returned for this step."""
 
     # Steps of at most this many tokens run the layers' fused forms (`forward_fused`); 0: never.
     # Set by DecoderForCausalLM.set_kernel_backend for families whose layers have them.
