@@ -55,7 +55,7 @@ PYTEST := $(BIN)/python -m pytest -q -x -n auto --maxprocesses 4 --dist loadfile
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck browser
 	PAGODA_CPU_KERNELS=require $(BIN)/python -m pagoda.kernels.cpu
-	PAGODA_TEST_STRICT=1 PAGODA_CPU_KERNELS=require $(PYTEST) --durations=15 -m 'not gguf_1_5b'
+	PAGODA_TEST_STRICT=1 PAGODA_CPU_KERNELS=require $(PYTEST) --durations=40 -m 'not gguf_1_5b'
 
 # Qwen2.5-Coder-1.5B's file served with tools, structured output, speculation and /ui
 # (tests/models/test_real_gguf_1_5b.py): a 1 GB download and a few minutes, outside `test`.

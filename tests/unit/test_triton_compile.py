@@ -38,6 +38,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -352,8 +354,13 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def check(model: str, config: Config, tmp_path: Path) -> None:
-    rows = compile_model(model, config, str(tmp_path / "triton-cache"))
+needs_ptxas = pytest.mark.skipif(
+    _bundled_ptxas() is None,
+    reason="triton's wheel has no bundled ptxas (triton/backends/nvidia/bin/ptxas) to build cubins",
+)
+
+
+def check(model: str, config: Config, rows: list[dict[str, Any]]) -> None:
     table = format_rows(rows)
     print(f"\ntriton {rows[0]['triton'] if rows else '?'}, sm_90\n{table}")
     failed = [r for r in rows if not r["ok"]]
@@ -366,10 +373,31 @@ def check(model: str, config: Config, tmp_path: Path) -> None:
         assert r["num_warps"] * 32 <= 1024
 
 
-needs_ptxas = pytest.mark.skipif(
-    _bundled_ptxas() is None,
-    reason="triton's wheel has no bundled ptxas (triton/backends/nvidia/bin/ptxas) to build cubins",
-)
+def _job_key(model: str, config: Config) -> str:
+    return f"{model}:{json.dumps(config, sort_keys=True)}"
+
+
+@pytest.fixture(scope="module")
+def compiled(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[list[dict[str, Any]]]]]:
+    """Every compile this run selected from this module, started at once on a pool of one
+    subprocess per core (a compile is one thread: LLVM, then ptxas); each test waits for its own."""
+    jobs = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec"):
+            params = item.callspec.params
+            jobs.append((params["model"], params.get("config", FAST)))
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        futures = {
+            _job_key(model, config): pool.submit(
+                compile_model, model, config, str(tmp_path_factory.mktemp("triton-cache"))
+            )
+            for model, config in jobs
+        }
+        yield futures
+        for future in futures.values():
+            future.cancel()
 
 
 # The default suite compiles SmolLM2's kernels (head_dim 64); Llama-3.2-1B (head_dim 64 too)
@@ -378,16 +406,20 @@ needs_ptxas = pytest.mark.skipif(
 @pytest.mark.parametrize(
     "model", [m if m == "smollm2-135m" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS]
 )
-def test_kernels_compile_for_h100(model: str, tmp_path: Path) -> None:
-    check(model, FAST, tmp_path)
+def test_kernels_compile_for_h100(
+    model: str, compiled: dict[str, Future[list[dict[str, Any]]]]
+) -> None:
+    check(model, FAST, compiled[_job_key(model, FAST)].result())
 
 
 @pytest.mark.slow
 @needs_ptxas
 @pytest.mark.parametrize("model", list(MODELS))
 @pytest.mark.parametrize("config", [SLOW, SLOW_BLOCK32], ids=["float32", "block32"])
-def test_kernels_compile_for_h100_slow(model: str, config: Config, tmp_path: Path) -> None:
-    check(model, config, tmp_path)
+def test_kernels_compile_for_h100_slow(
+    model: str, config: Config, compiled: dict[str, Future[list[dict[str, Any]]]]
+) -> None:
+    check(model, config, compiled[_job_key(model, config)].result())
 
 
 if __name__ == "__main__":
