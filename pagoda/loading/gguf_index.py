@@ -71,6 +71,18 @@ class _Cursor:
         self.pos += length
         return text
 
+    def array(self) -> list[Any]:
+        """A flat array of scalars or strings."""
+        item_type, count = self.unpack("<I"), self.unpack("<Q")
+        if item_type == _STRING:
+            return [self.string() for _ in range(count)]
+        if item_type == _ARRAY:
+            raise ValueError("nested GGUF arrays are not read")
+        fmt = _SCALARS[item_type]
+        values = list(struct.unpack_from(f"<{count}{fmt[1:]}", self.buf, self.pos))
+        self.pos += count * struct.calcsize(fmt)
+        return values
+
     def skip_array(self) -> None:
         item_type, count = self.unpack("<I"), self.unpack("<Q")
         if item_type == _STRING:
@@ -83,8 +95,9 @@ class _Cursor:
             self.pos += count * struct.calcsize(_SCALARS[item_type])
 
 
-def read_gguf_index(path: str) -> GGUFIndex:
-    """The metadata and tensors of the GGUF file at `path`; ValueError if it is not one."""
+def read_gguf_index(path: str, arrays: tuple[str, ...] = ()) -> GGUFIndex:
+    """The metadata and tensors of the GGUF file at `path`; ValueError if it is not one. Array
+    fields are skipped, but for the keys in `arrays` (read whole into `fields`)."""
     # Imported here: the gguf package is needed for GGUF files only (an HF folder runs without).
     from gguf.constants import GGMLQuantizationType
 
@@ -102,6 +115,8 @@ def read_gguf_index(path: str) -> GGUFIndex:
         key, kind = cur.string(), cur.unpack("<I")
         if kind == _STRING:
             fields[key] = cur.string()
+        elif kind == _ARRAY and key in arrays:
+            fields[key] = cur.array()
         elif kind == _ARRAY:
             cur.skip_array()
         else:
@@ -114,6 +129,19 @@ def read_gguf_index(path: str) -> GGUFIndex:
     alignment = int(fields.get("general.alignment", 32))
     start = -(-cur.pos // alignment) * alignment
     return GGUFIndex(fields, [_tensor(mapped, start, *info) for info in infos])
+
+
+# llama.cpp's token types (tokenizer.ggml.token_type): a user-defined token is matched whole in
+# the text before the model's own tokenization, as an added token.
+USER_DEFINED_TOKEN = 4
+
+
+def gguf_user_defined_tokens(gguf_path: str) -> list[str]:
+    """The texts of the file's user-defined tokens (tokenizer.ggml.token_type 4)."""
+    keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type")
+    fields = read_gguf_index(gguf_path, arrays=keys).fields
+    tokens, types = fields.get(keys[0]) or [], fields.get(keys[1]) or []
+    return [t for t, kind in zip(tokens, types) if kind == USER_DEFINED_TOKEN]
 
 
 def gguf_string_field(gguf_path: str, key: str) -> str | None:

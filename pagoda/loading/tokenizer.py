@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from pagoda.config import EngineConfig
-from pagoda.loading.gguf_index import gguf_string_field
+from pagoda.loading.gguf_index import gguf_string_field, gguf_user_defined_tokens
 from pagoda.loading.model_files import gguf_cache_dir, resolve_model, save_to_cache
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ def load_tokenizer(folder: str, gguf_file: str | None, trust_remote_code: bool =
 
     logger.info("converting the tokenizer of %s (once; cached in %s)", gguf_path, cached)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    _match_user_defined_whole(tokenizer, gguf_path)
     if tokenizer.chat_template is None:
         template = gguf_string_field(gguf_path, "tokenizer.chat_template")
         if template is not None:
@@ -76,6 +77,29 @@ def load_tokenizer(folder: str, gguf_file: str | None, trust_remote_code: bool =
     save_to_cache(lambda tmp: _save_entry(tokenizer, tmp), cached)
     saved = _from_cache(cached)  # as every later start loads it
     return tokenizer if saved is None else saved
+
+
+def _match_user_defined_whole(tokenizer: Any, gguf_path: str) -> None:
+    """SentencePiece and llama.cpp match a file's user-defined tokens whole in the text, before
+    the model's own segmentation; transformers' conversion registers only some of them as added
+    tokens (Gemma 3's runs of 2-31 spaces, ids 138-167, are not, so its model splits a run of 53
+    spaces 16 + 16 + 21 where llama.cpp takes 31 + 22). The rest are registered here under their
+    own ids, as the normalizer writes them (Gemma: spaces as U+2581); a token whose text is not
+    in the vocabulary is left alone rather than given a new id."""
+    from tokenizers import AddedToken
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return
+    normalizer = backend.normalizer
+    added, vocab = tokenizer.get_added_vocab(), tokenizer.get_vocab()
+    missing = []
+    for text in gguf_user_defined_tokens(gguf_path):
+        content = text if normalizer is None else normalizer.normalize_str(text)
+        if text not in added and content not in added and content in vocab:
+            missing.append(AddedToken(content, normalized=normalizer is not None, special=False))
+    if missing:
+        tokenizer.add_tokens(missing)
 
 
 def _save_entry(tokenizer: Any, folder: str) -> None:

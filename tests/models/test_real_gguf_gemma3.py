@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.pypi_gguf import fetch
+from pagoda.loading.tokenizer import load_tokenizer
 from tests.models.test_quant_quality import TEXT, compare, score
 from tests.models.test_real_gguf import ENGINE_ARGS, MAX_TOKENS, PROMPTS, SCORED
 from tests.oracle import TIE_GAP, assert_forced_match, hf_forced
@@ -35,6 +36,23 @@ GEMMA_WINDOW = 512
 @pytest.fixture(scope="module")
 def gemma_path() -> str:
     return str(fetch("gemma-3-270m"))
+
+
+def test_gemma3_tokenizer_matches_its_runs_of_spaces_whole(gemma_path: str) -> None:
+    """The file's user-defined tokens are matched whole, as SentencePiece and llama.cpp match
+    them: each run of 2-31 spaces (ids 138-167) is one token, and the ids equal native
+    llama.cpp's (`llama-tokenize --ids --no-bos` on this file, build 11434), where the
+    converted tokenizer alone split a run of 53 spaces 16 + 16 + 21."""
+    tok = load_tokenizer(*os.path.split(gemma_path))
+    for n in range(2, 32):
+        assert tok.encode(" " * n, add_special_tokens=False) == [136 + n], n
+    llama_cpp = {
+        "a" + " " * 53 + "b": [236746, 167, 158, 236763],
+        "def f():\n    return  1": [2063, 517, 6141, 107, 140, 2060, 138, 236770],
+    }
+    for text, ids in llama_cpp.items():
+        assert tok.encode(text, add_special_tokens=False) == ids
+        assert tok.decode(ids) == text
 
 
 @pytest.fixture(scope="module")
