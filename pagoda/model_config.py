@@ -21,6 +21,19 @@ def head_dim_of(hf_config: Any) -> int:
     return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
 
 
+def kv_cache_dims_of(hf_config: Any) -> tuple[int, int, int]:
+    """(kv heads, key values, value values) per token of one layer's cache. Multi-head latent
+    attention (DeepSeek-V2/V3: `kv_lora_rank` set) caches one shared row per token, the
+    compressed latent and the rotary key part (512 + 64 = 576 values for V3), and no separate
+    values (they are the latent's first kv_lora_rank values): (1, rank + rope, 0)."""
+    rank = int(getattr(hf_config, "kv_lora_rank", 0) or 0)
+    if rank:
+        return 1, rank + int(hf_config.qk_rope_head_dim), 0
+    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = head_dim_of(hf_config)
+    return int(heads), head_dim, head_dim
+
+
 def sliding_window_of(hf_config: Any, index: int) -> int | None:
     """The attention window of layer `index` (HF's rule): `sliding_window` where `layer_types`
     marks the layer "sliding_attention", or on every layer when the config has a window and no
@@ -69,8 +82,7 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
-        cfg = self.hf_config
-        return int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        return kv_cache_dims_of(self.hf_config)[0]
 
     @property
     def num_kv_heads_per_rank(self) -> int:
@@ -79,19 +91,32 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return head_dim_of(self.hf_config)
+        """Values per kv head of the cache's keys (MLA: the latent row, kv_cache_dims_of)."""
+        return kv_cache_dims_of(self.hf_config)[1]
+
+    @property
+    def v_head_dim(self) -> int:
+        """Values per kv head of the cache's values (MLA: 0, the keys hold them)."""
+        return kv_cache_dims_of(self.hf_config)[2]
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (DeepSeek): one latent row per token, no values."""
+        return bool(getattr(self.hf_config, "kv_lora_rank", 0))
 
     @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
     def kv_bytes_per_token(self, kv_quant_dtype: str | None = None) -> int:
-        """K and V bytes of one token over all layers in one rank's cache: head_dim values per kv
-        head in the model dtype, or in `kv_quant_dtype` plus one KV_SCALE_DTYPE scale
-        (CacheConfig.kv_quant_dtype); a context-parallel rank holds 1/N of the tokens."""
+        """K and V bytes of one token over all layers in one rank's cache: head_dim (keys) and
+        v_head_dim (values) values per kv head in the model dtype, or in `kv_quant_dtype` plus
+        one KV_SCALE_DTYPE scale each (CacheConfig.kv_quant_dtype); a context-parallel rank
+        holds 1/N of the tokens."""
+        values = self.head_dim + self.v_head_dim
         if kv_quant_dtype is None:
-            per_head = self.head_dim * DTYPE_BYTES[self.dtype]
+            per_head = values * DTYPE_BYTES[self.dtype]
         else:
-            per_head = self.head_dim * DTYPE_BYTES[kv_quant_dtype] + DTYPE_BYTES[KV_SCALE_DTYPE]
-        per_token = 2 * self.num_layers_per_rank * self.num_kv_heads_per_rank * per_head
+            per_head = values * DTYPE_BYTES[kv_quant_dtype] + 2 * DTYPE_BYTES[KV_SCALE_DTYPE]
+        per_token = self.num_layers_per_rank * self.num_kv_heads_per_rank * per_head
         return -(-per_token // self.prefill_context_parallel_size)

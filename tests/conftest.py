@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
@@ -59,7 +60,17 @@ if _WORKERS > 1:
 
 # One tiny random model per family (`_tiny_config`); the HF oracle tests run each of them
 # (tests/models/test_models.py, tests/engine/test_greedy_oracle.py)
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "mixtral")
+TINY_ARCHS = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma3",
+    "phi3",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v3",
+)
 # The window of the tiny models with sliding-window layers: well inside PROMPT_A's 21 tokens
 TINY_SLIDING_WINDOW = 6
 
@@ -164,6 +175,41 @@ def _tiny_config(arch: str) -> Any:
             num_experts_per_tok=2,
             sliding_window=TINY_SLIDING_WINDOW,
         )
+    if arch == "deepseek_v3":
+        # latent attention (rank 32 + rope 16 cached per token; q through its own low rank),
+        # interleaved rope under YaRN; layer 0 dense, layers 1-2 a mixture of 8 experts in 4
+        # groups (top 2 of the best 2 groups) beside one shared expert
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 16.0,  # max_position_embeddings / original_max_position_embeddings
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+        }
+        return DeepseekV3Config(
+            **{**_COMMON, "num_key_value_heads": 4},
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=24,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            rope_parameters=rope,
+            tie_word_embeddings=False,
+        )
     raise ValueError(f"unknown tiny arch {arch!r}; one of {TINY_ARCHS}")
 
 
@@ -172,6 +218,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
     """Every parameter random and far from HF's init (biases are zero there, norms one), so a
     weight loaded into the wrong place or skipped changes the logits."""
     gen = torch.Generator().manual_seed(seed)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias, a buffer in HF
+            buffer.copy_(0.1 * torch.randn(buffer.shape, generator=gen))
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=gen)
         if "norm" in name:

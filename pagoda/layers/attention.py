@@ -181,12 +181,12 @@ def _decode_attention_sdpa(
     kd, vd = read_kv(cache, meta.decode_block_tables, qd.dtype)  # (B, L, Hkv, D)
     if not window:
         if meta.decode_mask is None:
-            meta.decode_mask = _decode_mask(meta.decode_seq_lens, kd.shape[1], qd.dtype, None)
+            meta.decode_mask = decode_mask(meta.decode_seq_lens, kd.shape[1], qd.dtype, None)
         mask = meta.decode_mask
     elif window in meta.decode_window_masks:
         mask = meta.decode_window_masks[window]
     else:
-        mask = _decode_mask(meta.decode_seq_lens, kd.shape[1], qd.dtype, window)
+        mask = decode_mask(meta.decode_seq_lens, kd.shape[1], qd.dtype, window)
         meta.decode_window_masks[window] = mask
     return F.scaled_dot_product_attention(
         qd.unsqueeze(2),  # (B, H, 1, D)
@@ -198,7 +198,7 @@ def _decode_attention_sdpa(
     ).squeeze(2)
 
 
-def _decode_mask(
+def decode_mask(
     seq_lens: torch.Tensor, num_keys: int, dtype: torch.dtype, window: int | None
 ) -> torch.Tensor:
     """(B, 1, 1, num_keys) additive mask of decode rows of lengths seq_lens (B,): 0 on keys

@@ -50,13 +50,16 @@ class KVCache:
         dtype: torch.dtype,
         quant_dtype: torch.dtype | None,
         device: torch.device | str,
+        v_head_dim: int | None = None,
     ) -> KVCache:
-        """Zeroed cache in `dtype`, or in `quant_dtype` with scales when that is not None."""
+        """Zeroed cache in `dtype`, or in `quant_dtype` with scales when that is not None;
+        values of v_head_dim (head_dim when None; 0 for a latent cache, whose v is empty)."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        v_shape = shape[:3] + (head_dim if v_head_dim is None else v_head_dim,)
         if quant_dtype is None:
-            return cls(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+            return cls(_zeros(shape, dtype, device), _zeros(v_shape, dtype, device))
         k = _zeros(shape, quant_dtype, device)
-        v = _zeros(shape, quant_dtype, device)
+        v = _zeros(v_shape, quant_dtype, device)
         k_scale = _zeros(shape[:3], KV_SCALE_DTYPE, device)
         v_scale = _zeros(shape[:3], KV_SCALE_DTYPE, device)
         return cls(k, v, k_scale, v_scale)
@@ -145,9 +148,10 @@ def write_kv_cache(
     # k, v: (num_tokens, num_kv_heads, head_dim); slot_mapping: (num_tokens,) flat slot ids
     if cache.k_scale is None or cache.v_scale is None:
         k_flat = cache.k.view(-1, *cache.k.shape[2:])
-        v_flat = cache.v.view(-1, *cache.v.shape[2:])
         k_flat.index_copy_(0, slot_mapping, k.to(cache.k.dtype))
-        v_flat.index_copy_(0, slot_mapping, v.to(cache.v.dtype))
+        if cache.v.shape[-1]:  # a latent cache (MLA) has no values
+            v_flat = cache.v.view(-1, *cache.v.shape[2:])
+            v_flat.index_copy_(0, slot_mapping, v.to(cache.v.dtype))
         return
     _write_quantized(k, cache.k, cache.k_scale, slot_mapping)
     _write_quantized(v, cache.v, cache.v_scale, slot_mapping)
@@ -156,6 +160,8 @@ def write_kv_cache(
 def _write_quantized(
     x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
+    if x.shape[-1] == 0:  # a latent cache's values: nothing stored
+        return
     q, scale = quantize_kv(x, values.dtype)
     # Copied as bytes: CPU index_copy_ has no float8 kernel (torch 2.13); int8 copies the same.
     flat = values.view(torch.uint8).view(-1, *values.shape[2:])
@@ -214,6 +220,7 @@ def allocate_kv_caches(
             dtype,
             quant_dtype,
             device,
+            config.v_head_dim,
         )
         for _ in range(config.num_layers_per_rank)
     ]

@@ -33,8 +33,10 @@ class SparseMoE(nn.Module):
         make_expert: Callable[[int], nn.Module],
         dtype: torch.dtype,
         tp: TensorParallel = SINGLE,
+        router: nn.Module | None = None,
     ) -> None:
-        """make_expert(index): expert `index`'s MLP, whole (never sharded)."""
+        """make_expert(index): expert `index`'s MLP, whole (never sharded); router: the `gate`
+        module when the family's is not a plain Router (it then overrides `route`)."""
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
@@ -43,7 +45,7 @@ class SparseMoE(nn.Module):
         self.first_expert, self.num_held = tp.part(num_experts, "num_experts")
         # the router, whole on every rank and never quantized (a rounded logit can pick
         # another expert)
-        self.gate = Router(hidden_size, num_experts, dtype)
+        self.gate = router if router is not None else Router(hidden_size, num_experts, dtype)
         # every expert's slot, so that checkpoint names index the list; other ranks' are None
         self.experts = nn.ModuleList(
             make_expert(e) if self.holds(e) else _Elsewhere() for e in range(num_experts)

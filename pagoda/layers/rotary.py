@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -60,7 +60,58 @@ def compute_inv_freq(params: dict[str, Any], rotary_dim: int, long: bool = False
         inv_freq = inv_freq / float(params["factor"])
     elif rope_type == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, params)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, params, base, rotary_dim)
     return inv_freq
+
+
+def yarn_factor(params: dict[str, Any], max_position_embeddings: int) -> float:
+    """YaRN's context factor: `factor`, else max_position_embeddings over the original length."""
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / float(params["original_max_position_embeddings"])
+    return float(factor)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `scale`: 0.1 * mscale * ln(scale) + 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(params: dict[str, Any], max_position_embeddings: int) -> float:
+    """The factor YaRN multiplies cos and sin by (HF's rule: `attention_factor`, else the
+    ratio of the mscale and mscale_all_dim temperatures when both are set, else mscale(factor))."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = yarn_factor(params, max_position_embeddings)
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
+
+
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, params: dict[str, Any], base: float, rotary_dim: int
+) -> torch.Tensor:
+    # Pairs turning fewer than beta_slow times over the original context are interpolated
+    # (inv_freq / factor), more than beta_fast times kept, and a linear ramp blends between.
+    factor = float(params["factor"])  # get_rope fills it in when the config has none
+    original = float(params["original_max_position_embeddings"])
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -167,6 +218,12 @@ def get_rope(
     on every sequence within the original context."""
     params = rope_parameters(hf_config)
     rotary_dim = rotary_dim_of(params, head_dim)
+    if params["rope_type"] == "yarn":
+        max_positions = int(hf_config.max_position_embeddings)
+        scale = yarn_attention_factor(params, max_positions)
+        params["factor"] = yarn_factor(params, max_positions)
+        inv_freq = compute_inv_freq(params, rotary_dim)
+        return RotaryEmbedding(rotary_dim, max_position, inv_freq, dtype, scaling=scale)
     inv_freq = compute_inv_freq(params, rotary_dim)
     if params["rope_type"] != "longrope":
         return RotaryEmbedding(rotary_dim, max_position, inv_freq, dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda.models import gemma3, llama, mistral, mixtral, phi3, qwen3, qwen3_moe
+from pagoda.models import deepseek_v3, gemma3, llama, mistral, mixtral, phi3, qwen3, qwen3_moe
 from pagoda.models.base import DecoderForCausalLM
 from pagoda.models.family import ModelFamily
 
@@ -19,6 +19,7 @@ FAMILIES: tuple[tuple[ModelFamily, type[DecoderForCausalLM]], ...] = (
     (phi3.FAMILY, phi3.Phi3ForCausalLM),
     (qwen3_moe.FAMILY, qwen3_moe.Qwen3MoeForCausalLM),
     (mixtral.FAMILY, mixtral.MixtralForCausalLM),
+    (deepseek_v3.FAMILY, deepseek_v3.DeepseekV3ForCausalLM),
 )
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {

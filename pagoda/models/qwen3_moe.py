@@ -104,32 +104,14 @@ class MoEDecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
 
-class Qwen3MoeForCausalLM(DecoderForCausalLM):
-    attention_cls: type[LlamaAttention] = Qwen3Attention
+class MoECausalLM(DecoderForCausalLM):
+    """A causal LM whose mixtures' experts arrive per expert (HF checkpoints) or stacked (a
+    GGUF file's `ffn_*_exps`, transformers 5's fused parameters): each is loaded as HF's
+    per-expert names, only the experts this rank holds (layers/moe.py)."""
 
-    def moe_spec(self, config: Any, index: int) -> MoESpec | None:
-        """Layer `index`'s mixture, HF's rule: every decoder_sparse_step-th layer not in
-        mlp_only_layers; None: a dense MLP."""
-        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-        dense = index in (getattr(config, "mlp_only_layers", None) or [])
-        if dense or config.num_experts == 0 or (index + 1) % step:
-            return None
-        return MoESpec(
-            config.num_experts,
-            config.num_experts_per_tok,
-            bool(config.norm_topk_prob),
-            config.moe_intermediate_size,
-        )
-
-    def make_model(
-        self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, pp: PipelineStage
-    ) -> DecoderModel:
-        def make_layer(index: int, cache_index: int) -> nn.Module:
-            spec = self.moe_spec(hf_config, index)
-            attention = self.attention_cls
-            return MoEDecoderLayer(hf_config, cache_index, dtype, tp, index, attention, spec)
-
-        return LlamaModel(hf_config, dtype, tp, pp, make_layer=make_layer)
+    def num_experts_of(self, index: int) -> int | None:
+        """The experts of layer `index`'s mixture; None for a dense layer."""
+        raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         return super().load_weights(self._per_expert(weights))
@@ -147,9 +129,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 yield name, tensor
                 continue
             prefix, proj = match.group(1), match.group(2)
-            spec = self.moe_spec(self.config, int(prefix.split(".")[2]))
-            assert spec is not None, f"{name}: experts of a dense layer"
-            num_experts = spec.num_experts
+            num_experts = self.num_experts_of(int(prefix.split(".")[2]))
+            assert num_experts is not None, f"{name}: experts of a dense layer"
             stacked = tensor if len(tensor.shape) == 2 else tensor.reshape(-1, tensor.shape[-1])
             rows = stacked.shape[0] // num_experts
             for e in range(num_experts):
@@ -163,13 +144,42 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
                 else:
                     yield f"{prefix}.{e}.{proj}.weight", part
 
-    def _mixture(self, experts: str) -> Any:
-        """The SparseMoE of `experts` (model.layers.N.mlp.experts)."""
-        return self.model.layers[int(experts.split(".")[2])].mlp
-
     def _holds(self, experts: str, e: int) -> bool:
         """Whether this rank holds expert `e` of `experts` (model.layers.N.mlp.experts)."""
         layer = int(experts.split(".")[2])
         if not self.model.start_layer <= layer < self.model.end_layer:
             return True  # another stage's: the base skips it
-        return bool(self._mixture(experts).holds(e))
+        mixture: Any = self.model.layers[layer].mlp
+        return bool(mixture.holds(e))
+
+
+class Qwen3MoeForCausalLM(MoECausalLM):
+    attention_cls: type[LlamaAttention] = Qwen3Attention
+
+    def moe_spec(self, config: Any, index: int) -> MoESpec | None:
+        """Layer `index`'s mixture, HF's rule: every decoder_sparse_step-th layer not in
+        mlp_only_layers; None: a dense MLP."""
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        dense = index in (getattr(config, "mlp_only_layers", None) or [])
+        if dense or config.num_experts == 0 or (index + 1) % step:
+            return None
+        return MoESpec(
+            config.num_experts,
+            config.num_experts_per_tok,
+            bool(config.norm_topk_prob),
+            config.moe_intermediate_size,
+        )
+
+    def num_experts_of(self, index: int) -> int | None:
+        spec = self.moe_spec(self.config, index)
+        return None if spec is None else spec.num_experts
+
+    def make_model(
+        self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, pp: PipelineStage
+    ) -> DecoderModel:
+        def make_layer(index: int, cache_index: int) -> nn.Module:
+            spec = self.moe_spec(hf_config, index)
+            attention = self.attention_cls
+            return MoEDecoderLayer(hf_config, cache_index, dtype, tp, index, attention, spec)
+
+        return LlamaModel(hf_config, dtype, tp, pp, make_layer=make_layer)

@@ -62,10 +62,11 @@ def test_tiny_models_greedy_match_hf(arch: str, tiny_model_dir, tiny_hf_model) -
     assert_outputs_match(outs, expected)
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
-def test_sliding_window_models_logprobs_match_hf(arch: str, tiny_model_dir, tiny_hf_model) -> None:
+@pytest.mark.parametrize("arch", ["mistral", "gemma3", "deepseek_v3"])
+def test_chunked_engine_logprobs_match_hf(arch: str, tiny_model_dir, tiny_hf_model) -> None:
     """The sliding-window families (window 6, conftest.py) through the whole engine on the
-    C++ kernels: prompts of 3 to 30 tokens prefilled in chunks of at most 16 tokens beside
+    C++ kernels, and DeepSeek's latent attention (absorbed form, latent cache) on the torch
+    backend: prompts of 3 to 30 tokens prefilled in chunks of at most 16 tokens beside
     other requests' decodes, then 24 decoded tokens; tokens, their log-probs and every prompt
     token's log-prob against HF."""
     path = tiny_model_dir(arch)

@@ -28,6 +28,7 @@ from pagoda.loading.gguf import gguf_to_hf_name, unpermute_qk
 from pagoda.loading.hf_config import GGUFConfig, _family_fields, load_hf_config, max_positions
 from pagoda.loading.loader import iter_weights, load_model
 from pagoda.loading.model_files import resolve_model
+from pagoda.model_config import kv_cache_dims_of
 from pagoda.models import FAMILIES, MODEL_REGISTRY, architectures_of, get_model_class, gguf_family
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.runner.step_inputs import build_attention_metadata
@@ -50,11 +51,11 @@ class PagedRunner:
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64) -> None:
         cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads, k_dim, v_dim = kv_cache_dims_of(cfg)  # a latent cache: (1, rank + rope, 0)
         self.model = model
         self.kv_caches = [
             KVCache.allocate(
-                num_blocks, BLOCK_SIZE, cfg.num_key_value_heads, head_dim, model.dtype, None, "cpu"
+                num_blocks, BLOCK_SIZE, kv_heads, k_dim, model.dtype, None, "cpu", v_dim
             )
             for _ in range(cfg.num_hidden_layers)
         ]
@@ -398,8 +399,8 @@ def test_rope_parameters_fallback_to_legacy_attributes() -> None:
 
 
 def test_unsupported_rope_type_raises() -> None:
-    cfg = LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+    cfg = LlamaConfig(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
         get_rope(cfg, 128, 16)
 
 
