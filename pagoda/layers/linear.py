@@ -22,7 +22,7 @@ from torch import nn
 
 from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import QuantMethod
-from pagoda.layers.quant_forms import cpu_matmul_norm, cpu_matmul_silu
+from pagoda.layers.quant_forms import CPU_KERNELS, cpu_matmul_norm, cpu_matmul_silu
 
 Part = tuple[int, int]  # (start, length) along one dimension of a checkpoint tensor
 
@@ -102,7 +102,7 @@ class Linear(nn.Module):
         """Whether a row op can run inside this layer's CPU-kernel matmul: its weight is in the
         kernels' form, it is whole (no row-parallel sum) and x is float32."""
         return (
-            getattr(self, "kernel", None) in ("cpu_q4", "cpu_q8")
+            getattr(self, "kernel", None) in CPU_KERNELS
             and self.in_part is None
             and x.dtype == torch.float32
         )

@@ -27,6 +27,7 @@ from pagoda.layers.quant_forms import (
     quantize_int4_groups,
     quantize_int8_groups,
     set_cpu_q4,
+    set_cpu_q5,
     set_cpu_q8,
     set_int4,
     set_int8,
@@ -159,8 +160,9 @@ class FP8Method(QuantMethod):
 
 class GGUFMethod(QuantMethod):
     """GGUF blocks kept quantized: Q4_0 / Q4_1 / Q4_K repacked for the int4 op and Q8_0 / Q5_0
-    as int8 codes (group 32, no re-quantization); Q6_K, the other types and layers mixing the
-    two kinds re-quantized per row to int8; float tensors (F32 / F16) stay float."""
+    as int8 codes (group 32, no re-quantization); on pagoda's CPU kernels Q5_0 keeps its own
+    5 bits (cpu_q5, the file's bytes). Q6_K, the other types and layers mixing the kinds
+    re-quantized per row to int8; float tensors (F32 / F16) stay float."""
 
     name = "gguf"
     loads_raw = True
@@ -176,6 +178,8 @@ class GGUFMethod(QuantMethod):
             layer.kernel = "float"
             return
         qtypes = {p.qtype if isinstance(p, gguf.GGUFWeight) else "float" for p in parts}
+        if qtypes == {"Q5_0"} and self._five_bit_form(layer, parts):
+            return
         four_bit = qtypes <= set(gguf.FOUR_BIT_TYPES)
         if four_bit or qtypes <= set(gguf.EIGHT_BIT_TYPES):
             groups = [gguf.decode(p) for p in parts]
@@ -194,6 +198,14 @@ class GGUFMethod(QuantMethod):
                 return
         floats = [p.dequantize() if isinstance(p, gguf.GGUFWeight) else p.float() for p in parts]
         set_int8(layer, torch.cat(floats, dim=0))
+
+    @staticmethod
+    def _five_bit_form(layer: Any, parts: list[Any]) -> bool:
+        """Q5_0 as the file holds it (5-bit codes, fp16 scales) on the CPU kernels; False where
+        they are off (the int8 groups below then take it)."""
+        groups = [gguf.decode(p) for p in parts]
+        codes = torch.cat([g.codes for g in groups]).to(torch.int16) + 16  # back to [0, 31]
+        return set_cpu_q5(layer, codes, torch.cat([g.scale for g in groups]))
 
     @staticmethod
     def _kernel_form(

@@ -26,6 +26,8 @@ torch's: codes in tiles of 16 rows laid out for VNNI dot products, multiplied ag
 int8-quantized activations, for every step size (pagoda/kernels/cpu/quant_gemm.cpp):
 
     cpu_q4:  packed (ceil(N / 16), K // 32, 320) uint8, w = scale * code + offset (fp16)
+    cpu_q5:  packed (ceil(N / 16), K // 32, 352) uint8, w = scale * (code - 16) (GGUF Q5_0,
+             its bytes: low nibbles, a bit plane of fifth bits, fp16 scales)
     cpu_q8:  packed (ceil(N / 16), K // 32, 512) uint8 (code + 128), packed_scales float32
              (ceil(N / 16), K // 32 or 1, 16): w = scale * code, per group or per row
 
@@ -269,6 +271,38 @@ def set_cpu_q4(layer: Any, codes: torch.Tensor, scale: torch.Tensor, offset: tor
     return True
 
 
+def pack_q5x16(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The CPU kernels' 5-bit form, w = scale * (code - 16) per group of 32: codes (N, K) in
+    [0, 31], scale (N, K // 32) (fp16 values: Q5_0's d) -> uint8 (ceil(N / 16), K // 32, 352),
+    per tile of 16 rows and group: the low nibbles as pack_q4x16's 4 blocks of 64 bytes, then 8
+    masks of 64 bits (mask 2s + h, bit 4j + b: the fifth bit of row j's code 8s + 4h + b), then
+    the 16 scales as fp16 (N padded with zero rows)."""
+    n, k = codes.shape
+    groups, pad = k // 32, -n % 16
+    tiles = (n + pad) // 16
+    c = F.pad(codes.to(torch.uint8), (0, 0, 0, pad)).view(tiles, 16, groups, 4, 2, 4)
+    low = c & 0x0F  # (T, j, G, s, h, b)
+    nibbles = low[..., 0, :] | (low[..., 1, :] << 4)  # (T, j, G, s, b)
+    code_part = nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, groups, 256)
+    fifth = (c >> 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, 8, 8, 8)  # mask, byte, bit
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
+    masks = (fifth.to(torch.int32) * weights).sum(-1).to(torch.uint8).view(tiles, groups, 64)
+    half = F.pad(scale.to(torch.float16), (0, 0, 0, pad)).view(tiles, 16, groups)
+    scales = half.permute(0, 2, 1).contiguous().view(torch.uint8).reshape(tiles, groups, 32)
+    return torch.cat([code_part, masks, scales], -1).contiguous()
+
+
+def set_cpu_q5(layer: Any, codes: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Leave the CPU kernels' 5-bit form on the layer (w = scale * (code - 16), codes in
+    [0, 31], groups of 32: GGUF Q5_0's bytes); False where the kernels are off."""
+    if cpu_kernels_for(layer) is None:
+        return False
+    layer.register_buffer("packed", pack_q5x16(codes, scale))
+    layer.cpu_rows = codes.shape[0]
+    layer.kernel = "cpu_q5"
+    return True
+
+
 def set_cpu_q8(layer: Any, codes: torch.Tensor, scale: torch.Tensor) -> bool:
     """Leave the CPU kernels' 8-bit form on the layer (w = scale * code; scale (N, K // 32) or
     (N, 1)); False where the kernels are off."""
@@ -292,11 +326,17 @@ def cpu_q8_rows(layer: Any, ids: torch.Tensor) -> torch.Tensor:
     return (codes * scales[..., None]).reshape(ids.shape[0], groups * 32)
 
 
+# The kernel forms of pagoda's CPU kernels; the 4-bit and 5-bit ones run q4x16_matmul (which
+# tells them apart by their group bytes), cpu_q8 q8x16_matmul.
+FOUR_BIT_KERNELS = ("cpu_q4", "cpu_q5")
+CPU_KERNELS = (*FOUR_BIT_KERNELS, "cpu_q8")
+
+
 def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """x @ w^T on pagoda's CPU kernels: x (..., K) -> float32 (..., N)."""
     ops = torch.ops.pagoda_cpu
     rows = x.reshape(-1, x.shape[-1])
-    if layer.kernel == "cpu_q4":
+    if layer.kernel in FOUR_BIT_KERNELS:
         y = ops.q4x16_matmul(rows, layer.packed, layer.cpu_rows, 2)
     else:
         y = ops.q8x16_matmul(rows, layer.packed, layer.packed_scales, layer.cpu_rows, 2)
@@ -309,7 +349,7 @@ def cpu_matmul_norm(
     """cpu_matmul of norm(x + residual) and x + residual (x where residual is None), in one
     call: x, residual (T, K); norm a RMSNorm -> (float32 (T, N), (T, K))."""
     ops = torch.ops.pagoda_cpu
-    if layer.kernel == "cpu_q4":
+    if layer.kernel in FOUR_BIT_KERNELS:
         return ops.q4x16_matmul_norm(  # type: ignore[no-any-return]
             x, residual, norm.weight, norm.eps, layer.packed, layer.cpu_rows, 2
         )
@@ -321,7 +361,7 @@ def cpu_matmul_norm(
 def cpu_matmul_silu(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """cpu_matmul of silu(gate) * up in one call: x (T, 2K), gate | up -> float32 (T, N)."""
     ops = torch.ops.pagoda_cpu
-    if layer.kernel == "cpu_q4":
+    if layer.kernel in FOUR_BIT_KERNELS:
         return ops.q4x16_matmul_silu(x, layer.packed, layer.cpu_rows, 2)  # type: ignore[no-any-return]
     return ops.q8x16_matmul_silu(  # type: ignore[no-any-return]
         x, layer.packed, layer.packed_scales, layer.cpu_rows, 2
@@ -340,7 +380,7 @@ def take_float_weight(module: Any) -> torch.Tensor:
 
 def apply_stored(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """The matmul of whatever `set_int4` / `set_int8` left on the layer (no bias)."""
-    if layer.kernel in ("cpu_q4", "cpu_q8"):
+    if layer.kernel in CPU_KERNELS:
         return cpu_matmul(layer, x).to(x.dtype)
     if layer.kernel == "float":
         return F.linear(x, layer.weight)

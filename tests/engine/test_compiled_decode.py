@@ -147,7 +147,9 @@ def test_cli_optimization_flag() -> None:
 
 
 @pytest.mark.slow
-def test_compiled_smollm2_gguf_equals_eager_bit_for_bit(smollm2_path: str) -> None:
+def test_compiled_smollm2_gguf_equals_eager_bit_for_bit(
+    smollm2_path: str, smollm2_o2_llm: LLM
+) -> None:
     """SmolLM2's Q4_1 GGUF (the B1 benchmark's model): compiled decode steps and eager ones call
     the same CPU kernels for every op that rounds (matmuls, attention, norms, activation,
     rotary: kernels/cpu), so their greedy tokens and every log-prob are equal, not merely close
@@ -160,8 +162,7 @@ def test_compiled_smollm2_gguf_equals_eager_bit_for_bit(smollm2_path: str) -> No
     eager_llm = LLM(smollm2_path, num_gpu_blocks_override=256)
     eager = eager_llm.generate(batch[:1], params) + eager_llm.generate(batch, params)
     del eager_llm
-    compiled_llm = LLM(smollm2_path, optimization_level=2, num_gpu_blocks_override=256)
-    assert compiled_llm.engine.runner.compiled is not None
+    compiled_llm = smollm2_o2_llm  # -O2, the same pool
     compiled = compiled_llm.generate(batch[:1], params) + compiled_llm.generate(batch, params)
     assert_same_outputs(compiled, eager, atol=0.0)
 

@@ -248,23 +248,28 @@ def test_ngram_on_smollm2_accepts_copied_text(smollm2_path: str, smollm2_llm: LL
 # its fast variant: tests/unit/test_cpu_kernels.py (the attention gives a request the same bits
 # in any batch; the matmuls are row-wise by construction)
 @pytest.mark.slow
-def test_ngram_on_the_smollm2_gguf_at_o2_keeps_the_plain_bits(smollm2_path: str) -> None:
+def test_ngram_on_the_smollm2_gguf_at_o2_keeps_the_plain_bits(
+    smollm2_path: str, smollm2_o2_llm: LLM
+) -> None:
     """SmolLM2's GGUF at -O2 (the copy benchmark's engine): pure verification steps run as
     compiled one-token rows on the CPU kernels, which give a row the same bits in any batch, so
     the greedy tokens and their log-probs equal the plain engine's exactly; before the attention
     split requests by their own length, a near-tie flipped a token of the copy workload."""
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=2)
-    outputs = []
-    for spec in (None, NGRAM):
-        llm = LLM(smollm2_path, optimization_level=2, max_model_len=512, speculative_config=spec)
-        assert llm.engine.runner.compiled is not None
-        # the copy benchmark's second passage: its log-probs parted from position 34 before
-        prompt = copy_prompts(llm.get_tokenizer(), 2)[1]
-        outputs.append(llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0])
-        if spec is not None:
-            assert llm.engine.stats().spec_num_accepted_tokens >= 16
-        del llm
-    plain, got = outputs
+    ngram = LLM(
+        smollm2_path,
+        optimization_level=2,
+        max_model_len=512,
+        num_gpu_blocks_override=256,
+        speculative_config=NGRAM,
+    )
+    assert ngram.engine.runner.compiled is not None
+    # the copy benchmark's second passage: its log-probs parted from position 34 before
+    prompt = [{"prompt_token_ids": copy_prompts(ngram.get_tokenizer(), 2)[1]}]
+    got = ngram.generate(prompt, params)[0].outputs[0]
+    assert ngram.engine.stats().spec_num_accepted_tokens >= 16
+    del ngram
+    plain = smollm2_o2_llm.generate(prompt, params)[0].outputs[0]
     assert got.token_ids == plain.token_ids
     assert got.logprobs is not None and plain.logprobs is not None
     for lp_got, lp_plain in zip(got.logprobs, plain.logprobs):

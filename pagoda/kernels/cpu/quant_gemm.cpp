@@ -12,6 +12,11 @@
 //     320 bytes a group: 4 blocks of 64 (block s, byte 4j + b: code[j, 8s + b] in the low nibble,
 //     code[j, 8s + 4 + b] in the high one), then the 16 rows' scales, then their offsets, fp16.
 //     y[m, n] = sum_g scale * xd * dot(code, q) + offset * xs
+//   5-bit (q4x16_matmul on 352-byte groups; GGUF Q5_0 as the file holds it, 22 bytes / 32
+//     values), w[n, k] = scale[n, g] * (code[n, k] - 16), code in [0, 31]: the low nibbles as
+//     the 4-bit blocks, then 8 masks of 64 bits (mask 2s + h, bit 4j + b: the fifth bit of
+//     code[j, 8s + 4h + b], the code the 4-bit block s holds in its low (h = 0) or high nibble),
+//     then the 16 rows' scales, fp16; the offset is -16 * scale.
 //   8-bit (q8x16_matmul), w[n, k] = scale[n, g] * code[n, k], code in [-128, 127]: 512 bytes a
 //     group, 8 blocks of 64 (block s, byte 4j + b: code[j, 4s + b] + 128, as uint8); scales apart,
 //     float32 (tiles, groups, 16) or (tiles, 1, 16) for one scale a row.
@@ -30,6 +35,7 @@ namespace {
 
 constexpr int64_t ROWS = 16;       // output rows per tile
 constexpr int64_t Q4_BYTES = 320;  // a tile's group of 4-bit codes, scales and offsets
+constexpr int64_t Q5_BYTES = 352;  // a tile's group of 5-bit codes and scales
 constexpr int64_t Q8_BYTES = 512;  // a tile's group of 8-bit codes
 // Activation rows per pass over a tile: a pass keeps the tile's unpacked codes in registers
 // (8 of them) beside one accumulator per row; AVX2 has 16 registers, AVX-512 32.
@@ -154,6 +160,133 @@ void q4_tile_scalar(const uint8_t* tile, const Pass& p, int m) {
         const int64_t i = r * p.groups + g;
         sum += static_cast<float>(dot) * (fp16(b + 256 + 2 * j) * p.xd[i]) +
                fp16(b + 288 + 2 * j) * p.xs[i];
+      }
+      p.y[r * p.ldy + j] = sum;
+    }
+  }
+}
+
+// ---- 5-bit ----------------------------------------------------------------------------------
+
+// The fifth bits of 64 codes (one 4-bit block's low or high nibbles) from their mask.
+inline uint64_t fifth_mask(const uint8_t* b, int i) {
+  uint64_t bits;
+  std::memcpy(&bits, b + 256 + 8 * i, 8);
+  return bits;
+}
+
+template <int M>
+PAGODA_VNNI void q5_tile_vnni(const uint8_t* tile, const Pass& p) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i fifth = _mm512_set1_epi8(0x10);
+  const __m512 minus16 = _mm512_set1_ps(-16.f);
+  __m512 acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const uint8_t* b = tile + g * Q5_BYTES;
+    __m512i w[8];
+    for (int s = 0; s < 4; ++s) {
+      const __m512i v = _mm512_loadu_si512(b + 64 * s);
+      w[2 * s] = _mm512_and_si512(v, mask);
+      w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+    for (int i = 0; i < 8; ++i) {
+      w[i] = _mm512_or_si512(w[i], _mm512_maskz_mov_epi8(fifth_mask(b, i), fifth));
+    }
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 320)));
+    const __m512 offset = _mm512_mul_ps(scale, minus16);
+    for (int r = 0; r < M; ++r) {
+      int32_t qw[8];
+      load_words(p.q + r * p.k + g * GROUP, qw, 8);
+      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+      for (int s = 0; s < 4; ++s) {
+        d0 = _mm512_dpbusd_epi32(d0, w[2 * s], _mm512_set1_epi32(qw[2 * s]));
+        d1 = _mm512_dpbusd_epi32(d1, w[2 * s + 1], _mm512_set1_epi32(qw[2 * s + 1]));
+      }
+      const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+      const int64_t i = r * p.groups + g;
+      acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(scale, _mm512_set1_ps(p.xd[i])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(p.xs[i]), acc[r]);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << p.valid) - 1u);
+  for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(p.y + r * p.ldy, keep, acc[r]);
+}
+
+// 0x10 in byte i where bit i of `word` is set (32 codes of rows 8h .. 8h + 7).
+PAGODA_AVX2 inline __m256i fifth_bits_avx2(uint32_t word) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(word)), spread);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// maddubs of a code (<= 31) and an activation (|q| <= 127) pair: <= 7874; 4 blocks add up to
+// <= 31496, inside int16, so a group's 8 blocks are widened to int32 in two halves.
+template <int M>
+PAGODA_AVX2 void q5_tile_avx2(const uint8_t* tile, const Pass& p) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 minus16 = _mm256_set1_ps(-16.f);
+  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const uint8_t* b = tile + g * Q5_BYTES;
+      __m256i w[8];
+      for (int s = 0; s < 4; ++s) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
+        w[2 * s] = _mm256_and_si256(v, mask);
+        w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      }
+      for (int i = 0; i < 8; ++i) {
+        const auto word = static_cast<uint32_t>(fifth_mask(b, i) >> (32 * h));
+        w[i] = _mm256_or_si256(w[i], fifth_bits_avx2(word));
+      }
+      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 320 + 16 * h)));
+      const __m256 offset = _mm256_mul_ps(scale, minus16);
+      for (int r = 0; r < M; ++r) {
+        int32_t qw[8];
+        load_words(p.q + r * p.k + g * GROUP, qw, 8);
+        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+        for (int s = 0; s < 4; ++s) {
+          lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[s], _mm256_set1_epi32(qw[s])));
+          hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w[s + 4], _mm256_set1_epi32(qw[s + 4])));
+        }
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+        const __m256 d = _mm256_cvtepi32_ps(dot);
+        const int64_t i = r * p.groups + g;
+        acc[r] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale, _mm256_set1_ps(p.xd[i])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(p.xs[i]), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
+  }
+}
+
+void q5_tile_scalar(const uint8_t* tile, const Pass& p, int m) {
+  for (int r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < p.valid; ++j) {
+      float sum = 0.f;
+      for (int64_t g = 0; g < p.groups; ++g) {
+        const uint8_t* b = tile + g * Q5_BYTES;
+        const int8_t* q = p.q + r * p.k + g * GROUP;
+        int dot = 0;
+        for (int s = 0; s < 4; ++s) {
+          const uint64_t lo_bits = fifth_mask(b, 2 * s), hi_bits = fifth_mask(b, 2 * s + 1);
+          for (int e = 0; e < 4; ++e) {
+            const uint8_t byte = b[64 * s + 4 * j + e];
+            const int at = static_cast<int>(4 * j + e);
+            const int lo = (byte & 0x0F) | static_cast<int>(((lo_bits >> at) & 1u) << 4);
+            const int hi = (byte >> 4) | static_cast<int>(((hi_bits >> at) & 1u) << 4);
+            dot += lo * q[8 * s + e] + hi * q[8 * s + 4 + e];
+          }
+        }
+        const int64_t i = r * p.groups + g;
+        const float scale = fp16(b + 320 + 2 * j);
+        sum += static_cast<float>(dot) * (scale * p.xd[i]) + (scale * -16.f) * p.xs[i];
       }
       p.y[r * p.ldy + j] = sum;
     }
@@ -308,15 +441,29 @@ void check_packed(const at::Tensor& packed, int64_t tiles, int64_t groups, int64
               k, ", got ", packed.sizes());
 }
 
-// packed: (ceil(n / 16), K / 32, 320) uint8, the 4-bit tiles described at the top
+// packed: (ceil(n / 16), K / 32, 320 or 352) uint8, the 4-bit or 5-bit tiles described at the top
 at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                         int64_t isa_limit) {
   check_rows(x);
   const int64_t tiles = (n + ROWS - 1) / ROWS, k = x.size(-1);
-  check_packed(packed, tiles, k / GROUP, Q4_BYTES, n, k);
+  const bool five = packed.dim() == 3 && packed.size(2) == Q5_BYTES;
+  const int64_t group_bytes = five ? Q5_BYTES : Q4_BYTES;
+  check_packed(packed, tiles, k / GROUP, group_bytes, n, k);
   const Isa isa = pick_isa(isa_limit);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const int64_t tile_bytes = (k / GROUP) * Q4_BYTES;
+  const int64_t tile_bytes = (k / GROUP) * group_bytes;
+  if (five) {
+    return run_tiles(x, n, tiles, isa, [&](int64_t t, const Pass& p, int m) {
+      const uint8_t* tile = w + t * tile_bytes;
+      if (isa == Isa::kVnni) {
+        with_rows<MAX_M_VNNI>(m, [&](auto rows) { q5_tile_vnni<decltype(rows)::value>(tile, p); });
+      } else if (isa == Isa::kAvx2) {
+        with_rows<MAX_M_AVX2>(m, [&](auto rows) { q5_tile_avx2<decltype(rows)::value>(tile, p); });
+      } else {
+        q5_tile_scalar(tile, p, m);
+      }
+    });
+  }
   return run_tiles(x, n, tiles, isa, [&](int64_t t, const Pass& p, int m) {
     const uint8_t* tile = w + t * tile_bytes;
     if (isa == Isa::kVnni) {
