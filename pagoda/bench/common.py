@@ -163,7 +163,13 @@ def add_output_json_arg(parser: argparse.ArgumentParser) -> None:
 # one measures the bytes per weight as much as the engine. Every record with a peer names both
 # precisions (`precisions`, `same_precision`) and so does the ratio line on stderr.
 FLOAT_GGUF_TYPES = ("F32", "F16", "BF16")
-GGUF_WEIGHT_BITS = {"Q4_0": "4-bit", "Q4_1": "4-bit", "Q4_K": "4-bit", "Q8_0": "8-bit"}
+GGUF_WEIGHT_BITS = {
+    "Q4_0": "4-bit",
+    "Q4_1": "4-bit",
+    "Q4_K": "4-bit",
+    "Q5_0": "5-bit",  # on pagoda's CPU kernels (cpu_q5); int8 groups elsewhere
+    "Q8_0": "8-bit",
+}
 
 
 def gguf_weight_type(model: str | None) -> str | None:
