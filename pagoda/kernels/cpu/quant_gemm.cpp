@@ -62,23 +62,52 @@ inline void load_words(const int8_t* q, int32_t* words, int count) {
 #define PAGODA_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #define PAGODA_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// ---- 4-bit ----------------------------------------------------------------------------------
+// ---- 4-bit and 5-bit -------------------------------------------------------------------------
+//
+// One tile function per ISA for both: kFive adds each code's fifth bit from its mask and takes
+// the offset as -16 * scale; otherwise the offsets are the group's fp16 ones.
 
-template <int M>
-PAGODA_VNNI void q4_tile_vnni(const uint8_t* tile, const Pass& p) {
+// The fifth bits of 64 codes (one 4-bit block's low or high nibbles) from their mask.
+inline uint64_t fifth_mask(const uint8_t* b, int i) {
+  uint64_t bits;
+  std::memcpy(&bits, b + 256 + 8 * i, 8);
+  return bits;
+}
+
+template <bool kFive>
+constexpr int64_t group_bytes() {
+  return kFive ? Q5_BYTES : Q4_BYTES;
+}
+
+template <bool kFive>
+constexpr int64_t scales_at() {  // the 16 fp16 scales' offset in a group (then q4's offsets)
+  return kFive ? 320 : 256;
+}
+
+template <int M, bool kFive>
+PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
+  const __m512i fifth = _mm512_set1_epi8(0x10);
   __m512 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
-    const uint8_t* b = tile + g * Q4_BYTES;
+    const uint8_t* b = tile + g * group_bytes<kFive>();
     __m512i w[8];
     for (int s = 0; s < 4; ++s) {
       const __m512i v = _mm512_loadu_si512(b + 64 * s);
       w[2 * s] = _mm512_and_si512(v, mask);
       w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
     }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256)));
-    const __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 288)));
+    if constexpr (kFive) {
+      for (int i = 0; i < 8; ++i) {
+        w[i] = _mm512_or_si512(w[i], _mm512_maskz_mov_epi8(fifth_mask(b, i), fifth));
+      }
+    }
+    const __m512 scale = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + scales_at<kFive>())));
+    const __m512 offset =
+        kFive ? _mm512_mul_ps(scale, _mm512_set1_ps(-16.f))
+              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 288)));
     for (int r = 0; r < M; ++r) {
       int32_t qw[8];
       load_words(p.q + r * p.k + g * GROUP, qw, 8);
@@ -107,112 +136,6 @@ PAGODA_AVX2 inline void store_half(float* y, int64_t valid, __m256 v) {
   }
 }
 
-// maddubs of a code (<= 15) and an activation (|q| <= 127) pair: <= 3810; the 8 blocks of a
-// group add up to <= 30480, inside int16.
-template <int M>
-PAGODA_AVX2 void q4_tile_avx2(const uint8_t* tile, const Pass& p) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
-    __m256 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const uint8_t* b = tile + g * Q4_BYTES;
-      __m256i w[8];
-      for (int s = 0; s < 4; ++s) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
-        w[2 * s] = _mm256_and_si256(v, mask);
-        w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-      }
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 256 + 16 * h)));
-      const __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 288 + 16 * h)));
-      for (int r = 0; r < M; ++r) {
-        int32_t qw[8];
-        load_words(p.q + r * p.k + g * GROUP, qw, 8);
-        __m256i pairs = _mm256_setzero_si256();
-        for (int s = 0; s < 8; ++s) {
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[s], _mm256_set1_epi32(qw[s])));
-        }
-        const __m256 d = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        const int64_t i = r * p.groups + g;
-        acc[r] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale, _mm256_set1_ps(p.xd[i])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(p.xs[i]), acc[r]);
-      }
-    }
-    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
-  }
-}
-
-void q4_tile_scalar(const uint8_t* tile, const Pass& p, int m) {
-  for (int r = 0; r < m; ++r) {
-    for (int64_t j = 0; j < p.valid; ++j) {
-      float sum = 0.f;
-      for (int64_t g = 0; g < p.groups; ++g) {
-        const uint8_t* b = tile + g * Q4_BYTES;
-        const int8_t* q = p.q + r * p.k + g * GROUP;
-        int dot = 0;
-        for (int s = 0; s < 4; ++s) {
-          for (int e = 0; e < 4; ++e) {
-            const uint8_t byte = b[64 * s + 4 * j + e];
-            dot += (byte & 0x0F) * q[8 * s + e] + (byte >> 4) * q[8 * s + 4 + e];
-          }
-        }
-        const int64_t i = r * p.groups + g;
-        sum += static_cast<float>(dot) * (fp16(b + 256 + 2 * j) * p.xd[i]) +
-               fp16(b + 288 + 2 * j) * p.xs[i];
-      }
-      p.y[r * p.ldy + j] = sum;
-    }
-  }
-}
-
-// ---- 5-bit ----------------------------------------------------------------------------------
-
-// The fifth bits of 64 codes (one 4-bit block's low or high nibbles) from their mask.
-inline uint64_t fifth_mask(const uint8_t* b, int i) {
-  uint64_t bits;
-  std::memcpy(&bits, b + 256 + 8 * i, 8);
-  return bits;
-}
-
-template <int M>
-PAGODA_VNNI void q5_tile_vnni(const uint8_t* tile, const Pass& p) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
-  const __m512i fifth = _mm512_set1_epi8(0x10);
-  const __m512 minus16 = _mm512_set1_ps(-16.f);
-  __m512 acc[M];
-  for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < p.groups; ++g) {
-    const uint8_t* b = tile + g * Q5_BYTES;
-    __m512i w[8];
-    for (int s = 0; s < 4; ++s) {
-      const __m512i v = _mm512_loadu_si512(b + 64 * s);
-      w[2 * s] = _mm512_and_si512(v, mask);
-      w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-    }
-    for (int i = 0; i < 8; ++i) {
-      w[i] = _mm512_or_si512(w[i], _mm512_maskz_mov_epi8(fifth_mask(b, i), fifth));
-    }
-    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 320)));
-    const __m512 offset = _mm512_mul_ps(scale, minus16);
-    for (int r = 0; r < M; ++r) {
-      int32_t qw[8];
-      load_words(p.q + r * p.k + g * GROUP, qw, 8);
-      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-      for (int s = 0; s < 4; ++s) {
-        d0 = _mm512_dpbusd_epi32(d0, w[2 * s], _mm512_set1_epi32(qw[2 * s]));
-        d1 = _mm512_dpbusd_epi32(d1, w[2 * s + 1], _mm512_set1_epi32(qw[2 * s + 1]));
-      }
-      const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
-      const int64_t i = r * p.groups + g;
-      acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(scale, _mm512_set1_ps(p.xd[i])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(p.xs[i]), acc[r]);
-    }
-  }
-  const __mmask16 keep = static_cast<__mmask16>((1u << p.valid) - 1u);
-  for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(p.y + r * p.ldy, keep, acc[r]);
-}
-
 // 0x10 in byte i where bit i of `word` is set (32 codes of rows 8h .. 8h + 7).
 PAGODA_AVX2 inline __m256i fifth_bits_avx2(uint32_t word) {
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
@@ -225,28 +148,32 @@ PAGODA_AVX2 inline __m256i fifth_bits_avx2(uint32_t word) {
 
 // maddubs of a code (<= 31) and an activation (|q| <= 127) pair: <= 7874; 4 blocks add up to
 // <= 31496, inside int16, so a group's 8 blocks are widened to int32 in two halves.
-template <int M>
-PAGODA_AVX2 void q5_tile_avx2(const uint8_t* tile, const Pass& p) {
+template <int M, bool kFive>
+PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256 minus16 = _mm256_set1_ps(-16.f);
   for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
     __m256 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < p.groups; ++g) {
-      const uint8_t* b = tile + g * Q5_BYTES;
+      const uint8_t* b = tile + g * group_bytes<kFive>();
       __m256i w[8];
       for (int s = 0; s < 4; ++s) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
         w[2 * s] = _mm256_and_si256(v, mask);
         w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
       }
-      for (int i = 0; i < 8; ++i) {
-        const auto word = static_cast<uint32_t>(fifth_mask(b, i) >> (32 * h));
-        w[i] = _mm256_or_si256(w[i], fifth_bits_avx2(word));
+      if constexpr (kFive) {
+        for (int i = 0; i < 8; ++i) {
+          const auto word = static_cast<uint32_t>(fifth_mask(b, i) >> (32 * h));
+          w[i] = _mm256_or_si256(w[i], fifth_bits_avx2(word));
+        }
       }
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 320 + 16 * h)));
-      const __m256 offset = _mm256_mul_ps(scale, minus16);
+      const __m256 scale = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + scales_at<kFive>() + 16 * h)));
+      const __m256 offset =
+          kFive ? _mm256_mul_ps(scale, _mm256_set1_ps(-16.f))
+                : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 288 + 16 * h)));
       for (int r = 0; r < M; ++r) {
         int32_t qw[8];
         load_words(p.q + r * p.k + g * GROUP, qw, 8);
@@ -266,16 +193,18 @@ PAGODA_AVX2 void q5_tile_avx2(const uint8_t* tile, const Pass& p) {
   }
 }
 
-void q5_tile_scalar(const uint8_t* tile, const Pass& p, int m) {
+template <bool kFive>
+void nibble_tile_scalar(const uint8_t* tile, const Pass& p, int m) {
   for (int r = 0; r < m; ++r) {
     for (int64_t j = 0; j < p.valid; ++j) {
       float sum = 0.f;
       for (int64_t g = 0; g < p.groups; ++g) {
-        const uint8_t* b = tile + g * Q5_BYTES;
+        const uint8_t* b = tile + g * group_bytes<kFive>();
         const int8_t* q = p.q + r * p.k + g * GROUP;
         int dot = 0;
         for (int s = 0; s < 4; ++s) {
-          const uint64_t lo_bits = fifth_mask(b, 2 * s), hi_bits = fifth_mask(b, 2 * s + 1);
+          const uint64_t lo_bits = kFive ? fifth_mask(b, 2 * s) : 0;
+          const uint64_t hi_bits = kFive ? fifth_mask(b, 2 * s + 1) : 0;
           for (int e = 0; e < 4; ++e) {
             const uint8_t byte = b[64 * s + 4 * j + e];
             const int at = static_cast<int>(4 * j + e);
@@ -285,8 +214,9 @@ void q5_tile_scalar(const uint8_t* tile, const Pass& p, int m) {
           }
         }
         const int64_t i = r * p.groups + g;
-        const float scale = fp16(b + 320 + 2 * j);
-        sum += static_cast<float>(dot) * (scale * p.xd[i]) + (scale * -16.f) * p.xs[i];
+        const float scale = fp16(b + scales_at<kFive>() + 2 * j);
+        const float offset = kFive ? scale * -16.f : fp16(b + 288 + 2 * j);
+        sum += static_cast<float>(dot) * (scale * p.xd[i]) + offset * p.xs[i];
       }
       p.y[r * p.ldy + j] = sum;
     }
@@ -447,32 +377,28 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
   check_rows(x);
   const int64_t tiles = (n + ROWS - 1) / ROWS, k = x.size(-1);
   const bool five = packed.dim() == 3 && packed.size(2) == Q5_BYTES;
-  const int64_t group_bytes = five ? Q5_BYTES : Q4_BYTES;
-  check_packed(packed, tiles, k / GROUP, group_bytes, n, k);
+  const int64_t bytes = five ? Q5_BYTES : Q4_BYTES;
+  check_packed(packed, tiles, k / GROUP, bytes, n, k);
   const Isa isa = pick_isa(isa_limit);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const int64_t tile_bytes = (k / GROUP) * group_bytes;
-  if (five) {
-    return run_tiles(x, n, tiles, isa, [&](int64_t t, const Pass& p, int m) {
-      const uint8_t* tile = w + t * tile_bytes;
-      if (isa == Isa::kVnni) {
-        with_rows<MAX_M_VNNI>(m, [&](auto rows) { q5_tile_vnni<decltype(rows)::value>(tile, p); });
-      } else if (isa == Isa::kAvx2) {
-        with_rows<MAX_M_AVX2>(m, [&](auto rows) { q5_tile_avx2<decltype(rows)::value>(tile, p); });
-      } else {
-        q5_tile_scalar(tile, p, m);
-      }
-    });
-  }
+  const int64_t tile_bytes = (k / GROUP) * bytes;
   return run_tiles(x, n, tiles, isa, [&](int64_t t, const Pass& p, int m) {
     const uint8_t* tile = w + t * tile_bytes;
-    if (isa == Isa::kVnni) {
-      with_rows<MAX_M_VNNI>(m, [&](auto rows) { q4_tile_vnni<decltype(rows)::value>(tile, p); });
-    } else if (isa == Isa::kAvx2) {
-      with_rows<MAX_M_AVX2>(m, [&](auto rows) { q4_tile_avx2<decltype(rows)::value>(tile, p); });
-    } else {
-      q4_tile_scalar(tile, p, m);
-    }
+    const auto run = [&](auto tag) {
+      constexpr bool kFive = decltype(tag)::value;
+      if (isa == Isa::kVnni) {
+        with_rows<MAX_M_VNNI>(m, [&](auto rows) {
+          nibble_tile_vnni<decltype(rows)::value, kFive>(tile, p);
+        });
+      } else if (isa == Isa::kAvx2) {
+        with_rows<MAX_M_AVX2>(m, [&](auto rows) {
+          nibble_tile_avx2<decltype(rows)::value, kFive>(tile, p);
+        });
+      } else {
+        nibble_tile_scalar<kFive>(tile, p, m);
+      }
+    };
+    five ? run(std::true_type{}) : run(std::false_type{});
   });
 }
 
