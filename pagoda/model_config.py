@@ -100,11 +100,6 @@ class ModelConfig:
         return kv_cache_dims_of(self.hf_config)[2]
 
     @property
-    def latent_attention(self) -> bool:
-        """Multi-head latent attention (DeepSeek): one latent row per token, no values."""
-        return bool(getattr(self.hf_config, "kv_lora_rank", 0))
-
-    @property
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
