@@ -29,13 +29,10 @@ from pagoda.layers.kv_cache import KVCache, read_kv, write_kv_cache
 
 
 class LatentAttention(nn.Module):
-    def __init__(
-        self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float, layer_idx: int
-    ) -> None:
+    def __init__(self, num_heads: int, kv_lora_rank: int, scale: float, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = num_heads
-        self.kv_lora_rank = kv_lora_rank
-        self.row_dim = kv_lora_rank + rope_dim
+        self.kv_lora_rank = kv_lora_rank  # the rows' latent part; the rest is the rotary key
         self.scale = scale
         self.layer_idx = layer_idx
 
@@ -65,12 +62,12 @@ class LatentAttention(nn.Module):
         for i, p in enumerate(meta.prefills):
             q_len = p.token_end - p.token_start
             block_ids = meta.prefill_block_tables[i, : -(-p.seq_len // block_size)]
-            keys = read_kv(cache, block_ids, q.dtype, p.seq_len)[0]  # (seq_len, 1, row_dim)
+            keys = read_kv(cache, block_ids, q.dtype, p.seq_len)[0]  # (seq_len, 1, rank + rope)
             mask: torch.Tensor | None = None
             if q_len != p.seq_len:  # a chunk after cached context: keys [0, its position]
                 q_pos = torch.arange(p.seq_len - q_len, p.seq_len, device=q.device).unsqueeze(1)
                 mask = torch.arange(p.seq_len, device=q.device).unsqueeze(0) <= q_pos
-            keys = keys.transpose(0, 1).unsqueeze(0)  # (1, 1, seq_len, row_dim)
+            keys = keys.transpose(0, 1).unsqueeze(0)  # (1, 1, seq_len, rank + rope)
             op = F.scaled_dot_product_attention(
                 q[p.token_start : p.token_end].transpose(0, 1).unsqueeze(0),  # (1, H, len, D)
                 keys,
@@ -84,13 +81,13 @@ class LatentAttention(nn.Module):
         return out
 
     def _decode(self, qd: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """The decode rows qd (num_decodes, H, row_dim) -> (num_decodes, H, rank)."""
-        keys = read_kv(cache, meta.decode_block_tables, qd.dtype)[0]  # (B, L, 1, row_dim)
+        """The decode rows qd (num_decodes, H, rank + rope) -> (num_decodes, H, rank)."""
+        keys = read_kv(cache, meta.decode_block_tables, qd.dtype)[0]  # (B, L, 1, rank + rope)
         if meta.decode_mask is None:  # the same mask as a full-attention layer's
             meta.decode_mask = decode_mask(meta.decode_seq_lens, keys.shape[1], qd.dtype, None)
-        keys = keys.transpose(1, 2)  # (B, 1, L, row_dim)
+        keys = keys.transpose(1, 2)  # (B, 1, L, rank + rope)
         return F.scaled_dot_product_attention(
-            qd.unsqueeze(2),  # (B, H, 1, row_dim)
+            qd.unsqueeze(2),  # (B, H, 1, rank + rope)
             keys,
             keys[..., : self.kv_lora_rank],
             attn_mask=meta.decode_mask,

@@ -178,8 +178,6 @@ class GGUFMethod(QuantMethod):
             layer.kernel = "float"
             return
         qtypes = {p.qtype if isinstance(p, gguf.GGUFWeight) else "float" for p in parts}
-        if qtypes == {"Q5_0"} and self._five_bit_form(layer, parts):
-            return
         four_bit = qtypes <= set(gguf.FOUR_BIT_TYPES)
         if four_bit or qtypes <= set(gguf.EIGHT_BIT_TYPES):
             groups = [gguf.decode(p) for p in parts]
@@ -187,7 +185,7 @@ class GGUFMethod(QuantMethod):
             scale = torch.cat([g.scale for g in groups])
             offsets = [g.offset for g in groups if g.offset is not None]
             offset = torch.cat(offsets) if four_bit else None
-            if self._kernel_form(layer, codes, scale, offset):
+            if self._kernel_form(layer, codes, scale, offset, five_bit=qtypes == {"Q5_0"}):
                 return
             rows = layer.output_size if four_bit else 2 * layer.output_size
             if int4_supported(rows, layer.input_size, gguf.GROUP):
@@ -200,18 +198,17 @@ class GGUFMethod(QuantMethod):
         set_int8(layer, torch.cat(floats, dim=0))
 
     @staticmethod
-    def _five_bit_form(layer: Any, parts: list[Any]) -> bool:
-        """Q5_0 as the file holds it (5-bit codes, fp16 scales) on the CPU kernels; False where
-        they are off (the int8 groups below then take it)."""
-        groups = [gguf.decode(p) for p in parts]
-        codes = torch.cat([g.codes for g in groups]).to(torch.int16) + 16  # back to [0, 31]
-        return set_cpu_q5(layer, codes, torch.cat([g.scale for g in groups]))
-
-    @staticmethod
     def _kernel_form(
-        layer: Any, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
+        layer: Any,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor | None,
+        five_bit: bool = False,
     ) -> bool:
-        """The file's codes in the CPU kernels' form, any row count; False where they are off."""
+        """The file's codes in the CPU kernels' form, any row count; False where they are off.
+        five_bit: Q5_0's codes (int8 in [-16, 15]) keep their 5 bits (cpu_q5)."""
+        if five_bit:
+            return set_cpu_q5(layer, codes.to(torch.int16) + 16, scale)  # back to [0, 31]
         if offset is None:
             return set_cpu_q8(layer, codes, scale)
         return set_cpu_q4(layer, codes, scale, offset)

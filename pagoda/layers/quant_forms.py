@@ -326,17 +326,17 @@ def cpu_q8_rows(layer: Any, ids: torch.Tensor) -> torch.Tensor:
     return (codes * scales[..., None]).reshape(ids.shape[0], groups * 32)
 
 
-# The kernel forms of pagoda's CPU kernels; the 4-bit and 5-bit ones run q4x16_matmul (which
-# tells them apart by their group bytes), cpu_q8 q8x16_matmul.
-FOUR_BIT_KERNELS = ("cpu_q4", "cpu_q5")
-CPU_KERNELS = (*FOUR_BIT_KERNELS, "cpu_q8")
+# The kernel forms of pagoda's CPU kernels: the 4-bit and 5-bit ones run the q4x16 ops (which
+# tell them apart by their group bytes), cpu_q8 the q8x16 ones.
+Q4X16_KERNELS = ("cpu_q4", "cpu_q5")
+CPU_KERNELS = (*Q4X16_KERNELS, "cpu_q8")
 
 
 def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """x @ w^T on pagoda's CPU kernels: x (..., K) -> float32 (..., N)."""
     ops = torch.ops.pagoda_cpu
     rows = x.reshape(-1, x.shape[-1])
-    if layer.kernel in FOUR_BIT_KERNELS:
+    if layer.kernel in Q4X16_KERNELS:
         y = ops.q4x16_matmul(rows, layer.packed, layer.cpu_rows, 2)
     else:
         y = ops.q8x16_matmul(rows, layer.packed, layer.packed_scales, layer.cpu_rows, 2)
@@ -349,7 +349,7 @@ def cpu_matmul_norm(
     """cpu_matmul of norm(x + residual) and x + residual (x where residual is None), in one
     call: x, residual (T, K); norm a RMSNorm -> (float32 (T, N), (T, K))."""
     ops = torch.ops.pagoda_cpu
-    if layer.kernel in FOUR_BIT_KERNELS:
+    if layer.kernel in Q4X16_KERNELS:
         return ops.q4x16_matmul_norm(  # type: ignore[no-any-return]
             x, residual, norm.weight, norm.eps, layer.packed, layer.cpu_rows, 2
         )
@@ -361,7 +361,7 @@ def cpu_matmul_norm(
 def cpu_matmul_silu(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """cpu_matmul of silu(gate) * up in one call: x (T, 2K), gate | up -> float32 (T, N)."""
     ops = torch.ops.pagoda_cpu
-    if layer.kernel in FOUR_BIT_KERNELS:
+    if layer.kernel in Q4X16_KERNELS:
         return ops.q4x16_matmul_silu(x, layer.packed, layer.cpu_rows, 2)  # type: ignore[no-any-return]
     return ops.q8x16_matmul_silu(  # type: ignore[no-any-return]
         x, layer.packed, layer.packed_scales, layer.cpu_rows, 2

@@ -86,9 +86,7 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = KVUpProjection(heads, self.nope, config.v_head_dim, self.rank, dtype)
         self.o_proj = Linear(heads * config.v_head_dim, hidden, bias, dtype)
         self.interleaved = bool(getattr(config, "rope_interleave", True))
-        self.attn = LatentAttention(
-            heads, self.rank, self.rope, self.attention_scale(config), layer_idx
-        )
+        self.attn = LatentAttention(heads, self.rank, self.attention_scale(config), layer_idx)
 
     @staticmethod
     def attention_scale(config: Any) -> float:
