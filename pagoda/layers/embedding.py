@@ -3,7 +3,9 @@
 `quantize_int8()` (weight-quantized models) replaces the float weight with int8 rows and one scale
 per row (on CPU in the kernels' tiles, layers/quant_forms.py): the embedding gathers and scales
 rows, the head runs the int8 matmul. A tied head reads the embedding's stored form, so the
-vocabulary matrix exists once.
+vocabulary matrix exists once. An untied head from a GGUF file keeps the file's own form on
+pagoda's CPU kernels instead (a decode step reads it whole: Q6_K's 0.82 bytes a weight, not
+int8 rows' 1.0; Q8_0 keeps its own group scales).
 
 Under tensor parallelism both hold this rank's rows of the vocabulary (TensorParallel.vocab_part,
 ceil(V / N) rows, the last rank's padded with zeros): the embedding zeroes the rows of ids it does
@@ -20,7 +22,14 @@ from torch import nn
 
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.parallel import SINGLE, TensorParallel
-from pagoda.layers.quant_forms import apply_stored, cpu_q8_rows, set_int8, take_float_weight
+from pagoda.layers.quant import gguf_cpu_form
+from pagoda.layers.quant_forms import (
+    apply_stored,
+    cpu_kernels_for,
+    cpu_q8_rows,
+    set_int8,
+    take_float_weight,
+)
 
 
 class _VocabRows(nn.Module):
@@ -109,6 +118,12 @@ class LMHead(_VocabRows):
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, dtype, tp)
         self._tied: list[VocabEmbedding] = []  # a list keeps it out of the module tree
+        self._gguf: GGUFWeight | None = None  # the file's blocks, until quantize_int8
+
+    def load(self, tensor: torch.Tensor | GGUFWeight, name: str) -> None:
+        super().load(tensor, name)
+        whole = isinstance(tensor, GGUFWeight) and self.tp.size == 1
+        self._gguf = tensor if whole else None  # type: ignore[assignment]
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
@@ -122,7 +137,15 @@ class LMHead(_VocabRows):
         if self._tied:
             del self.weight  # the embedding holds (and quantizes) the shared matrix
             return
-        set_int8(self, take_float_weight(self))
+        blocks, self._gguf = self._gguf, None
+        w = take_float_weight(self)
+        if (
+            blocks is not None
+            and cpu_kernels_for(self) is not None
+            and gguf_cpu_form(self, [blocks])
+        ):
+            return
+        set_int8(self, w)
 
     def forward(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
         # hidden_states: (n, embedding_dim) -> logits (n, num_embeddings) float32, or in the

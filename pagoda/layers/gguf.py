@@ -18,6 +18,13 @@ Q8_0 (34 bytes / 32: d (f16), 32 int8) decodes to int8 codes with one scale per 
 so does Q5_0 (22 bytes / 32: d (f16), 4 bytes of high bits, 16 bytes of nibbles; value j's fifth
 bit is bit j of the little-endian uint32 of high bits), as code - 16 in [-16, 15] with scale d.
 Every decoder reproduces `gguf.dequantize` bit for bit through `dequantize_groups` (tested).
+
+For pagoda's CPU kernels, Q4_K and Q6_K also decode to their own numbers (`decode_k`), which the
+kernels' k-quant forms hold as the file does (no product rounded):
+
+    Q4_K: w = d * sc[g] * code - dmin * m[g]        per group g of 32, code in [0, 15]
+    Q6_K  (210 bytes / 256: 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, d):
+          w = d * sc[h] * (code - 32)              per 16 values h, code in [0, 63]
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ _BLOCK_BYTES = {
     "Q5_0": (32, 22),
     "Q8_0": (32, 34),
     "Q4_K": (256, 144),
+    "Q6_K": (256, 210),
 }
+K_TYPES = ("Q4_K", "Q6_K")  # decode_k's
 
 
 @dataclass(frozen=True)
@@ -136,18 +145,88 @@ def decode(w: GGUFWeight) -> GroupCodes:
     raise ValueError(f"GGUF type {w.qtype} has no group decoding; dequantize it instead")
 
 
-def _decode_q4_k(blocks: np.ndarray, rows: int, cols: int) -> GroupCodes:
+def _q4_k_fields(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(d, dmin (n, 1) float32; sc, m (n, 8) uint8 in [0, 63]; codes (n, 256) uint8)."""
     n = blocks.shape[0]
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     packed = blocks[:, 4:16].reshape(n, 3, 4)
     lo, hi, mix = packed[:, 0], packed[:, 1], packed[:, 2]
     sc = np.concatenate([lo & 0x3F, (mix & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([hi & 0x3F, (mix >> 4) | ((hi >> 2) & 0x30)], axis=-1)
-    scale = d * sc.astype(np.float32)  # (n, 8)
-    offset = -(dmin * mn.astype(np.float32))
     qs = blocks[:, 16:].reshape(n, 4, 32)
     codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(n, 256)
+    return d, dmin, sc, mn, codes
+
+
+def _decode_q4_k(blocks: np.ndarray, rows: int, cols: int) -> GroupCodes:
+    d, dmin, sc, mn, codes = _q4_k_fields(blocks)
+    scale = d * sc.astype(np.float32)  # (n, 8)
+    offset = -(dmin * mn.astype(np.float32))
     return _group_codes(codes, scale.reshape(-1, 1), offset.reshape(-1, 1), rows, cols)
+
+
+@dataclass(frozen=True)
+class KQuantCodes:
+    """A Q4_K or Q6_K tensor's own numbers (module docstring): codes (rows, cols) uint8; sc
+    (rows, cols // 32) uint8 (Q4_K) or (rows, cols // 16) int8 (Q6_K); m (rows, cols // 32)
+    uint8 or None; d, dmin (rows, cols // 256) float16 (dmin None for Q6_K)."""
+
+    qtype: str
+    codes: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor | None
+    d: torch.Tensor
+    dmin: torch.Tensor | None
+
+
+def decode_k(w: GGUFWeight) -> KQuantCodes:
+    """The own numbers of a Q4_K or Q6_K tensor."""
+    rows, cols = w.shape
+    blocks = _blocks(w)
+
+    def t(a: np.ndarray, width: int) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).reshape(rows, width)
+
+    def half(raw: np.ndarray) -> torch.Tensor:
+        return t(np.ascontiguousarray(raw).view(np.float16), cols // 256)
+
+    if w.qtype == "Q4_K":
+        _, _, sc, mn, codes = _q4_k_fields(blocks)
+        return KQuantCodes(
+            "Q4_K",
+            t(codes, cols),
+            t(sc, cols // 32),
+            t(mn, cols // 32),
+            half(blocks[:, 0:2]),
+            half(blocks[:, 2:4]),
+        )
+    if w.qtype == "Q6_K":
+        n = blocks.shape[0]
+        ql = (
+            blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        ) & 0x0F
+        qh = (
+            blocks[:, 128:192].reshape(n, 2, 1, 32)
+            >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        ) & 3
+        codes = ql.reshape(n, 256) | (qh.reshape(n, 256) << 4)
+        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
+        return KQuantCodes(
+            "Q6_K", t(codes, cols), t(sc, cols // 16), None, half(blocks[:, 208:210]), None
+        )
+    raise ValueError(f"GGUF type {w.qtype} is not a k-quant decode_k reads")
+
+
+def dequantize_k(k: KQuantCodes) -> torch.Tensor:
+    """float32 (rows, cols) of decode_k's numbers, as gguf computes them (d * sc first)."""
+    if k.qtype == "Q4_K":
+        assert k.m is not None and k.dmin is not None
+        scale = k.d.float().repeat_interleave(8, 1) * k.sc.float()
+        offset = k.dmin.float().repeat_interleave(8, 1) * k.m.float()
+        w = scale.repeat_interleave(GROUP, 1) * k.codes.float()
+        return w - offset.repeat_interleave(GROUP, 1)
+    scale = k.d.float().repeat_interleave(16, 1) * k.sc.float()
+    return scale.repeat_interleave(16, 1) * (k.codes.float() - 32)
 
 
 def _group_codes(

@@ -22,10 +22,15 @@ from torch import nn
 from pagoda.config import QUANTIZATION_METHODS
 from pagoda.layers import gguf
 from pagoda.layers.quant_forms import (
+    KernelPart,
     apply_stored,
+    cpu_kernels_for,
     int4_supported,
     quantize_int4_groups,
     quantize_int8_groups,
+    quantize_int8_rows,
+    set_cpu_k,
+    set_cpu_parts,
     set_cpu_q4,
     set_cpu_q5,
     set_cpu_q8,
@@ -159,10 +164,16 @@ class FP8Method(QuantMethod):
 
 
 class GGUFMethod(QuantMethod):
-    """GGUF blocks kept quantized: Q4_0 / Q4_1 / Q4_K repacked for the int4 op and Q8_0 / Q5_0
-    as int8 codes (group 32, no re-quantization); on pagoda's CPU kernels Q5_0 keeps its own
-    5 bits (cpu_q5, the file's bytes). Q6_K, the other types and layers mixing the kinds
-    re-quantized per row to int8; float tensors (F32 / F16) stay float."""
+    """GGUF blocks kept quantized.
+
+    On pagoda's CPU kernels every type keeps its own form (quant_forms.py): Q4_0 / Q4_1 4-bit
+    groups (cpu_q4), Q5_0, Q4_K and Q6_K the file's own numbers and bytes (cpu_q5, cpu_q4k,
+    cpu_q6k), Q8_0 8-bit groups (cpu_q8), the other types re-quantized per row to int8. A
+    merged layer whose shards differ in type (Q4_K_M files store attn_v, and so qkv's third
+    shard, as Q6_K) keeps each shard's form and concatenates their outputs (cpu_parts).
+    Elsewhere Q4_0 / Q4_1 / Q4_K are repacked for torch's int4 op and Q8_0 / Q5_0 as int8
+    codes (group 32, no re-quantization); the other types and layers mixing the kinds
+    re-quantized per row to int8. Float tensors (F32 / F16) stay float."""
 
     name = "gguf"
     loads_raw = True
@@ -178,15 +189,17 @@ class GGUFMethod(QuantMethod):
             layer.kernel = "float"
             return
         qtypes = {p.qtype if isinstance(p, gguf.GGUFWeight) else "float" for p in parts}
+        if cpu_kernels_for(layer) is not None and "float" not in qtypes:
+            if len(qtypes) == 1 and gguf_cpu_form(layer, parts):
+                return
+            if len(qtypes) > 1:
+                holders = [KernelPart(layer) for _ in parts]
+                if all(gguf_cpu_form(h, [p]) for h, p in zip(holders, parts)):
+                    set_cpu_parts(layer, holders)
+                    return
         four_bit = qtypes <= set(gguf.FOUR_BIT_TYPES)
         if four_bit or qtypes <= set(gguf.EIGHT_BIT_TYPES):
-            groups = [gguf.decode(p) for p in parts]
-            codes = torch.cat([g.codes for g in groups])
-            scale = torch.cat([g.scale for g in groups])
-            offsets = [g.offset for g in groups if g.offset is not None]
-            offset = torch.cat(offsets) if four_bit else None
-            if self._kernel_form(layer, codes, scale, offset, five_bit=qtypes == {"Q5_0"}):
-                return
+            codes, scale, offset = self._groups(parts, four_bit)
             rows = layer.output_size if four_bit else 2 * layer.output_size
             if int4_supported(rows, layer.input_size, gguf.GROUP):
                 if offset is None:
@@ -198,20 +211,47 @@ class GGUFMethod(QuantMethod):
         set_int8(layer, torch.cat(floats, dim=0))
 
     @staticmethod
-    def _kernel_form(
-        layer: Any,
-        codes: torch.Tensor,
-        scale: torch.Tensor,
-        offset: torch.Tensor | None,
-        five_bit: bool = False,
-    ) -> bool:
-        """The file's codes in the CPU kernels' form, any row count; False where they are off.
-        five_bit: Q5_0's codes (int8 in [-16, 15]) keep their 5 bits (cpu_q5)."""
-        if five_bit:
-            return set_cpu_q5(layer, codes.to(torch.int16) + 16, scale)  # back to [0, 31]
-        if offset is None:
-            return set_cpu_q8(layer, codes, scale)
-        return set_cpu_q4(layer, codes, scale, offset)
+    def _groups(
+        parts: list[Any], four_bit: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The parts' group codes, stacked: (codes, scale, offset or None)."""
+        groups = [gguf.decode(p) for p in parts]
+        codes = torch.cat([g.codes for g in groups])
+        scale = torch.cat([g.scale for g in groups])
+        offsets = [g.offset for g in groups if g.offset is not None]
+        return codes, scale, torch.cat(offsets) if four_bit else None
+
+
+def gguf_cpu_form(holder: Any, parts: list[Any]) -> bool:
+    """The parts (GGUFWeight, all of one type) in the CPU kernels' form for their type, on
+    `holder` (a layer, a KernelPart of one, or an LM head); False where a 4-bit scale does not
+    fit fp16 (the caller keeps torch's forms)."""
+    qtype = parts[0].qtype
+    if qtype in gguf.K_TYPES:
+        ks = [gguf.decode_k(p) for p in parts]
+
+        def stacked(name: str) -> Any:
+            first = getattr(ks[0], name)
+            return None if first is None else torch.cat([getattr(k, name) for k in ks])
+
+        return set_cpu_k(
+            holder,
+            gguf.KQuantCodes(
+                qtype, stacked("codes"), stacked("sc"), stacked("m"), stacked("d"), stacked("dmin")
+            ),
+        )
+    if qtype == "Q5_0":  # its own 5 bits: codes [-16, 15] back to [0, 31]
+        codes, scale, _ = GGUFMethod._groups(parts, False)
+        return set_cpu_q5(holder, codes.to(torch.int16) + 16, scale)
+    if qtype in gguf.FOUR_BIT_TYPES:
+        codes, scale, offset = GGUFMethod._groups(parts, True)
+        assert offset is not None
+        return set_cpu_q4(holder, codes, scale, offset)
+    if qtype in gguf.EIGHT_BIT_TYPES:
+        codes, scale, _ = GGUFMethod._groups(parts, False)
+        return set_cpu_q8(holder, codes, scale)
+    codes, row_scale = quantize_int8_rows(torch.cat([p.dequantize() for p in parts]))
+    return set_cpu_q8(holder, codes, row_scale[:, None])
 
 
 # (dimension of the stored tensor, indices of the float weight per entry: "1", "8" or "group")

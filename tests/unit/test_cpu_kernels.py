@@ -1,5 +1,5 @@
 """pagoda's CPU kernels (pagoda/kernels/cpu): each quantized matmul against its torch reference
-over the GGUF formats (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0) and int8 rows, odd shapes, every instruction set
+over the GGUF formats (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0) and int8 rows, odd shapes, every instruction set
 this CPU has (scalar, AVX2, AVX-512 VNNI) and 1 or 2 threads; the paged decode attention against
 paged_attention_torch's decode path. Skipped where the extension cannot be built (no compiler):
 pagoda then runs on torch's ops.
@@ -7,8 +7,9 @@ pagoda then runs on torch's ops.
 Two references for the matmuls: the exact one (the activations quantized as the kernel does,
 then a float64 matmul against the weights the kernel holds: its fp16 scales and offsets) within
 float32 rounding, and the plain one (float activations, the file's weights) within the bound
-the int8 activations allow: half a quantization step of each group times the group's |w| sum,
-plus, for Q4_K, fp16's rounding of its scale products."""
+the int8 activations allow: half a quantization step of each group times the group's |w| sum.
+Every GGUF form holds the file's weights exactly (the k-quants their own 6-bit and int8 scales,
+Q4_0 / Q4_1 / Q5_0 their fp16 ones)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ from pagoda.layers.embedding import LMHead, VocabEmbedding
 from pagoda.layers.forward_context import AttentionMetadata
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.linear import Linear, MergedLinear
+from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quant import GGUFMethod
 from pagoda.layers.quant_forms import (
     cpu_q8_rows,
+    pack_q4kx16,
     pack_q4x16,
     pack_q5x16,
+    pack_q6kx16,
     pack_q8x16,
     quantize_int8_rows,
 )
@@ -47,7 +51,8 @@ def _blocks(qtype: str, rows: int, cols: int, seed: int) -> gguf.GGUFWeight:
     raw = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
     fields = 2 if qtype in ("Q4_1", "Q4_K") else 1  # (d, m) / (d, dmin) or d
     scales = rng.uniform(0.001, 0.02, size=(n, fields)).astype(np.float16)
-    raw[:, : 2 * fields] = scales.view(np.uint8).reshape(n, 2 * fields)
+    at = nbytes - 2 if qtype == "Q6_K" else 0  # Q6_K's d comes last
+    raw[:, at : at + 2 * fields] = scales.view(np.uint8).reshape(n, 2 * fields)
     return gguf.GGUFWeight(qtype, raw.reshape(rows, -1), (rows, cols))
 
 
@@ -68,6 +73,12 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _run(qtype: str, x: torch.Tensor, weight: gguf.GGUFWeight, isa: int) -> torch.Tensor:
     assert OPS is not None
+    if qtype in gguf.K_TYPES:  # the file's own numbers
+        k = gguf.decode_k(weight)
+        n = k.codes.shape[0]
+        if qtype == "Q4_K":
+            return OPS.q4x16_matmul(x, pack_q4kx16(k.codes, k.sc, k.m, k.d, k.dmin), n, isa)
+        return OPS.q4x16_matmul(x, pack_q6kx16(k.codes, k.sc, k.d), n, isa)
     g = gguf.decode(weight)
     n = g.codes.shape[0]
     if qtype == "Q5_0":  # its own 5 bits: codes [-16, 15] back to [0, 31]
@@ -77,18 +88,11 @@ def _run(qtype: str, x: torch.Tensor, weight: gguf.GGUFWeight, isa: int) -> torc
     return OPS.q4x16_matmul(x, pack_q4x16(g.codes, g.scale, g.offset), n, isa)
 
 
-def _held(qtype: str, weight: gguf.GGUFWeight) -> torch.Tensor:
-    """The weights the kernel computes with: 4-bit scales and offsets rounded to fp16."""
-    g = gguf.decode(weight)
-    if g.offset is None:
-        return weight.dequantize().double()
-    n, k = g.codes.shape
-    scale, offset = (t.half().double()[..., None] for t in (g.scale, g.offset))
-    return (g.codes.double().view(n, k // 32, 32) * scale + offset).view(n, k)
+QTYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0"]
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize(
     ("m", "n", "k"), [(1, 37, 256), (3, 64, 512), (5, 1538, 256), (9, 20, 768), (67, 48, 256)]
 )
@@ -96,26 +100,38 @@ def test_gguf_formats_match_the_reference(
     threads: int, isa: int, qtype: str, m: int, n: int, k: int
 ) -> None:
     weight = _blocks(qtype, n, k, seed=m * 1000 + n)
-    w = weight.dequantize()  # the gguf package's own decoding
-    held = _held(qtype, weight)
-    # fp16 holds Q4_0 / Q4_1's scales exactly; Q4_K's products within half an fp16 ulp
-    rounding = (held - w.double()).abs()
-    if qtype == "Q4_K":
-        g = gguf.decode(weight)
-        assert g.offset is not None
-        size = g.codes.double().view(n, k // 32, 32) * g.scale.double().abs()[..., None]
-        ulp = ((size + g.offset.double().abs()[..., None]) * 2**-11).view(n, k)
-        assert (rounding <= ulp * 1.0001).all()
-    else:
-        assert rounding.max() == 0
+    w = weight.dequantize().double()  # the gguf package's own decoding: what the kernels hold
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     y = _run(qtype, x, weight, isa)
     assert y.shape == (m, n) and y.dtype == torch.float32
-    exact = _activations(x) @ held.T
+    exact = _activations(x) @ w.T
     scale = exact.abs().amax().item()
     torch.testing.assert_close(y.double(), exact, rtol=0, atol=2e-6 * scale + 1e-6)
-    plain = (x.double() @ w.double().T - y.double()).abs()
-    assert (plain <= _bound(x, w) * 1.001 + x.double().abs() @ rounding.T + 1e-5).all()
+    plain = (x.double() @ w.T - y.double()).abs()
+    assert (plain <= _bound(x, w) * 1.001 + 1e-5).all()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_the_k_quant_forms_hold_the_file_s_bytes_and_numbers(qtype: str) -> None:
+    """16 rows of a tile take 16 x the file's bytes per 256 values (144 for Q4_K, 210 for
+    Q6_K); rows past the tensor's (padding) are zeros. The numbers are the file's: decode_k
+    gives gguf's dequantization bit for bit."""
+    rows, cols = 37, 512
+    weight = _blocks(qtype, rows, cols, seed=7)
+    k = gguf.decode_k(weight)
+    assert torch.equal(gguf.dequantize_k(k), weight.dequantize())
+    if qtype == "Q4_K":
+        packed = pack_q4kx16(k.codes, k.sc, k.m, k.d, k.dmin)
+    else:
+        packed = pack_q6kx16(k.codes, k.sc, k.d)
+    per_row = gguf._BLOCK_BYTES[qtype][1] * cols // 256
+    assert packed.shape == (3, 2, 16 * per_row // 2) and packed.numel() == 48 * per_row
+    assert weight.data.shape == (rows, per_row)
+    assert OPS is not None
+    y = OPS.q4x16_matmul(torch.eye(cols), packed, 48, ISAS[-1]).T  # unit rows: w itself
+    w = weight.dequantize()
+    torch.testing.assert_close(y[:rows], w, rtol=1e-6, atol=1e-6 * w.abs().max().item())
+    assert y[rows:].eq(0).all()
 
 
 def test_q4x16_tiles_lay_out_sixteen_rows_per_group_for_dot_products() -> None:
@@ -258,13 +274,19 @@ def _gguf_layer(sizes: dict[str, int], qtype: str, cols: int) -> tuple[MergedLin
     for shard in reversed(sizes):  # any arrival order
         layer.load("weight", parts[shard], shard)
     layer.finalize()
-    return layer, torch.cat([_held(qtype, parts[s]) for s in sizes])
+    return layer, torch.cat([parts[s].dequantize().double() for s in sizes])
 
 
 @pytest.mark.usefixtures("kernels_on")
 @pytest.mark.parametrize(
     ("qtype", "kernel"),
-    [("Q4_1", "cpu_q4"), ("Q4_K", "cpu_q4"), ("Q5_0", "cpu_q5"), ("Q8_0", "cpu_q8")],
+    [
+        ("Q4_1", "cpu_q4"),
+        ("Q4_K", "cpu_q4k"),
+        ("Q5_0", "cpu_q5"),
+        ("Q6_K", "cpu_q6k"),
+        ("Q8_0", "cpu_q8"),
+    ],
 )
 def test_a_gguf_layer_keeps_only_the_kernel_form_for_any_row_count(qtype: str, kernel: str) -> None:
     # 88 rows: not in 16s (torch's int4 op would not take them: int8 rows, re-quantized)
@@ -275,6 +297,41 @@ def test_a_gguf_layer_keeps_only_the_kernel_form_for_any_row_count(qtype: str, k
         x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
         exact = _activations(x) @ held.T
         torch.testing.assert_close(layer(x).double(), exact, rtol=0, atol=2e-6 * exact.abs().max())
+
+
+@pytest.mark.usefixtures("kernels_on")
+@pytest.mark.parametrize(
+    ("types", "kernels"),
+    [
+        (("Q4_K", "Q4_K", "Q6_K"), ["cpu_q4k", "cpu_q4k", "cpu_q6k"]),  # Q4_K_M's qkv
+        (("Q5_0", "Q5_0", "Q8_0"), ["cpu_q5", "cpu_q5", "cpu_q8"]),  # the 0.5B and Gemma's
+    ],
+)
+def test_a_merged_layer_of_mixed_types_keeps_each_shard_s_own_form(
+    types: tuple[str, ...], kernels: list[str]
+) -> None:
+    """Each shard keeps its type's form (nothing re-quantized to int8 rows), the outputs
+    concatenated in shard order; the norm before it runs as its own op, the same bits as
+    the unfused norm then the layer."""
+    sizes = {"q": 40, "k": 24, "v": 24}
+    layer = MergedLinear(256, sizes)
+    layer.set_quant_method(GGUFMethod())
+    parts = {s: _blocks(t, sizes[s], 256, seed=i) for i, (s, t) in enumerate(zip(sizes, types))}
+    for shard in reversed(sizes):
+        layer.load("weight", parts[shard], shard)
+    layer.finalize()
+    assert layer.kernel == "cpu_parts" and layer.cpu_rows == 88
+    assert [p.kernel for p in layer.parts] == kernels
+    held = torch.cat([parts[s].dequantize().double() for s in sizes])
+    gen = torch.Generator().manual_seed(4)
+    x, residual = torch.randn(5, 256, generator=gen), torch.randn(5, 256, generator=gen)
+    exact = _activations(x) @ held.T
+    torch.testing.assert_close(layer(x).double(), exact, rtol=0, atol=2e-6 * exact.abs().max())
+    norm = RMSNorm(256)
+    norm.cpu_kernel = True
+    y, hidden = layer.after_norm(x, residual, norm)
+    normed, plain_hidden = norm(x, residual)
+    assert torch.equal(y, layer(normed)) and torch.equal(hidden, plain_hidden)
 
 
 @pytest.mark.usefixtures("kernels_on")

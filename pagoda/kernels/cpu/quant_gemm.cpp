@@ -17,6 +17,16 @@
 //     the 4-bit blocks, then 8 masks of 64 bits (mask 2s + h, bit 4j + b: the fifth bit of
 //     code[j, 8s + 4h + b], the code the 4-bit block s holds in its low (h = 0) or high nibble),
 //     then the 16 rows' scales, fp16; the offset is -16 * scale.
+//   GGUF Q4_K (q4x16_matmul on 2304-byte super-blocks of 8 groups: 16 x the file's 144 bytes /
+//     256 values), w = d * sc[g] * code - dmin * m[g], code in [0, 15], sc and m 6-bit: the 8
+//     groups' 4-bit blocks, then per group the rows' sc and m (low 4 bits in a byte, top 2 bits
+//     in a 64-bit word), then the rows' d and dmin, fp16.
+//   GGUF Q6_K (q4x16_matmul on 3360-byte super-blocks: 16 x 210 bytes / 256 values),
+//     w = d * sc[g, half] * (code - 32), code in [0, 63], sc int8 per 16 values: per group the
+//     4-bit blocks of the low nibbles and 4 x 32 bytes of top 2 bits (block s's byte p % 32,
+//     nibble p / 32, for its byte p: bits 0-1 the low nibble's code's, 2-3 the high one's),
+//     then per group the rows' two int8 scales, then the rows' d, fp16. The halves' dot products
+//     are kept apart, each less 32 * the half's sum of activation codes.
 //   8-bit (q8x16_matmul), w[n, k] = scale[n, g] * code[n, k], code in [-128, 127]: 512 bytes a
 //     group, 8 blocks of 64 (block s, byte 4j + b: code[j, 4s + b] + 128, as uint8); scales apart,
 //     float32 (tiles, groups, 16) or (tiles, 1, 16) for one scale a row.
@@ -28,6 +38,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "common.h"
 
 namespace pagoda_cpu {
@@ -36,6 +48,8 @@ namespace {
 constexpr int64_t ROWS = 16;       // output rows per tile
 constexpr int64_t Q4_BYTES = 320;  // a tile's group of 4-bit codes, scales and offsets
 constexpr int64_t Q5_BYTES = 352;  // a tile's group of 5-bit codes and scales
+constexpr int64_t Q4K_BYTES = 2304;  // a tile's Q4_K super-block: 16 x 144, the file's bytes
+constexpr int64_t Q6K_BYTES = 3360;  // a tile's Q6_K super-block: 16 x 210
 constexpr int64_t Q8_BYTES = 512;  // a tile's group of 8-bit codes
 // Activation rows per pass over a tile: a pass keeps the tile's unpacked codes in registers
 // (8 of them) beside one accumulator per row; AVX2 has 16 registers, AVX-512 32.
@@ -49,6 +63,7 @@ struct Pass {
   const float* xd;  // row r at + r * groups
   const float* xs;
   const int32_t* qsum;
+  const int32_t* qsum16;  // row r's (groups, 2) sums of codes per 16 values at + r * 2 * groups
   int64_t groups;
   float* y;  // row r at y + r * ldy
   int64_t ldy;
@@ -62,10 +77,61 @@ inline void load_words(const int8_t* q, int32_t* words, int count) {
 #define PAGODA_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #define PAGODA_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// ---- 4-bit and 5-bit -------------------------------------------------------------------------
+// ---- the nibble forms: 4-bit, 5-bit, Q4_K and Q6_K --------------------------------------------
 //
-// One tile function per ISA for both: kFive adds each code's fifth bit from its mask and takes
-// the offset as -16 * scale; otherwise the offsets are the group's fp16 ones.
+// One tile function per ISA for all four (Form): every one holds a group's low nibbles in the
+// 4-bit blocks; kQ5 adds a fifth bit from its masks, kQ6K two high bits from its bit planes.
+// kQ4 and kQ5 store a group at a time; the k-quants a super-block of 8 groups (256 values, the
+// file's block), whose per-group scales are the file's small integers times its fp16 ones.
+
+enum class Form { kQ4, kQ5, kQ4K, kQ6K };
+
+template <Form F>
+constexpr bool kSuper = F == Form::kQ4K || F == Form::kQ6K;
+
+// A tile's unit: one group (kQ4, kQ5) or one super-block of 8 groups (kQ4K, kQ6K).
+template <Form F>
+constexpr int64_t unit_bytes() {
+  switch (F) {
+    case Form::kQ4: return Q4_BYTES;
+    case Form::kQ5: return Q5_BYTES;
+    case Form::kQ4K: return Q4K_BYTES;
+    default: return Q6K_BYTES;
+  }
+}
+
+template <Form F>
+constexpr int64_t unit_groups() {
+  return kSuper<F> ? 8 : 1;
+}
+
+// A super-block's groups of codes one after the other: nibbles only (kQ4K), or nibbles then
+// their 128 bytes of high bits (kQ6K); then the per-group scales and the fp16 ones.
+template <Form F>
+constexpr int64_t code_bytes() {
+  return F == Form::kQ6K ? 384 : 256;
+}
+
+template <Form F>
+inline const uint8_t* unit_at(const uint8_t* tile, int64_t g) {
+  return tile + g / unit_groups<F>() * unit_bytes<F>();
+}
+
+// Group g's 4 blocks of 64 nibble bytes (then kQ5's masks or kQ6K's high bits).
+template <Form F>
+inline const uint8_t* codes_at(const uint8_t* tile, int64_t g) {
+  return unit_at<F>(tile, g) + g % unit_groups<F>() * code_bytes<F>();
+}
+
+// kQ4K: per group 24 bytes (16: row j's scale low 4 bits | min low 4 bits << 4; 8: a
+// little-endian uint64, bits 2j, 2j + 1 the scale's top 2 bits, bits 32 + 2j, 33 + 2j the
+// min's), then the 16 rows' d and dmin, fp16: scale = d * sc, offset = -dmin * m.
+constexpr int64_t Q4K_META = 2048, Q4K_D = 2240, Q4K_DMIN = 2272;
+// kQ6K: per group 2 x 16 int8 scales (the 16-value halves), then the 16 rows' d, fp16.
+constexpr int64_t Q6K_SCALES = 3072, Q6K_D = 3328;
+
+inline const uint8_t* q4k_meta(const uint8_t* unit, int64_t g) { return unit + Q4K_META + 24 * (g % 8); }
+inline const uint8_t* q6k_scales(const uint8_t* unit, int64_t g) { return unit + Q6K_SCALES + 32 * (g % 8); }
 
 // The fifth bits of 64 codes (one 4-bit block's low or high nibbles) from their mask.
 inline uint64_t fifth_mask(const uint8_t* b, int i) {
@@ -74,52 +140,111 @@ inline uint64_t fifth_mask(const uint8_t* b, int i) {
   return bits;
 }
 
-template <bool kFive>
-constexpr int64_t group_bytes() {
-  return kFive ? Q5_BYTES : Q4_BYTES;
+inline void q4k_hi_words(const uint8_t* meta, uint32_t* words) { std::memcpy(words, meta + 16, 8); }
+
+// kQ6K's two high bits of the codes of block s's byte p (p in [0, 64)): bits 0-1 the low
+// nibble's code's, bits 2-3 the high nibble's; byte p % 32 of the block's 32 bytes holds them in
+// its low (p < 32) or high nibble.
+inline int q6k_high(const uint8_t* b, int s, int p) {
+  return (b[256 + 32 * s + p % 32] >> (4 * (p / 32))) & 0xF;
 }
 
-template <bool kFive>
-constexpr int64_t scales_at() {  // the 16 fp16 scales' offset in a group (then q4's offsets)
-  return kFive ? 320 : 256;
+PAGODA_VNNI inline __m512 fp16x16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-template <int M, bool kFive>
+PAGODA_VNNI inline __m512 int8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Group g's 16 scales and offsets (kQ4, kQ5, kQ4K), or its two halves' scales (kQ6K: the
+// offset is -32 * scale, applied as -32 * the half's sum of activation codes).
+template <Form F>
+PAGODA_VNNI inline void group_scales_vnni(const uint8_t* tile, int64_t g, __m512* s0, __m512* s1) {
+  const uint8_t* b = codes_at<F>(tile, g);
+  const uint8_t* unit = unit_at<F>(tile, g);
+  if constexpr (F == Form::kQ4) {
+    *s0 = fp16x16(b + 256);
+    *s1 = fp16x16(b + 288);
+  } else if constexpr (F == Form::kQ5) {
+    *s0 = fp16x16(b + 320);
+    *s1 = _mm512_mul_ps(*s0, _mm512_set1_ps(-16.f));
+  } else if constexpr (F == Form::kQ4K) {
+    const uint8_t* meta = q4k_meta(unit, g);
+    uint32_t hi[2];
+    q4k_hi_words(meta, hi);
+    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)));
+    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i three = _mm512_set1_epi32(3);
+    const __m512i sc_hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(hi[0])), shifts), three);
+    const __m512i m_hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(hi[1])), shifts), three);
+    const __m512i sc = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(15)), _mm512_slli_epi32(sc_hi, 4));
+    const __m512i m = _mm512_or_si512(_mm512_srli_epi32(lo, 4), _mm512_slli_epi32(m_hi, 4));
+    *s0 = _mm512_mul_ps(fp16x16(unit + Q4K_D), _mm512_cvtepi32_ps(sc));
+    *s1 = _mm512_mul_ps(_mm512_mul_ps(fp16x16(unit + Q4K_DMIN), _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-1.f));
+  } else {
+    const uint8_t* sc = q6k_scales(unit, g);
+    const __m512 d = fp16x16(unit + Q6K_D);
+    *s0 = _mm512_mul_ps(d, int8x16(sc));
+    *s1 = _mm512_mul_ps(d, int8x16(sc + 16));
+  }
+}
+
+template <int M, Form F>
 PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
-  const __m512i fifth = _mm512_set1_epi8(0x10);
   __m512 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
-    const uint8_t* b = tile + g * group_bytes<kFive>();
+    const uint8_t* b = codes_at<F>(tile, g);
     __m512i w[8];
     for (int s = 0; s < 4; ++s) {
       const __m512i v = _mm512_loadu_si512(b + 64 * s);
       w[2 * s] = _mm512_and_si512(v, mask);
       w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
     }
-    if constexpr (kFive) {
+    if constexpr (F == Form::kQ5) {
+      const __m512i fifth = _mm512_set1_epi8(0x10);
       for (int i = 0; i < 8; ++i) {
         w[i] = _mm512_or_si512(w[i], _mm512_maskz_mov_epi8(fifth_mask(b, i), fifth));
       }
+    } else if constexpr (F == Form::kQ6K) {
+      const __m256i low4 = _mm256_set1_epi8(0x0F);
+      for (int s = 0; s < 4; ++s) {
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * s));
+        const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(hb, low4)),
+                                             _mm256_and_si256(_mm256_srli_epi16(hb, 4), low4), 1);
+        w[2 * s] = _mm512_or_si512(w[2 * s], _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(3)), 4));
+        w[2 * s + 1] = _mm512_or_si512(w[2 * s + 1], _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(12)), 2));
+      }
     }
-    const __m512 scale = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + scales_at<kFive>())));
-    const __m512 offset =
-        kFive ? _mm512_mul_ps(scale, _mm512_set1_ps(-16.f))
-              : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 288)));
+    __m512 s0, s1;
+    group_scales_vnni<F>(tile, g, &s0, &s1);
     for (int r = 0; r < M; ++r) {
       int32_t qw[8];
       load_words(p.q + r * p.k + g * GROUP, qw, 8);
-      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-      for (int s = 0; s < 4; ++s) {
-        d0 = _mm512_dpbusd_epi32(d0, w[2 * s], _mm512_set1_epi32(qw[2 * s]));
-        d1 = _mm512_dpbusd_epi32(d1, w[2 * s + 1], _mm512_set1_epi32(qw[2 * s + 1]));
-      }
-      const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
       const int64_t i = r * p.groups + g;
-      acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(scale, _mm512_set1_ps(p.xd[i])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(p.xs[i]), acc[r]);
+      const __m512 xd = _mm512_set1_ps(p.xd[i]);
+      if constexpr (F == Form::kQ6K) {  // the halves' dot products apart: a scale each
+        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+        for (int s = 0; s < 4; ++s) {
+          d0 = _mm512_dpbusd_epi32(d0, w[s], _mm512_set1_epi32(qw[s]));
+          d1 = _mm512_dpbusd_epi32(d1, w[s + 4], _mm512_set1_epi32(qw[s + 4]));
+        }
+        d0 = _mm512_sub_epi32(d0, _mm512_set1_epi32(32 * p.qsum16[2 * i]));
+        d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(32 * p.qsum16[2 * i + 1]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, xd), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, xd), acc[r]);
+      } else {
+        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+        for (int s = 0; s < 4; ++s) {
+          d0 = _mm512_dpbusd_epi32(d0, w[2 * s], _mm512_set1_epi32(qw[2 * s]));
+          d1 = _mm512_dpbusd_epi32(d1, w[2 * s + 1], _mm512_set1_epi32(qw[2 * s + 1]));
+        }
+        const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+        acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(s0, xd), acc[r]);
+        acc[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(p.xs[i]), acc[r]);
+      }
     }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << p.valid) - 1u);
@@ -146,9 +271,61 @@ PAGODA_AVX2 inline __m256i fifth_bits_avx2(uint32_t word) {
   return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
 }
 
-// maddubs of a code (<= 31) and an activation (|q| <= 127) pair: <= 7874; 4 blocks add up to
-// <= 31496, inside int16, so a group's 8 blocks are widened to int32 in two halves.
-template <int M, bool kFive>
+PAGODA_AVX2 inline __m256 fp16x8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+PAGODA_AVX2 inline __m256 int8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The top 2 bits of 8 rows' 6-bit numbers, at bits 2e, 2e + 1 of `word` for row e, moved to
+// bits 4-5.
+PAGODA_AVX2 inline __m256i top_bits_avx2(uint32_t word) {
+  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+  const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts);
+  return _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(3)), 4);
+}
+
+// Blocks a and a + 1 of a group against their activation words, widened to int32.
+PAGODA_AVX2 inline __m256i dot_pair_avx2(const __m256i* w, const int32_t* qw, int a) {
+  const __m256i sum = _mm256_add_epi16(_mm256_maddubs_epi16(w[a], _mm256_set1_epi32(qw[a])),
+                                       _mm256_maddubs_epi16(w[a + 1], _mm256_set1_epi32(qw[a + 1])));
+  return _mm256_madd_epi16(sum, _mm256_set1_epi16(1));
+}
+
+// group_scales_vnni's numbers for rows 8h .. 8h + 7.
+template <Form F>
+PAGODA_AVX2 inline void group_scales_avx2(const uint8_t* tile, int64_t g, int h, __m256* s0, __m256* s1) {
+  const uint8_t* b = codes_at<F>(tile, g) + 16 * h;  // (the fp16 numbers of rows 8h ..)
+  const uint8_t* unit = unit_at<F>(tile, g) + 16 * h;
+  if constexpr (F == Form::kQ4) {
+    *s0 = fp16x8(b + 256);
+    *s1 = fp16x8(b + 288);
+  } else if constexpr (F == Form::kQ5) {
+    *s0 = fp16x8(b + 320);
+    *s1 = _mm256_mul_ps(*s0, _mm256_set1_ps(-16.f));
+  } else if constexpr (F == Form::kQ4K) {
+    const uint8_t* meta = q4k_meta(unit_at<F>(tile, g), g);
+    uint32_t hi[2];
+    q4k_hi_words(meta, hi);
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 * h)));
+    const __m256i sc = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)), top_bits_avx2(hi[0] >> (16 * h)));
+    const __m256i m = _mm256_or_si256(_mm256_srli_epi32(lo, 4), top_bits_avx2(hi[1] >> (16 * h)));
+    *s0 = _mm256_mul_ps(fp16x8(unit + Q4K_D), _mm256_cvtepi32_ps(sc));
+    *s1 = _mm256_mul_ps(_mm256_mul_ps(fp16x8(unit + Q4K_DMIN), _mm256_cvtepi32_ps(m)), _mm256_set1_ps(-1.f));
+  } else {
+    const uint8_t* sc = q6k_scales(unit_at<F>(tile, g), g) + 8 * h;
+    const __m256 d = fp16x8(unit + Q6K_D);
+    *s0 = _mm256_mul_ps(d, int8x8(sc));
+    *s1 = _mm256_mul_ps(d, int8x8(sc + 16));
+  }
+}
+
+// maddubs of a code and an activation (|q| <= 127) pair: <= 7874 for codes <= 31, so kQ5's 4
+// blocks add up to <= 31496, inside int16, and a group's 8 blocks are widened to int32 in two
+// halves; kQ6K's codes (<= 63) give <= 16002 a pair, so it widens every 2 blocks.
+template <int M, Form F>
 PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -156,67 +333,122 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
     __m256 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < p.groups; ++g) {
-      const uint8_t* b = tile + g * group_bytes<kFive>();
+      const uint8_t* b = codes_at<F>(tile, g);
       __m256i w[8];
       for (int s = 0; s < 4; ++s) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
         w[2 * s] = _mm256_and_si256(v, mask);
         w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
       }
-      if constexpr (kFive) {
+      if constexpr (F == Form::kQ5) {
         for (int i = 0; i < 8; ++i) {
           const auto word = static_cast<uint32_t>(fifth_mask(b, i) >> (32 * h));
           w[i] = _mm256_or_si256(w[i], fifth_bits_avx2(word));
         }
+      } else if constexpr (F == Form::kQ6K) {
+        for (int s = 0; s < 4; ++s) {
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * s));
+          const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(hb, 4 * h), mask);
+          w[2 * s] = _mm256_or_si256(w[2 * s], _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(3)), 4));
+          w[2 * s + 1] = _mm256_or_si256(w[2 * s + 1], _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(12)), 2));
+        }
       }
-      const __m256 scale = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + scales_at<kFive>() + 16 * h)));
-      const __m256 offset =
-          kFive ? _mm256_mul_ps(scale, _mm256_set1_ps(-16.f))
-                : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 288 + 16 * h)));
+      __m256 s0, s1;
+      group_scales_avx2<F>(tile, g, h, &s0, &s1);
       for (int r = 0; r < M; ++r) {
         int32_t qw[8];
         load_words(p.q + r * p.k + g * GROUP, qw, 8);
-        __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-        for (int s = 0; s < 4; ++s) {
-          lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[s], _mm256_set1_epi32(qw[s])));
-          hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w[s + 4], _mm256_set1_epi32(qw[s + 4])));
-        }
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-        const __m256 d = _mm256_cvtepi32_ps(dot);
         const int64_t i = r * p.groups + g;
-        acc[r] = _mm256_fmadd_ps(d, _mm256_mul_ps(scale, _mm256_set1_ps(p.xd[i])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(p.xs[i]), acc[r]);
+        const __m256 xd = _mm256_set1_ps(p.xd[i]);
+        if constexpr (F == Form::kQ6K) {
+          const __m256i d0 = _mm256_sub_epi32(_mm256_add_epi32(dot_pair_avx2(w, qw, 0), dot_pair_avx2(w, qw, 2)),
+                                              _mm256_set1_epi32(32 * p.qsum16[2 * i]));
+          const __m256i d1 = _mm256_sub_epi32(_mm256_add_epi32(dot_pair_avx2(w, qw, 4), dot_pair_avx2(w, qw, 6)),
+                                              _mm256_set1_epi32(32 * p.qsum16[2 * i + 1]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, xd), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, xd), acc[r]);
+        } else {
+          __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+          for (int s = 0; s < 4; ++s) {
+            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[s], _mm256_set1_epi32(qw[s])));
+            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w[s + 4], _mm256_set1_epi32(qw[s + 4])));
+          }
+          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, xd), acc[r]);
+          acc[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(p.xs[i]), acc[r]);
+        }
       }
     }
     for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
   }
 }
 
-template <bool kFive>
+// Row j's code of block s, byte 4j + e, low (hi = 0) or high nibble, with its upper bits.
+template <Form F>
+inline int nibble_code(const uint8_t* b, int s, int j, int e, int hi) {
+  const int at = 4 * j + e;
+  const uint8_t byte = b[64 * s + at];
+  int code = hi ? byte >> 4 : byte & 0x0F;
+  if constexpr (F == Form::kQ5) {
+    code |= static_cast<int>((fifth_mask(b, 2 * s + hi) >> at) & 1u) << 4;
+  } else if constexpr (F == Form::kQ6K) {
+    code |= ((q6k_high(b, s, at) >> (2 * hi)) & 3) << 4;
+  }
+  return code;
+}
+
+// Group g's scale and offset for row j; kQ6K: its halves' scales.
+template <Form F>
+inline void group_scales_scalar(const uint8_t* tile, int64_t g, int64_t j, float* s0, float* s1) {
+  const uint8_t* b = codes_at<F>(tile, g);
+  const uint8_t* unit = unit_at<F>(tile, g);
+  if constexpr (F == Form::kQ4) {
+    *s0 = fp16(b + 256 + 2 * j);
+    *s1 = fp16(b + 288 + 2 * j);
+  } else if constexpr (F == Form::kQ5) {
+    *s0 = fp16(b + 320 + 2 * j);
+    *s1 = *s0 * -16.f;
+  } else if constexpr (F == Form::kQ4K) {
+    const uint8_t* meta = q4k_meta(unit, g);
+    uint32_t hi[2];
+    q4k_hi_words(meta, hi);
+    const int sc = (meta[j] & 15) | static_cast<int>((hi[0] >> (2 * j)) & 3u) << 4;
+    const int m = (meta[j] >> 4) | static_cast<int>((hi[1] >> (2 * j)) & 3u) << 4;
+    *s0 = fp16(unit + Q4K_D + 2 * j) * static_cast<float>(sc);
+    *s1 = fp16(unit + Q4K_DMIN + 2 * j) * static_cast<float>(m) * -1.f;
+  } else {
+    const auto* sc = reinterpret_cast<const int8_t*>(q6k_scales(unit, g));
+    const float d = fp16(unit + Q6K_D + 2 * j);
+    *s0 = d * static_cast<float>(sc[j]);
+    *s1 = d * static_cast<float>(sc[16 + j]);
+  }
+}
+
+template <Form F>
 void nibble_tile_scalar(const uint8_t* tile, const Pass& p, int m) {
   for (int r = 0; r < m; ++r) {
     for (int64_t j = 0; j < p.valid; ++j) {
       float sum = 0.f;
       for (int64_t g = 0; g < p.groups; ++g) {
-        const uint8_t* b = tile + g * group_bytes<kFive>();
+        const uint8_t* b = codes_at<F>(tile, g);
         const int8_t* q = p.q + r * p.k + g * GROUP;
-        int dot = 0;
+        int dot[2] = {0, 0};  // values [0, 16) and [16, 32) of the group
         for (int s = 0; s < 4; ++s) {
-          const uint64_t lo_bits = kFive ? fifth_mask(b, 2 * s) : 0;
-          const uint64_t hi_bits = kFive ? fifth_mask(b, 2 * s + 1) : 0;
           for (int e = 0; e < 4; ++e) {
-            const uint8_t byte = b[64 * s + 4 * j + e];
-            const int at = static_cast<int>(4 * j + e);
-            const int lo = (byte & 0x0F) | static_cast<int>(((lo_bits >> at) & 1u) << 4);
-            const int hi = (byte >> 4) | static_cast<int>(((hi_bits >> at) & 1u) << 4);
-            dot += lo * q[8 * s + e] + hi * q[8 * s + 4 + e];
+            const int jj = static_cast<int>(j);
+            dot[s / 2] += nibble_code<F>(b, s, jj, e, 0) * q[8 * s + e] +
+                          nibble_code<F>(b, s, jj, e, 1) * q[8 * s + 4 + e];
           }
         }
         const int64_t i = r * p.groups + g;
-        const float scale = fp16(b + scales_at<kFive>() + 2 * j);
-        const float offset = kFive ? scale * -16.f : fp16(b + 288 + 2 * j);
-        sum += static_cast<float>(dot) * (scale * p.xd[i]) + offset * p.xs[i];
+        float s0, s1;
+        group_scales_scalar<F>(tile, g, j, &s0, &s1);
+        if constexpr (F == Form::kQ6K) {
+          sum += static_cast<float>(dot[0] - 32 * p.qsum16[2 * i]) * (s0 * p.xd[i]);
+          sum += static_cast<float>(dot[1] - 32 * p.qsum16[2 * i + 1]) * (s1 * p.xd[i]);
+        } else {
+          sum += static_cast<float>(dot[0] + dot[1]) * (s0 * p.xd[i]) + s1 * p.xs[i];
+        }
       }
       p.y[r * p.ldy + j] = sum;
     }
@@ -340,7 +572,8 @@ int rows_per_pass(Isa isa) { return isa == Isa::kVnni ? MAX_M_VNNI : MAX_M_AVX2;
 // and row block. Each row's arithmetic is the same whatever the pass holds: a row gives the same
 // bits in any batch.
 template <typename TileFn>
-at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, TileFn&& tile_fn) {
+at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, TileFn&& tile_fn,
+                     bool half_sums = false) {
   const at::Tensor x = float_rows(x_in);
   const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP, per_pass = rows_per_pass(isa);
   const Activations a = quantize(x, isa);
@@ -349,12 +582,26 @@ at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, 
   const float* xd = a.xd.data_ptr<float>();
   const float* xs = a.xs.data_ptr<float>();
   const int32_t* qsum = a.qsum.data_ptr<int32_t>();
+  std::vector<int32_t> sums16(half_sums ? m * k / 16 : 0);
+  for (size_t i = 0; i < sums16.size(); ++i) {
+    int32_t sum = 0;
+    for (int e = 0; e < 16; ++e) sum += q[16 * i + e];
+    sums16[i] = sum;
+  }
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t r = 0; r < m; r += per_pass) {
-        const Pass pass{q + r * k, k, xd + r * groups, xs + r * groups, qsum + r * groups,
-                        groups, yp + r * n + t * ROWS, n, std::min(ROWS, n - t * ROWS)};
+        const Pass pass{q + r * k,
+                        k,
+                        xd + r * groups,
+                        xs + r * groups,
+                        qsum + r * groups,
+                        half_sums ? sums16.data() + r * 2 * groups : nullptr,
+                        groups,
+                        yp + r * n + t * ROWS,
+                        n,
+                        std::min(ROWS, n - t * ROWS)};
         tile_fn(t, pass, static_cast<int>(std::min(per_pass, m - r)));
       }
     }
@@ -371,35 +618,53 @@ void check_packed(const at::Tensor& packed, int64_t tiles, int64_t groups, int64
               k, ", got ", packed.sizes());
 }
 
-// packed: (ceil(n / 16), K / 32, 320 or 352) uint8, the 4-bit or 5-bit tiles described at the top
+// The nibble form a packed tensor holds, told by its unit's bytes.
+Form nibble_form(const at::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 3, "packed: (tiles, units, bytes), got ", packed.sizes());
+  switch (packed.size(2)) {
+    case Q4_BYTES: return Form::kQ4;
+    case Q5_BYTES: return Form::kQ5;
+    case Q4K_BYTES: return Form::kQ4K;
+    case Q6K_BYTES: return Form::kQ6K;
+    default:
+      TORCH_CHECK(false, "packed: units of 320, 352, 2304 or 3360 bytes, got ", packed.size(2));
+  }
+  return Form::kQ4;  // not reached
+}
+
+// packed: (ceil(n / 16), K / 32, 320 or 352) or (ceil(n / 16), K / 256, 2304 or 3360) uint8,
+// the nibble tiles described at the top
 at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                         int64_t isa_limit) {
   check_rows(x);
-  const int64_t tiles = (n + ROWS - 1) / ROWS, k = x.size(-1);
-  const bool five = packed.dim() == 3 && packed.size(2) == Q5_BYTES;
-  const int64_t bytes = five ? Q5_BYTES : Q4_BYTES;
-  check_packed(packed, tiles, k / GROUP, bytes, n, k);
+  const Form form = nibble_form(packed);
+  const bool super = form == Form::kQ4K || form == Form::kQ6K;
+  const int64_t tiles = (n + ROWS - 1) / ROWS, k = x.size(-1), per_unit = super ? 8 * GROUP : GROUP;
+  TORCH_CHECK(k % per_unit == 0, "K must be a multiple of ", per_unit, " for this form, got ", k);
+  check_packed(packed, tiles, k / per_unit, packed.size(2), n, k);
   const Isa isa = pick_isa(isa_limit);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const int64_t tile_bytes = (k / GROUP) * bytes;
-  return run_tiles(x, n, tiles, isa, [&](int64_t t, const Pass& p, int m) {
+  const int64_t tile_bytes = (k / per_unit) * packed.size(2);
+  const auto tile_fn = [&](int64_t t, const Pass& p, int m) {
     const uint8_t* tile = w + t * tile_bytes;
     const auto run = [&](auto tag) {
-      constexpr bool kFive = decltype(tag)::value;
+      constexpr Form F = decltype(tag)::value;
       if (isa == Isa::kVnni) {
-        with_rows<MAX_M_VNNI>(m, [&](auto rows) {
-          nibble_tile_vnni<decltype(rows)::value, kFive>(tile, p);
-        });
+        with_rows<MAX_M_VNNI>(m, [&](auto rows) { nibble_tile_vnni<decltype(rows)::value, F>(tile, p); });
       } else if (isa == Isa::kAvx2) {
-        with_rows<MAX_M_AVX2>(m, [&](auto rows) {
-          nibble_tile_avx2<decltype(rows)::value, kFive>(tile, p);
-        });
+        with_rows<MAX_M_AVX2>(m, [&](auto rows) { nibble_tile_avx2<decltype(rows)::value, F>(tile, p); });
       } else {
-        nibble_tile_scalar<kFive>(tile, p, m);
+        nibble_tile_scalar<F>(tile, p, m);
       }
     };
-    five ? run(std::true_type{}) : run(std::false_type{});
-  });
+    switch (form) {
+      case Form::kQ4: run(std::integral_constant<Form, Form::kQ4>{}); break;
+      case Form::kQ5: run(std::integral_constant<Form, Form::kQ5>{}); break;
+      case Form::kQ4K: run(std::integral_constant<Form, Form::kQ4K>{}); break;
+      case Form::kQ6K: run(std::integral_constant<Form, Form::kQ6K>{}); break;
+    }
+  };
+  return run_tiles(x, n, tiles, isa, tile_fn, form == Form::kQ6K);
 }
 
 // packed: (ceil(n / 16), K / 32, 512) uint8; scales: (ceil(n / 16), K / 32 or 1, 16) float32
