@@ -249,16 +249,15 @@ def smollm2_hf(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> t
     loaded from a GGUF, so it is pickled whole)."""
     from filelock import FileLock
 
-    folder, name = os.path.split(smollm2_path)
+    from tests.oracle import hf_from_gguf
+
     base = tmp_path_factory.getbasetemp()
     shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smollm2-hf.pt"
     with FileLock(str(shared) + ".lock"):
         if shared.exists():
             model = torch.load(shared, weights_only=False)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, dtype=torch.float32
-            )
+            model = hf_from_gguf(smollm2_path)
             partial = shared.with_name(shared.name + ".partial")
             torch.save(model, partial)
             partial.rename(shared)
