@@ -168,6 +168,7 @@ GGUF_WEIGHT_BITS = {
     "Q4_1": "4-bit",
     "Q4_K": "4-bit",
     "Q5_0": "5-bit",  # on pagoda's CPU kernels (cpu_q5); int8 groups elsewhere
+    "Q6_K": "6-bit",  # on pagoda's CPU kernels (cpu_q6k); int8 rows elsewhere
     "Q8_0": "8-bit",
 }
 

@@ -28,7 +28,8 @@ int8-quantized activations, for every step size (pagoda/kernels/cpu/quant_gemm.c
     cpu_q4:  packed (ceil(N / 16), K // 32, 320) uint8, w = scale * code + offset (fp16)
     cpu_q5:  packed (ceil(N / 16), K // 32, 352) uint8, w = scale * (code - 16) (GGUF Q5_0,
              its bytes: low nibbles, a bit plane of fifth bits, fp16 scales)
-    cpu_q4k: packed (ceil(N / 16), K // 256, 2304) uint8, GGUF Q4_K's own numbers and bytes
+    cpu_q4k: packed (ceil(N / 16), K // 256, 2368) uint8, GGUF Q4_K's own numbers (its bytes,
+             the 6-bit sub-scales a byte each: x1.03)
     cpu_q6k: packed (ceil(N / 16), K // 256, 3360) uint8, GGUF Q6_K's own numbers and bytes
     cpu_q8:  packed (ceil(N / 16), K // 32, 512) uint8 (code + 128), packed_scales float32
              (ceil(N / 16), K // 32 or 1, 16): w = scale * code, per group or per row
@@ -312,31 +313,23 @@ def pack_q4kx16(
 ) -> torch.Tensor:
     """The CPU kernels' Q4_K form, w = d * sc[g] * code - dmin * m[g]: codes (N, K) in [0, 15];
     sc, m (N, K // 32) in [0, 63]; d, dmin (N, K // 256) fp16 -> uint8 (ceil(N / 16), K // 256,
-    2304), per tile of 16 rows and super-block of 8 groups: the groups' nibble blocks
-    (pack_q4x16's), then per group 16 bytes (row j: sc's low 4 bits | m's << 4) and a
-    little-endian uint64 (bits 2j, 2j + 1: sc's top 2 bits; bits 32 + 2j, 33 + 2j: m's), then
-    the 16 d and the 16 dmin as fp16. 144 bytes a row and 256 values, the file's."""
+    2368), per tile of 16 rows and super-block of 8 groups: the groups' nibble blocks
+    (pack_q4x16's), then per group the 16 rows' sc, then their m, a byte each, then the 16 d
+    and the 16 -dmin as fp16. 148 bytes a row and 256 values: the file's 144, its 6-bit numbers
+    unpacked to a byte each (quant_gemm.cpp says why)."""
     n, k = codes.shape
     tiles, supers = -(-n // 16), k // 256
     code_part = _nibble_blocks(codes, tiles).reshape(tiles, supers, 2048)
     sc8, m8 = (_tile_rows(t.to(torch.uint8).view(n, supers, 8), tiles) for t in (sc, m))
-    sc8, m8 = sc8.transpose(2, 3), m8.transpose(2, 3)  # (T, S, 8 groups, 16 rows)
-    low = (sc8 & 0x0F) | ((m8 & 0x0F) << 4)
-    weights = torch.tensor([1, 4, 16, 64], dtype=torch.int32)
-
-    def top(t: torch.Tensor) -> torch.Tensor:  # 4 bytes: row 4i + e's top 2 bits at 2e of byte i
-        return ((t >> 4).to(torch.int32).reshape(tiles, supers, 8, 4, 4) * weights).sum(-1)
-
-    high = torch.cat([top(sc8), top(m8)], -1).to(torch.uint8)  # (T, S, 8, 8)
-    meta = torch.cat([low, high], -1).reshape(tiles, supers, 192)
+    meta = torch.stack([sc8, m8], -2).permute(0, 1, 4, 3, 2)  # (T, S, 8 groups, sc | m, 16 rows)
     halves = [
         _tile_rows(t.to(torch.float16), tiles)
         .contiguous()
         .view(torch.uint8)
         .view(tiles, supers, 32)
-        for t in (d, dmin)
+        for t in (d, -dmin)
     ]
-    return torch.cat([code_part, meta, *halves], -1).contiguous()
+    return torch.cat([code_part, meta.reshape(tiles, supers, 256), *halves], -1).contiguous()
 
 
 def pack_q6kx16(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -113,9 +113,9 @@ def test_gguf_formats_match_the_reference(
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
 def test_the_k_quant_forms_hold_the_file_s_bytes_and_numbers(qtype: str) -> None:
-    """16 rows of a tile take 16 x the file's bytes per 256 values (144 for Q4_K, 210 for
-    Q6_K); rows past the tensor's (padding) are zeros. The numbers are the file's: decode_k
-    gives gguf's dequantization bit for bit."""
+    """16 rows of a tile take 16 x the file's bytes per 256 values (210 for Q6_K; 144 + 4 for
+    Q4_K, whose 16 6-bit numbers take a byte each); rows past the tensor's (padding) are
+    zeros. The numbers are the file's: decode_k gives gguf's dequantization bit for bit."""
     rows, cols = 37, 512
     weight = _blocks(qtype, rows, cols, seed=7)
     k = gguf.decode_k(weight)
@@ -124,9 +124,10 @@ def test_the_k_quant_forms_hold_the_file_s_bytes_and_numbers(qtype: str) -> None
         packed = pack_q4kx16(k.codes, k.sc, k.m, k.d, k.dmin)
     else:
         packed = pack_q6kx16(k.codes, k.sc, k.d)
-    per_row = gguf._BLOCK_BYTES[qtype][1] * cols // 256
+    file_row = gguf._BLOCK_BYTES[qtype][1] * cols // 256
+    assert weight.data.shape == (rows, file_row)
+    per_row = file_row + (4 * cols // 256 if qtype == "Q4_K" else 0)
     assert packed.shape == (3, 2, 16 * per_row // 2) and packed.numel() == 48 * per_row
-    assert weight.data.shape == (rows, per_row)
     assert OPS is not None
     y = OPS.q4x16_matmul(torch.eye(cols), packed, 48, ISAS[-1]).T  # unit rows: w itself
     w = weight.dequantize()

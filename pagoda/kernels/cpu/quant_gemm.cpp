@@ -17,10 +17,10 @@
 //     the 4-bit blocks, then 8 masks of 64 bits (mask 2s + h, bit 4j + b: the fifth bit of
 //     code[j, 8s + 4h + b], the code the 4-bit block s holds in its low (h = 0) or high nibble),
 //     then the 16 rows' scales, fp16; the offset is -16 * scale.
-//   GGUF Q4_K (q4x16_matmul on 2304-byte super-blocks of 8 groups: 16 x the file's 144 bytes /
-//     256 values), w = d * sc[g] * code - dmin * m[g], code in [0, 15], sc and m 6-bit: the 8
-//     groups' 4-bit blocks, then per group the rows' sc and m (low 4 bits in a byte, top 2 bits
-//     in a 64-bit word), then the rows' d and dmin, fp16.
+//   GGUF Q4_K (q4x16_matmul on 2368-byte super-blocks of 8 groups: 16 x 148 bytes / 256 values,
+//     the file's 144 with its 6-bit numbers a byte each), w = d * sc[g] * code - dmin * m[g],
+//     code in [0, 15], sc and m 6-bit: the 8 groups' 4-bit blocks, then per group the rows' sc,
+//     then their m, a byte each, then the rows' d and -dmin, fp16.
 //   GGUF Q6_K (q4x16_matmul on 3360-byte super-blocks: 16 x 210 bytes / 256 values),
 //     w = d * sc[g, half] * (code - 32), code in [0, 63], sc int8 per 16 values: per group the
 //     4-bit blocks of the low nibbles and 4 x 32 bytes of top 2 bits (block s's byte p % 32,
@@ -48,7 +48,7 @@ namespace {
 constexpr int64_t ROWS = 16;       // output rows per tile
 constexpr int64_t Q4_BYTES = 320;  // a tile's group of 4-bit codes, scales and offsets
 constexpr int64_t Q5_BYTES = 352;  // a tile's group of 5-bit codes and scales
-constexpr int64_t Q4K_BYTES = 2304;  // a tile's Q4_K super-block: 16 x 144, the file's bytes
+constexpr int64_t Q4K_BYTES = 2368;  // a tile's Q4_K super-block: 16 x 148 (the file's 144 + 4)
 constexpr int64_t Q6K_BYTES = 3360;  // a tile's Q6_K super-block: 16 x 210
 constexpr int64_t Q8_BYTES = 512;  // a tile's group of 8-bit codes
 // Activation rows per pass over a tile: a pass keeps the tile's unpacked codes in registers
@@ -123,14 +123,15 @@ inline const uint8_t* codes_at(const uint8_t* tile, int64_t g) {
   return unit_at<F>(tile, g) + g % unit_groups<F>() * code_bytes<F>();
 }
 
-// kQ4K: per group 24 bytes (16: row j's scale low 4 bits | min low 4 bits << 4; 8: a
-// little-endian uint64, bits 2j, 2j + 1 the scale's top 2 bits, bits 32 + 2j, 33 + 2j the
-// min's), then the 16 rows' d and dmin, fp16: scale = d * sc, offset = -dmin * m.
-constexpr int64_t Q4K_META = 2048, Q4K_D = 2240, Q4K_DMIN = 2272;
+// kQ4K: per group the 16 rows' 6-bit scales, then their 6-bit mins, a byte each; then the 16
+// rows' d and -dmin, fp16: scale = d * sc, offset = (-dmin) * m. (The file packs the 6-bit
+// numbers into 12 bytes a row; a byte each costs 4 bytes a row and 256 values, 2.8%, and saves
+// the unpacking in every tile's group: a batch-1 step on 2 cores is bound by instructions.)
+constexpr int64_t Q4K_META = 2048, Q4K_D = 2304, Q4K_NDMIN = 2336;
 // kQ6K: per group 2 x 16 int8 scales (the 16-value halves), then the 16 rows' d, fp16.
 constexpr int64_t Q6K_SCALES = 3072, Q6K_D = 3328;
 
-inline const uint8_t* q4k_meta(const uint8_t* unit, int64_t g) { return unit + Q4K_META + 24 * (g % 8); }
+inline const uint8_t* q4k_meta(const uint8_t* unit, int64_t g) { return unit + Q4K_META + 32 * (g % 8); }
 inline const uint8_t* q6k_scales(const uint8_t* unit, int64_t g) { return unit + Q6K_SCALES + 32 * (g % 8); }
 
 // The fifth bits of 64 codes (one 4-bit block's low or high nibbles) from their mask.
@@ -139,8 +140,6 @@ inline uint64_t fifth_mask(const uint8_t* b, int i) {
   std::memcpy(&bits, b + 256 + 8 * i, 8);
   return bits;
 }
-
-inline void q4k_hi_words(const uint8_t* meta, uint32_t* words) { std::memcpy(words, meta + 16, 8); }
 
 // kQ6K's two high bits of the codes of block s's byte p (p in [0, 64)): bits 0-1 the low
 // nibble's code's, bits 2-3 the high nibble's; byte p % 32 of the block's 32 bytes holds them in
@@ -151,6 +150,10 @@ inline int q6k_high(const uint8_t* b, int s, int p) {
 
 PAGODA_VNNI inline __m512 fp16x16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+PAGODA_VNNI inline __m512 uint8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 PAGODA_VNNI inline __m512 int8x16(const uint8_t* p) {
@@ -171,17 +174,8 @@ PAGODA_VNNI inline void group_scales_vnni(const uint8_t* tile, int64_t g, __m512
     *s1 = _mm512_mul_ps(*s0, _mm512_set1_ps(-16.f));
   } else if constexpr (F == Form::kQ4K) {
     const uint8_t* meta = q4k_meta(unit, g);
-    uint32_t hi[2];
-    q4k_hi_words(meta, hi);
-    const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)));
-    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i three = _mm512_set1_epi32(3);
-    const __m512i sc_hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(hi[0])), shifts), three);
-    const __m512i m_hi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(hi[1])), shifts), three);
-    const __m512i sc = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(15)), _mm512_slli_epi32(sc_hi, 4));
-    const __m512i m = _mm512_or_si512(_mm512_srli_epi32(lo, 4), _mm512_slli_epi32(m_hi, 4));
-    *s0 = _mm512_mul_ps(fp16x16(unit + Q4K_D), _mm512_cvtepi32_ps(sc));
-    *s1 = _mm512_mul_ps(_mm512_mul_ps(fp16x16(unit + Q4K_DMIN), _mm512_cvtepi32_ps(m)), _mm512_set1_ps(-1.f));
+    *s0 = _mm512_mul_ps(fp16x16(unit + Q4K_D), uint8x16(meta));
+    *s1 = _mm512_mul_ps(fp16x16(unit + Q4K_NDMIN), uint8x16(meta + 16));
   } else {
     const uint8_t* sc = q6k_scales(unit, g);
     const __m512 d = fp16x16(unit + Q6K_D);
@@ -279,12 +273,8 @@ PAGODA_AVX2 inline __m256 int8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// The top 2 bits of 8 rows' 6-bit numbers, at bits 2e, 2e + 1 of `word` for row e, moved to
-// bits 4-5.
-PAGODA_AVX2 inline __m256i top_bits_avx2(uint32_t word) {
-  const __m256i shifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-  const __m256i bits = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shifts);
-  return _mm256_slli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(3)), 4);
+PAGODA_AVX2 inline __m256 uint8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // Blocks a and a + 1 of a group against their activation words, widened to int32.
@@ -306,14 +296,9 @@ PAGODA_AVX2 inline void group_scales_avx2(const uint8_t* tile, int64_t g, int h,
     *s0 = fp16x8(b + 320);
     *s1 = _mm256_mul_ps(*s0, _mm256_set1_ps(-16.f));
   } else if constexpr (F == Form::kQ4K) {
-    const uint8_t* meta = q4k_meta(unit_at<F>(tile, g), g);
-    uint32_t hi[2];
-    q4k_hi_words(meta, hi);
-    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta + 8 * h)));
-    const __m256i sc = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)), top_bits_avx2(hi[0] >> (16 * h)));
-    const __m256i m = _mm256_or_si256(_mm256_srli_epi32(lo, 4), top_bits_avx2(hi[1] >> (16 * h)));
-    *s0 = _mm256_mul_ps(fp16x8(unit + Q4K_D), _mm256_cvtepi32_ps(sc));
-    *s1 = _mm256_mul_ps(_mm256_mul_ps(fp16x8(unit + Q4K_DMIN), _mm256_cvtepi32_ps(m)), _mm256_set1_ps(-1.f));
+    const uint8_t* meta = q4k_meta(unit_at<F>(tile, g), g) + 8 * h;
+    *s0 = _mm256_mul_ps(fp16x8(unit + Q4K_D), uint8x8(meta));
+    *s1 = _mm256_mul_ps(fp16x8(unit + Q4K_NDMIN), uint8x8(meta + 16));
   } else {
     const uint8_t* sc = q6k_scales(unit_at<F>(tile, g), g) + 8 * h;
     const __m256 d = fp16x8(unit + Q6K_D);
@@ -410,12 +395,8 @@ inline void group_scales_scalar(const uint8_t* tile, int64_t g, int64_t j, float
     *s1 = *s0 * -16.f;
   } else if constexpr (F == Form::kQ4K) {
     const uint8_t* meta = q4k_meta(unit, g);
-    uint32_t hi[2];
-    q4k_hi_words(meta, hi);
-    const int sc = (meta[j] & 15) | static_cast<int>((hi[0] >> (2 * j)) & 3u) << 4;
-    const int m = (meta[j] >> 4) | static_cast<int>((hi[1] >> (2 * j)) & 3u) << 4;
-    *s0 = fp16(unit + Q4K_D + 2 * j) * static_cast<float>(sc);
-    *s1 = fp16(unit + Q4K_DMIN + 2 * j) * static_cast<float>(m) * -1.f;
+    *s0 = fp16(unit + Q4K_D + 2 * j) * static_cast<float>(meta[j]);
+    *s1 = fp16(unit + Q4K_NDMIN + 2 * j) * static_cast<float>(meta[16 + j]);
   } else {
     const auto* sc = reinterpret_cast<const int8_t*>(q6k_scales(unit, g));
     const float d = fp16(unit + Q6K_D + 2 * j);
@@ -627,12 +608,12 @@ Form nibble_form(const at::Tensor& packed) {
     case Q4K_BYTES: return Form::kQ4K;
     case Q6K_BYTES: return Form::kQ6K;
     default:
-      TORCH_CHECK(false, "packed: units of 320, 352, 2304 or 3360 bytes, got ", packed.size(2));
+      TORCH_CHECK(false, "packed: units of 320, 352, 2368 or 3360 bytes, got ", packed.size(2));
   }
   return Form::kQ4;  // not reached
 }
 
-// packed: (ceil(n / 16), K / 32, 320 or 352) or (ceil(n / 16), K / 256, 2304 or 3360) uint8,
+// packed: (ceil(n / 16), K / 32, 320 or 352) or (ceil(n / 16), K / 256, 2368 or 3360) uint8,
 // the nibble tiles described at the top
 at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                         int64_t isa_limit) {
