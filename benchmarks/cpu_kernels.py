@@ -31,14 +31,8 @@ import torch
 from pagoda.bench.common import write_json
 from pagoda.bench.roofline import read_bandwidth_gb_s
 from pagoda.kernels.cpu import ISA_NAMES, built
-from pagoda.layers.quant_forms import (
-    int4_matmul,
-    int4_pack,
-    int8_matmul,
-    pack_q4x16,
-    pack_q8x16,
-    quantize_int8_rows,
-)
+from pagoda.layers.cpu_forms import pack_q4x16, pack_q8x16
+from pagoda.layers.quant_forms import int4_matmul, int4_pack, int8_matmul, quantize_int8_rows
 
 # SmolLM2-135M: (name, N, K) of its linears (q/k/v packed, gate/up packed) and its head
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]

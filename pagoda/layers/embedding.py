@@ -20,16 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.cpu_forms import cpu_q8_rows
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import gguf_cpu_form
-from pagoda.layers.quant_forms import (
-    apply_stored,
-    cpu_kernels_for,
-    cpu_q8_rows,
-    set_int8,
-    take_float_weight,
-)
+from pagoda.layers.quant_forms import apply_stored, cpu_kernels_for, set_int8, take_float_weight
 
 
 class _VocabRows(nn.Module):

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.cpu_forms import CPU_KERNELS, cpu_matmul_norm, cpu_matmul_silu
 from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import QuantMethod
-from pagoda.layers.quant_forms import CPU_KERNELS, cpu_matmul_norm, cpu_matmul_silu
 
 Part = tuple[int, int]  # (start, length) along one dimension of a checkpoint tensor
 
@@ -82,7 +82,7 @@ class Linear(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(norm(x + residual)), x + residual), as a decoder layer feeds its projections:
         `norm` an RMSNorm, residual None for the first layer (then x itself is returned). On
-        pagoda's CPU kernels the norm runs inside the matmul's call (quant_forms.cpu_matmul_norm):
+        pagoda's CPU kernels the norm runs inside the matmul's call (cpu_forms.cpu_matmul_norm):
         one op in a compiled step."""
         if self._fused_cpu(x) and getattr(norm, "cpu_kernel", False):
             y, hidden = cpu_matmul_norm(self, x, residual, norm)

@@ -21,19 +21,21 @@ from torch import nn
 
 from pagoda.config import QUANTIZATION_METHODS
 from pagoda.layers import gguf
-from pagoda.layers.quant_forms import (
+from pagoda.layers.cpu_forms import (
     KernelPart,
+    set_cpu_k,
+    set_cpu_parts,
+    set_cpu_q4,
+    set_cpu_q5,
+    set_cpu_q8,
+)
+from pagoda.layers.quant_forms import (
     apply_stored,
     cpu_kernels_for,
     int4_supported,
     quantize_int4_groups,
     quantize_int8_groups,
     quantize_int8_rows,
-    set_cpu_k,
-    set_cpu_parts,
-    set_cpu_q4,
-    set_cpu_q5,
-    set_cpu_q8,
     set_int4,
     set_int8,
     set_int8_groups,
@@ -166,7 +168,7 @@ class FP8Method(QuantMethod):
 class GGUFMethod(QuantMethod):
     """GGUF blocks kept quantized.
 
-    On pagoda's CPU kernels every type keeps its own form (quant_forms.py): Q4_0 / Q4_1 4-bit
+    On pagoda's CPU kernels every type keeps its own form (cpu_forms.py): Q4_0 / Q4_1 4-bit
     groups (cpu_q4), Q5_0, Q4_K and Q6_K the file's own numbers and bytes (cpu_q5, cpu_q4k,
     cpu_q6k), Q8_0 8-bit groups (cpu_q8), the other types re-quantized per row to int8. A
     merged layer whose shards differ in type (Q4_K_M files store attn_v, and so qkv's third
@@ -224,8 +226,8 @@ class GGUFMethod(QuantMethod):
 
 def gguf_cpu_form(holder: Any, parts: list[Any]) -> bool:
     """The parts (GGUFWeight, all of one type) in the CPU kernels' form for their type, on
-    `holder` (a layer, a KernelPart of one, or an LM head); False where a 4-bit scale does not
-    fit fp16 (the caller keeps torch's forms)."""
+    `holder` (a layer, a KernelPart of one, or an LM head), where quant_forms.cpu_kernels_for
+    serves it; False where a 4-bit scale does not fit fp16 (the caller keeps torch's forms)."""
     qtype = parts[0].qtype
     if qtype in gguf.K_TYPES:
         ks = [gguf.decode_k(p) for p in parts]
@@ -234,24 +236,26 @@ def gguf_cpu_form(holder: Any, parts: list[Any]) -> bool:
             first = getattr(ks[0], name)
             return None if first is None else torch.cat([getattr(k, name) for k in ks])
 
-        return set_cpu_k(
-            holder,
-            gguf.KQuantCodes(
-                qtype, stacked("codes"), stacked("sc"), stacked("m"), stacked("d"), stacked("dmin")
-            ),
+        k = gguf.KQuantCodes(
+            qtype, stacked("codes"), stacked("sc"), stacked("m"), stacked("d"), stacked("dmin")
         )
+        set_cpu_k(holder, k)
+        return True
     if qtype == "Q5_0":  # its own 5 bits: codes [-16, 15] back to [0, 31]
         codes, scale, _ = GGUFMethod._groups(parts, False)
-        return set_cpu_q5(holder, codes.to(torch.int16) + 16, scale)
+        set_cpu_q5(holder, codes.to(torch.int16) + 16, scale)
+        return True
     if qtype in gguf.FOUR_BIT_TYPES:
         codes, scale, offset = GGUFMethod._groups(parts, True)
         assert offset is not None
         return set_cpu_q4(holder, codes, scale, offset)
     if qtype in gguf.EIGHT_BIT_TYPES:
         codes, scale, _ = GGUFMethod._groups(parts, False)
-        return set_cpu_q8(holder, codes, scale)
+        set_cpu_q8(holder, codes, scale)
+        return True
     codes, row_scale = quantize_int8_rows(torch.cat([p.dequantize() for p in parts]))
-    return set_cpu_q8(holder, codes, row_scale[:, None])
+    set_cpu_q8(holder, codes, row_scale[:, None])
+    return True
 
 
 # (dimension of the stored tensor, indices of the float weight per entry: "1", "8" or "group")

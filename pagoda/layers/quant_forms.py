@@ -20,19 +20,8 @@ kept quantized; scales and zero points in the model's dtype:
     w8a16 (kernel "w8a16"):  qweight (N, K) int8, scale (N, K // g); int8 and Q8_0 groups
     int8 rows (kernel "int8"): qweight (N, K) int8, weight_scale (N,), as on CPU
 
-On CPU, where pagoda's C++ kernels build (pagoda/kernels/cpu) and PAGODA_CPU_KERNELS is not 0,
-GGUF layers (Q4_0 / Q4_1, Q5_0, Q4_K, Q6_K, Q8_0) and the int8 rows keep the kernels' form instead of
-torch's: codes in tiles of 16 rows laid out for VNNI dot products, multiplied against
-int8-quantized activations, for every step size (pagoda/kernels/cpu/quant_gemm.cpp):
-
-    cpu_q4:  packed (ceil(N / 16), K // 32, 320) uint8, w = scale * code + offset (fp16)
-    cpu_q5:  packed (ceil(N / 16), K // 32, 352) uint8, w = scale * (code - 16) (GGUF Q5_0,
-             its bytes: low nibbles, a bit plane of fifth bits, fp16 scales)
-    cpu_q4k: packed (ceil(N / 16), K // 256, 2368) uint8, GGUF Q4_K's own numbers (its bytes,
-             the 6-bit sub-scales a byte each: x1.03)
-    cpu_q6k: packed (ceil(N / 16), K // 256, 3360) uint8, GGUF Q6_K's own numbers and bytes
-    cpu_q8:  packed (ceil(N / 16), K // 32, 512) uint8 (code + 128), packed_scales float32
-             (ceil(N / 16), K // 32 or 1, 16): w = scale * code, per group or per row
+On CPU, where pagoda's C++ kernels build, GGUF layers and the int8 rows keep those kernels' forms
+instead of torch's (pagoda/layers/cpu_forms.py).
 
 GPTQ act-order (g_idx not sorted) permutes input channels so groups are contiguous and applies the
 same permutation to x (`perm`). On devices other than CPU and CUDA the integer schemes dequantize
@@ -46,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagoda.layers.cpu_forms import CPU_KERNELS, cpu_matmul, set_cpu_q8
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -204,7 +195,8 @@ def set_dense(layer: Any, w: torch.Tensor) -> None:
 
 def set_int8(layer: Any, w: torch.Tensor) -> None:
     codes, scale = quantize_int8_rows(w)
-    if set_cpu_q8(layer, codes, scale[:, None]):
+    if cpu_kernels_for(layer) is not None:
+        set_cpu_q8(layer, codes, scale[:, None])
         return
     device = layer.device
     # The CPU op takes bf16 scales; the CUDA kernel any float (kept in the model's dtype).
@@ -222,255 +214,6 @@ def cpu_kernels_for(layer: Any) -> Any | None:
     from pagoda.kernels.cpu import kernels
 
     return kernels()
-
-
-def _nibble_blocks(codes: torch.Tensor, tiles: int) -> torch.Tensor:
-    """The low 4 bits of codes (N, K) as the nibble forms' blocks: uint8 (tiles, K // 32, 256),
-    per group 4 blocks of 64 bytes (block s, byte 4j + b: row j's code 8s + b in the low
-    nibble, 8s + 4 + b in the high one), N padded with zero rows."""
-    n, k = codes.shape
-    c = F.pad(codes.to(torch.uint8) & 0x0F, (0, 0, 0, 16 * tiles - n))
-    c = c.view(tiles, 16, k // 32, 4, 2, 4)
-    nibbles = c[..., 0, :] | (c[..., 1, :] << 4)  # (T, j, G, s, b)
-    return nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, k // 32, 256)
-
-
-def _tile_rows(t: torch.Tensor, tiles: int) -> torch.Tensor:
-    """Per-row numbers (N, U, ...) -> (tiles, U, 16, ...), N padded with zeros."""
-    t = F.pad(t, (0, 0) * (t.dim() - 1) + (0, 16 * tiles - t.shape[0]))
-    return t.view(tiles, 16, *t.shape[1:]).transpose(1, 2)
-
-
-def pack_q4x16(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """The CPU kernels' 4-bit form, w = scale * code + offset per group of 32: codes (N, K) in
-    [0, 15], scale and offset (N, K // 32) -> uint8 (ceil(N / 16), K // 32, 320), per tile of 16
-    rows and group: 4 blocks of 64 bytes (block s, byte 4j + b: row j's code 8s + b in the low
-    nibble, 8s + 4 + b in the high one), then the 16 scales and the 16 offsets as fp16 (N padded
-    with zero rows). ValueError where a scale or offset does not fit fp16."""
-    n, k = codes.shape
-    groups, pad = k // 32, -n % 16
-    tiles = (n + pad) // 16
-    half = F.pad(torch.stack([scale, offset]).to(torch.float16), (0, 0, 0, pad))  # (2, N', G)
-    if not torch.isfinite(half).all():
-        raise ValueError("4-bit scales or offsets beyond fp16's range")
-    code_part = _nibble_blocks(codes, tiles)
-    sd = half.view(2, tiles, 16, groups).permute(1, 3, 0, 2).contiguous()  # (T, G, 2, 16)
-    return torch.cat([code_part, sd.view(torch.uint8).reshape(tiles, groups, 64)], -1).contiguous()
-
-
-def pack_q8x16(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU kernels' 8-bit form, w = scale * code: codes (N, K) int8, scale (N, K // 32) or
-    (N, 1) -> (uint8 (ceil(N / 16), K // 32, 512): per tile of 16 rows and group, 8 blocks of
-    64 bytes, block s byte 4j + b holding row j's code 4s + b plus 128; float32 scales
-    (ceil(N / 16), K // 32 or 1, 16)), N padded with zero rows."""
-    n, k = codes.shape
-    groups, pad = k // 32, -n % 16
-    tiles = (n + pad) // 16
-    c = F.pad(codes.to(torch.int16) + 128, (0, 0, 0, pad), value=128).to(torch.uint8)
-    packed = c.view(tiles, 16, groups, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, 512)
-    s = F.pad(scale.float(), (0, 0, 0, pad)).view(tiles, 16, -1).permute(0, 2, 1)
-    return packed.contiguous(), s.contiguous()
-
-
-def set_cpu_q4(layer: Any, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> bool:
-    """Leave the CPU kernels' 4-bit form on the layer (w = scale * code + offset, groups of 32);
-    False where the kernels are off or a scale does not fit fp16 (the caller keeps torch's form).
-    fp16 holds Q4_0 / Q4_1's scales exactly (the file's) and rounds Q4_K's products of a scale
-    and a 6-bit sub-scale to 11 bits (torch's form keeps 8: bf16)."""
-    if cpu_kernels_for(layer) is None:
-        return False
-    try:
-        packed = pack_q4x16(codes, scale.float(), offset.float())
-    except ValueError:
-        return False
-    layer.register_buffer("packed", packed)
-    layer.cpu_rows = codes.shape[0]
-    layer.kernel = "cpu_q4"
-    return True
-
-
-def pack_q5x16(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The CPU kernels' 5-bit form, w = scale * (code - 16) per group of 32: codes (N, K) in
-    [0, 31], scale (N, K // 32) (fp16 values: Q5_0's d) -> uint8 (ceil(N / 16), K // 32, 352),
-    per tile of 16 rows and group: the low nibbles as pack_q4x16's 4 blocks of 64 bytes, then 8
-    masks of 64 bits (mask 2s + h, bit 4j + b: the fifth bit of row j's code 8s + 4h + b), then
-    the 16 scales as fp16 (N padded with zero rows)."""
-    n, k = codes.shape
-    groups, pad = k // 32, -n % 16
-    tiles = (n + pad) // 16
-    c = F.pad(codes.to(torch.uint8), (0, 0, 0, pad)).view(tiles, 16, groups, 4, 2, 4)
-    code_part = _nibble_blocks(codes, tiles)
-    fifth = (c >> 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, 8, 8, 8)  # mask, byte, bit
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
-    masks = (fifth.to(torch.int32) * weights).sum(-1).to(torch.uint8).view(tiles, groups, 64)
-    half = F.pad(scale.to(torch.float16), (0, 0, 0, pad)).view(tiles, 16, groups)
-    scales = half.permute(0, 2, 1).contiguous().view(torch.uint8).reshape(tiles, groups, 32)
-    return torch.cat([code_part, masks, scales], -1).contiguous()
-
-
-def pack_q4kx16(
-    codes: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor
-) -> torch.Tensor:
-    """The CPU kernels' Q4_K form, w = d * sc[g] * code - dmin * m[g]: codes (N, K) in [0, 15];
-    sc, m (N, K // 32) in [0, 63]; d, dmin (N, K // 256) fp16 -> uint8 (ceil(N / 16), K // 256,
-    2368), per tile of 16 rows and super-block of 8 groups: the groups' nibble blocks
-    (pack_q4x16's), then per group the 16 rows' sc, then their m, a byte each, then the 16 d
-    and the 16 -dmin as fp16. 148 bytes a row and 256 values: the file's 144, its 6-bit numbers
-    unpacked to a byte each (quant_gemm.cpp says why)."""
-    n, k = codes.shape
-    tiles, supers = -(-n // 16), k // 256
-    code_part = _nibble_blocks(codes, tiles).reshape(tiles, supers, 2048)
-    sc8, m8 = (_tile_rows(t.to(torch.uint8).view(n, supers, 8), tiles) for t in (sc, m))
-    meta = torch.stack([sc8, m8], -2).permute(0, 1, 4, 3, 2)  # (T, S, 8 groups, sc | m, 16 rows)
-    halves = [
-        _tile_rows(t.to(torch.float16), tiles)
-        .contiguous()
-        .view(torch.uint8)
-        .view(tiles, supers, 32)
-        for t in (d, -dmin)
-    ]
-    return torch.cat([code_part, meta.reshape(tiles, supers, 256), *halves], -1).contiguous()
-
-
-def pack_q6kx16(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """The CPU kernels' Q6_K form, w = d * sc[h] * (code - 32): codes (N, K) in [0, 63], sc
-    (N, K // 16) int8, d (N, K // 256) fp16 -> uint8 (ceil(N / 16), K // 256, 3360), per tile
-    of 16 rows and super-block of 8 groups: per group its nibble blocks (pack_q4x16's) and 128
-    bytes of top 2 bits (block s's byte p of the nibble blocks has its 4 bits, the low nibble's
-    code's then the high one's, in byte 32s + p % 32, low nibble for p < 32), then per group
-    the rows' two scales (values [0, 16), then [16, 32)), then the 16 d as fp16. 210 bytes a
-    row and 256 values, the file's."""
-    n, k = codes.shape
-    tiles, supers = -(-n // 16), k // 256
-    nibbles = _nibble_blocks(codes, tiles).view(tiles, supers, 8, 256)
-    c = F.pad(codes.to(torch.uint8) >> 4, (0, 0, 0, 16 * tiles - n))
-    top = c.view(tiles, 16, supers, 8, 4, 2, 4)  # (T, j, S, g, s, low/high nibble, b)
-    bits = (top[..., 0, :] | (top[..., 1, :] << 2)).permute(0, 2, 3, 4, 1, 5)  # (T, S, g, s, j, b)
-    bits = bits.reshape(tiles, supers, 8, 4, 64)
-    high = (bits[..., :32] | (bits[..., 32:] << 4)).reshape(tiles, supers, 8, 128)
-    groups = torch.cat([nibbles, high], -1).reshape(tiles, supers, 3072)
-    scales = _tile_rows(sc.to(torch.int8).view(n, supers, 8, 2), tiles)  # (T, S, 16, 8, 2)
-    scales = scales.permute(0, 1, 3, 4, 2).contiguous().view(torch.uint8).view(tiles, supers, 256)
-    half = _tile_rows(d.to(torch.float16), tiles).contiguous().view(torch.uint8)
-    return torch.cat([groups, scales, half.view(tiles, supers, 32)], -1).contiguous()
-
-
-def set_cpu_k(layer: Any, k: Any) -> bool:
-    """Leave the CPU kernels' Q4_K or Q6_K form on the layer (k: layers/gguf.KQuantCodes, the
-    file's own numbers); False where the kernels are off."""
-    if cpu_kernels_for(layer) is None:
-        return False
-    if k.qtype == "Q4_K":
-        packed, kernel = pack_q4kx16(k.codes, k.sc, k.m, k.d, k.dmin), "cpu_q4k"
-    else:
-        packed, kernel = pack_q6kx16(k.codes, k.sc, k.d), "cpu_q6k"
-    layer.register_buffer("packed", packed)
-    layer.cpu_rows = k.codes.shape[0]
-    layer.kernel = kernel
-    return True
-
-
-def set_cpu_q5(layer: Any, codes: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Leave the CPU kernels' 5-bit form on the layer (w = scale * (code - 16), codes in
-    [0, 31], groups of 32: GGUF Q5_0's bytes); False where the kernels are off."""
-    if cpu_kernels_for(layer) is None:
-        return False
-    layer.register_buffer("packed", pack_q5x16(codes, scale))
-    layer.cpu_rows = codes.shape[0]
-    layer.kernel = "cpu_q5"
-    return True
-
-
-class KernelPart(nn.Module):
-    """One shard's CPU-kernel form inside a merged layer whose shards differ in type (the
-    `layer` argument of the set_cpu_* functions): its buffers, `cpu_rows` and `kernel`."""
-
-    kernel: str
-    cpu_rows: int
-
-    def __init__(self, layer: Any) -> None:
-        super().__init__()
-        self.device, self.dtype = layer.device, layer.dtype
-
-
-def set_cpu_parts(layer: Any, parts: list[KernelPart]) -> None:
-    """A merged layer as its shards' own forms, outputs concatenated in shard order."""
-    layer.parts = nn.ModuleList(parts)
-    layer.cpu_rows = sum(p.cpu_rows for p in parts)
-    layer.kernel = "cpu_parts"
-
-
-def set_cpu_q8(layer: Any, codes: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Leave the CPU kernels' 8-bit form on the layer (w = scale * code; scale (N, K // 32) or
-    (N, 1)); False where the kernels are off."""
-    if cpu_kernels_for(layer) is None:
-        return False
-    packed, scales = pack_q8x16(codes.to(torch.int8), scale)
-    layer.register_buffer("packed", packed)
-    layer.register_buffer("packed_scales", scales)
-    layer.cpu_rows = codes.shape[0]
-    layer.kernel = "cpu_q8"
-    return True
-
-
-def cpu_q8_rows(layer: Any, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of a "cpu_q8" layer's weight, float32 (the embedding's lookup)."""
-    tiles, groups, _ = layer.packed.shape
-    tile, lane = ids // 16, ids % 16
-    codes = layer.packed.view(tiles, groups, 8, 16, 4)[tile, :, :, lane, :]  # (n, G, 8, 4)
-    codes = codes.reshape(ids.shape[0], groups, 32).to(torch.int16) - 128
-    scales = layer.packed_scales[tile, :, lane]  # (n, G or 1)
-    return (codes * scales[..., None]).reshape(ids.shape[0], groups * 32)
-
-
-# The kernel forms of pagoda's CPU kernels: the nibble ones (4-bit, 5-bit, Q4_K, Q6_K) run the
-# q4x16 ops (which tell them apart by their unit's bytes), cpu_q8 the q8x16 ones.
-Q4X16_KERNELS = ("cpu_q4", "cpu_q5", "cpu_q4k", "cpu_q6k")
-CPU_KERNELS = (*Q4X16_KERNELS, "cpu_q8", "cpu_parts")
-
-
-def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """x @ w^T on pagoda's CPU kernels: x (..., K) -> float32 (..., N)."""
-    ops = torch.ops.pagoda_cpu
-    rows = x.reshape(-1, x.shape[-1])
-    if layer.kernel == "cpu_parts":
-        y = torch.cat([cpu_matmul(p, rows) for p in layer.parts], -1)
-    elif layer.kernel in Q4X16_KERNELS:
-        y = ops.q4x16_matmul(rows, layer.packed, layer.cpu_rows, 2)
-    else:
-        y = ops.q8x16_matmul(rows, layer.packed, layer.packed_scales, layer.cpu_rows, 2)
-    return y.view(*x.shape[:-1], layer.cpu_rows)
-
-
-def cpu_matmul_norm(
-    layer: Any, x: torch.Tensor, residual: torch.Tensor | None, norm: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cpu_matmul of norm(x + residual) and x + residual (x where residual is None), in one
-    call: x, residual (T, K); norm a RMSNorm -> (float32 (T, N), (T, K)). cpu_parts: the
-    norm's op, then each part's matmul."""
-    ops = torch.ops.pagoda_cpu
-    if layer.kernel == "cpu_parts":
-        normed, hidden = ops.add_rms_norm(x, residual, norm.weight, norm.eps, 2)
-        return cpu_matmul(layer, normed), hidden
-    if layer.kernel in Q4X16_KERNELS:
-        return ops.q4x16_matmul_norm(  # type: ignore[no-any-return]
-            x, residual, norm.weight, norm.eps, layer.packed, layer.cpu_rows, 2
-        )
-    return ops.q8x16_matmul_norm(  # type: ignore[no-any-return]
-        x, residual, norm.weight, norm.eps, layer.packed, layer.packed_scales, layer.cpu_rows, 2
-    )
-
-
-def cpu_matmul_silu(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """cpu_matmul of silu(gate) * up in one call: x (T, 2K), gate | up -> float32 (T, N)."""
-    ops = torch.ops.pagoda_cpu
-    if layer.kernel == "cpu_parts":
-        return cpu_matmul(layer, ops.silu_and_mul(x, 2))
-    if layer.kernel in Q4X16_KERNELS:
-        return ops.q4x16_matmul_silu(x, layer.packed, layer.cpu_rows, 2)  # type: ignore[no-any-return]
-    return ops.q8x16_matmul_silu(  # type: ignore[no-any-return]
-        x, layer.packed, layer.packed_scales, layer.cpu_rows, 2
-    )
 
 
 def take_float_weight(module: Any) -> torch.Tensor:

@@ -12,7 +12,7 @@ from pagoda.layers.embedding import LMHead, VocabEmbedding
 
 
 class _KernelLinear(nn.Module):
-    """A layer in the CPU kernels' 4-bit form (as quant_forms.set_cpu_q4 leaves it)."""
+    """A layer in the CPU kernels' 4-bit form (as cpu_forms.set_cpu_q4 leaves it)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -22,21 +22,21 @@ from gguf import GGMLQuantizationType, quantize
 from pagoda.kernels.cpu import built
 from pagoda.layers import gguf
 from pagoda.layers.attention import paged_attention_torch
-from pagoda.layers.embedding import LMHead, VocabEmbedding
-from pagoda.layers.forward_context import AttentionMetadata
-from pagoda.layers.kv_cache import KVCache
-from pagoda.layers.linear import Linear, MergedLinear
-from pagoda.layers.norm import RMSNorm
-from pagoda.layers.quant import GGUFMethod
-from pagoda.layers.quant_forms import (
+from pagoda.layers.cpu_forms import (
     cpu_q8_rows,
     pack_q4kx16,
     pack_q4x16,
     pack_q5x16,
     pack_q6kx16,
     pack_q8x16,
-    quantize_int8_rows,
 )
+from pagoda.layers.embedding import LMHead, VocabEmbedding
+from pagoda.layers.forward_context import AttentionMetadata
+from pagoda.layers.kv_cache import KVCache
+from pagoda.layers.linear import Linear, MergedLinear
+from pagoda.layers.norm import RMSNorm
+from pagoda.layers.quant import GGUFMethod
+from pagoda.layers.quant_forms import quantize_int8_rows
 
 OPS = built()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the CPU kernels cannot be built here")

@@ -15,7 +15,7 @@ switch says (the tests use it).
 The kernels are torch custom ops (torch.ops.pagoda_cpu, so torch.compile keeps them in its
 graph): `q4x16_matmul(x, packed, n, isa_limit)` and `q8x16_matmul(x, packed, scales, n,
 isa_limit)`, y = x @ w^T in float32 for 4-bit and 8-bit codes in tiles of 16 rows (laid out in
-quant_gemm.cpp, packed by layers/quant_forms.py), with x quantized per 32-wide group to int8;
+quant_gemm.cpp, packed by layers/cpu_forms.py), with x quantized per 32-wide group to int8;
 `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa_limit)`
 (one query row per request) and `paged_attention(q, k_cache, v_cache, block_tables, query_start,
 seq_lens, scale, window, isa_limit)` (any mix of prefill chunks and decodes) over a float32 paged
