@@ -117,8 +117,10 @@ class LMHead(_VocabRows):
 
     def load(self, tensor: torch.Tensor | GGUFWeight, name: str) -> None:
         super().load(tensor, name)
-        whole = isinstance(tensor, GGUFWeight) and self.tp.size == 1
-        self._gguf = tensor if whole else None  # type: ignore[assignment]
+        # Only an untied head's own tensor: a tied matrix that a later pipeline stage loads for
+        # its head stays int8 rows, as the one-process model's tied head (the embedding's).
+        own = isinstance(tensor, GGUFWeight) and self.tp.size == 1 and name.startswith("lm_head.")
+        self._gguf = tensor if own else None  # type: ignore[assignment]
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
