@@ -336,6 +336,24 @@ def test_a_merged_layer_of_mixed_types_keeps_each_shard_s_own_form(
 
 
 @pytest.mark.usefixtures("kernels_on")
+def test_an_untied_gguf_head_keeps_the_file_s_form_a_tied_matrix_int8_rows() -> None:
+    """The head's own tensor (`lm_head.weight`, GGUF `output.weight`) keeps its type's form; the
+    embedding's matrix, which a later pipeline stage loads for a tied head, stays int8 rows as
+    the one-process model's tied head."""
+    weight = _blocks("Q6_K", 40, 256, seed=3)
+    own, tied = LMHead(40, 256), LMHead(40, 256)
+    own.load(weight, "lm_head.weight")
+    tied.load(weight, "model.embed_tokens.weight")
+    own.quantize_int8()
+    tied.quantize_int8()
+    assert own.kernel == "cpu_q6k" and tied.kernel == "cpu_q8"
+    assert tied.packed_scales.shape == (3, 1, 16)  # one scale a row
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    exact = _activations(x) @ weight.dequantize().double().T
+    torch.testing.assert_close(own(x).double(), exact, rtol=0, atol=2e-6 * exact.abs().max())
+
+
+@pytest.mark.usefixtures("kernels_on")
 def test_other_gguf_types_and_the_tied_vocabulary_are_int8_rows_once() -> None:
     data = np.random.default_rng(5).standard_normal((40, 64)).astype(np.float32)
     q5 = Linear(64, 40)
