@@ -201,7 +201,7 @@ class GGUFMethod(QuantMethod):
                     return
         four_bit = qtypes <= set(gguf.FOUR_BIT_TYPES)
         if four_bit or qtypes <= set(gguf.EIGHT_BIT_TYPES):
-            codes, scale, offset = self._groups(parts, four_bit)
+            codes, scale, offset = _stacked_groups(parts, four_bit)
             rows = layer.output_size if four_bit else 2 * layer.output_size
             if int4_supported(rows, layer.input_size, gguf.GROUP):
                 if offset is None:
@@ -212,16 +212,16 @@ class GGUFMethod(QuantMethod):
         floats = [p.dequantize() if isinstance(p, gguf.GGUFWeight) else p.float() for p in parts]
         set_int8(layer, torch.cat(floats, dim=0))
 
-    @staticmethod
-    def _groups(
-        parts: list[Any], four_bit: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The parts' group codes, stacked: (codes, scale, offset or None)."""
-        groups = [gguf.decode(p) for p in parts]
-        codes = torch.cat([g.codes for g in groups])
-        scale = torch.cat([g.scale for g in groups])
-        offsets = [g.offset for g in groups if g.offset is not None]
-        return codes, scale, torch.cat(offsets) if four_bit else None
+
+def _stacked_groups(
+    parts: list[Any], four_bit: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The parts' group codes (layers/gguf.decode), stacked: (codes, scale, offset or None)."""
+    groups = [gguf.decode(p) for p in parts]
+    codes = torch.cat([g.codes for g in groups])
+    scale = torch.cat([g.scale for g in groups])
+    offsets = [g.offset for g in groups if g.offset is not None]
+    return codes, scale, torch.cat(offsets) if four_bit else None
 
 
 def gguf_cpu_form(holder: Any, parts: list[Any]) -> bool:
@@ -242,15 +242,15 @@ def gguf_cpu_form(holder: Any, parts: list[Any]) -> bool:
         set_cpu_k(holder, k)
         return True
     if qtype == "Q5_0":  # its own 5 bits: codes [-16, 15] back to [0, 31]
-        codes, scale, _ = GGUFMethod._groups(parts, False)
+        codes, scale, _ = _stacked_groups(parts, False)
         set_cpu_q5(holder, codes.to(torch.int16) + 16, scale)
         return True
     if qtype in gguf.FOUR_BIT_TYPES:
-        codes, scale, offset = GGUFMethod._groups(parts, True)
+        codes, scale, offset = _stacked_groups(parts, True)
         assert offset is not None
         return set_cpu_q4(holder, codes, scale, offset)
     if qtype in gguf.EIGHT_BIT_TYPES:
-        codes, scale, _ = GGUFMethod._groups(parts, False)
+        codes, scale, _ = _stacked_groups(parts, False)
         set_cpu_q8(holder, codes, scale)
         return True
     codes, row_scale = quantize_int8_rows(torch.cat([p.dequantize() for p in parts]))
