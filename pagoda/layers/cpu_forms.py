@@ -4,18 +4,27 @@ them. layers/quant_forms.py holds torch's and Triton's forms; where the kernels 
 (quant_forms.cpu_kernels_for) the callers leave these forms instead (layers/quant.py chooses
 per scheme).
 
-GGUF layers (Q4_0 / Q4_1, Q5_0, Q4_K, Q6_K, Q8_0) and the int8 rows keep these forms: codes in
-tiles of 16 rows laid out for VNNI dot products, multiplied against int8-quantized activations,
-for every step size:
+GGUF layers and the int8 rows keep these forms: codes in tiles of 16 rows laid out for VNNI dot
+products, multiplied against int8-quantized activations, for every step size. The nibble forms
+(NIBBLE_FORMS, the number naming each to the q4x16 ops) hold a GGUF type's own numbers and, but
+for the 6-bit sub-scales a byte each, its bytes:
 
-    cpu_q4:  packed (ceil(N / 16), K // 32, 320) uint8, w = scale * code + offset (fp16)
-    cpu_q5:  packed (ceil(N / 16), K // 32, 352) uint8, w = scale * (code - 16) (GGUF Q5_0,
-             its bytes: low nibbles, a bit plane of fifth bits, fp16 scales)
-    cpu_q4k: packed (ceil(N / 16), K // 256, 2368) uint8, GGUF Q4_K's own numbers (its bytes,
-             the 6-bit sub-scales a byte each: x1.03)
-    cpu_q6k: packed (ceil(N / 16), K // 256, 3360) uint8, GGUF Q6_K's own numbers and bytes
-    cpu_q8:  packed (ceil(N / 16), K // 32, 512) uint8 (code + 128), packed_scales float32
-             (ceil(N / 16), K // 32 or 1, 16): w = scale * code, per group or per row
+    cpu_q4:    (ceil(N / 16), K // 32, 320) uint8, w = scale * code + offset (fp16; GGUF Q4_1,
+               pagoda's int4)
+    cpu_q4_0:  (.., K // 32, 288), GGUF Q4_0: w = scale * (code - 8)
+    cpu_q5:    (.., K // 32, 352), GGUF Q5_0: w = scale * (code - 16) (low nibbles, a bit plane
+               of fifth bits, fp16 scales)
+    cpu_q5_1:  (.., K // 32, 384), GGUF Q5_1: w = scale * code + offset, code in [0, 31]
+    cpu_iq4nl: (.., K // 32, 288), GGUF IQ4_NL: w = scale * IQ4_VALUES[code]
+    cpu_q4k:   (.., K // 256, 2368), GGUF Q4_K (x1.03: its sub-scales and mins a byte each)
+    cpu_q5k:   (.., K // 256, 2880), GGUF Q5_K (x1.02, the same)
+    cpu_q6k:   (.., K // 256, 3360), GGUF Q6_K
+    cpu_iq4xs: (.., K // 256, 2208), GGUF IQ4_XS (x1.01: its sub-scales a byte each)
+
+and the others:
+
+    cpu_q8:    packed (ceil(N / 16), K // 32, 512) uint8 (code + 128), packed_scales float32
+               (ceil(N / 16), K // 32 or 1, 16): w = scale * code, per group or per row
     cpu_parts: a merged layer whose shards differ in type, each shard a KernelPart in its form
 """
 
@@ -45,21 +54,40 @@ def _tile_rows(t: torch.Tensor, tiles: int) -> torch.Tensor:
     return t.view(tiles, 16, *t.shape[1:]).transpose(1, 2)
 
 
-def pack_q4x16(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """The CPU kernels' 4-bit form, w = scale * code + offset per group of 32: codes (N, K) in
-    [0, 15], scale and offset (N, K // 32) -> uint8 (ceil(N / 16), K // 32, 320), per tile of 16
-    rows and group: 4 blocks of 64 bytes (block s, byte 4j + b: row j's code 8s + b in the low
-    nibble, 8s + 4 + b in the high one), then the 16 scales and the 16 offsets as fp16 (N padded
-    with zero rows). ValueError where a scale or offset does not fit fp16."""
+def _fifth_masks(codes: torch.Tensor, tiles: int) -> torch.Tensor:
+    """Bit 4 of codes (N, K) as the 5-bit forms' masks: uint8 (tiles, K // 32, 64), 8 masks of
+    64 bits a group (mask 2s + h, bit 4j + b: the fifth bit of row j's code 8s + 4h + b)."""
     n, k = codes.shape
-    groups, pad = k // 32, -n % 16
-    tiles = (n + pad) // 16
-    half = F.pad(torch.stack([scale, offset]).to(torch.float16), (0, 0, 0, pad))  # (2, N', G)
+    groups = k // 32
+    c = F.pad(codes.to(torch.uint8), (0, 0, 0, 16 * tiles - n)).view(tiles, 16, groups, 4, 2, 4)
+    fifth = (c >> 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, 8, 8, 8)  # mask, byte, bit
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
+    return (fifth.to(torch.int32) * weights).sum(-1).to(torch.uint8).view(tiles, groups, 64)
+
+
+def pack_groups16(codes: torch.Tensor, numbers: list[torch.Tensor], fifth: bool) -> torch.Tensor:
+    """A group nibble form: codes (N, K) in [0, 15] (fifth: [0, 31]), per-group numbers (N,
+    K // 32) each -> uint8 (ceil(N / 16), K // 32, 256 (+ 64) + 32 per number), per tile of 16
+    rows and group: 4 blocks of 64 bytes (block s, byte 4j + b: row j's code 8s + b in the low
+    nibble, 8s + 4 + b in the high one), then (fifth) the masks of fifth bits, then each
+    number's 16 rows as fp16 (N padded with zero rows). ValueError where a number does not fit
+    fp16."""
+    n, k = codes.shape
+    groups, tiles = k // 32, -(-n // 16)
+    half = torch.stack(numbers).to(torch.float16)
     if not torch.isfinite(half).all():
-        raise ValueError("4-bit scales or offsets beyond fp16's range")
-    code_part = _nibble_blocks(codes, tiles)
-    sd = half.view(2, tiles, 16, groups).permute(1, 3, 0, 2).contiguous()  # (T, G, 2, 16)
-    return torch.cat([code_part, sd.view(torch.uint8).reshape(tiles, groups, 64)], -1).contiguous()
+        raise ValueError("scales or offsets beyond fp16's range")
+    rows = F.pad(half, (0, 0, 0, 16 * tiles - n)).view(len(numbers), tiles, 16, groups)
+    fp16 = rows.permute(1, 3, 0, 2).contiguous().view(torch.uint8)  # (T, G, numbers, 16 x 2)
+    code_part = [_nibble_blocks(codes, tiles)] + ([_fifth_masks(codes, tiles)] if fifth else [])
+    return torch.cat([*code_part, fp16.reshape(tiles, groups, -1)], -1).contiguous()
+
+
+def pack_q4x16(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The CPU kernels' 4-bit form (cpu_q4), w = scale * code + offset per group of 32: codes
+    (N, K) in [0, 15], scale and offset (N, K // 32) -> uint8 (ceil(N / 16), K // 32, 320)
+    (pack_groups16's). ValueError where a scale or offset does not fit fp16."""
+    return pack_groups16(codes, [scale.float(), offset.float()], fifth=False)
 
 
 def pack_q8x16(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,10 +113,16 @@ def set_cpu_q4(layer: Any, codes: torch.Tensor, scale: torch.Tensor, offset: tor
         packed = pack_q4x16(codes, scale.float(), offset.float())
     except ValueError:
         return False
-    layer.register_buffer("packed", packed)
-    layer.cpu_rows = codes.shape[0]
-    layer.kernel = "cpu_q4"
+    set_cpu_nibbles(layer, "cpu_q4", packed, codes.shape[0])
     return True
+
+
+def set_cpu_nibbles(layer: Any, kernel: str, packed: torch.Tensor, rows: int) -> None:
+    """Leave a nibble form (NIBBLE_FORMS' `kernel`, its `packed` tiles of `rows` rows) on the
+    layer."""
+    layer.register_buffer("packed", packed)
+    layer.cpu_rows = rows
+    layer.kernel = kernel
 
 
 def pack_q5x16(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -97,17 +131,7 @@ def pack_q5x16(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     per tile of 16 rows and group: the low nibbles as pack_q4x16's 4 blocks of 64 bytes, then 8
     masks of 64 bits (mask 2s + h, bit 4j + b: the fifth bit of row j's code 8s + 4h + b), then
     the 16 scales as fp16 (N padded with zero rows)."""
-    n, k = codes.shape
-    groups, pad = k // 32, -n % 16
-    tiles = (n + pad) // 16
-    c = F.pad(codes.to(torch.uint8), (0, 0, 0, pad)).view(tiles, 16, groups, 4, 2, 4)
-    code_part = _nibble_blocks(codes, tiles)
-    fifth = (c >> 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, 8, 8, 8)  # mask, byte, bit
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
-    masks = (fifth.to(torch.int32) * weights).sum(-1).to(torch.uint8).view(tiles, groups, 64)
-    half = F.pad(scale.to(torch.float16), (0, 0, 0, pad)).view(tiles, 16, groups)
-    scales = half.permute(0, 2, 1).contiguous().view(torch.uint8).reshape(tiles, groups, 32)
-    return torch.cat([code_part, masks, scales], -1).contiguous()
+    return pack_groups16(codes, [scale.float()], fifth=True)
 
 
 def pack_q4kx16(
@@ -118,10 +142,27 @@ def pack_q4kx16(
     2368), per tile of 16 rows and super-block of 8 groups: the groups' nibble blocks
     (pack_q4x16's), then per group the 16 rows' sc, then their m, a byte each, then the 16 d
     and the 16 -dmin as fp16. 148 bytes a row and 256 values: the file's 144, its 6-bit numbers
-    unpacked to a byte each (quant_gemm.cpp says why)."""
+    unpacked to a byte each (quant_gemm.cpp says why). Q5_K's form (codes in [0, 31]) is this
+    one with each group's nibble blocks followed by its masks of fifth bits: 180 bytes a row
+    and 256 values for the file's 176."""
+    return _pack_min_k(codes, sc, m, d, dmin, fifth=False)
+
+
+def _pack_min_k(
+    codes: torch.Tensor,
+    sc: torch.Tensor,
+    m: torch.Tensor,
+    d: torch.Tensor,
+    dmin: torch.Tensor,
+    fifth: bool,
+) -> torch.Tensor:
     n, k = codes.shape
     tiles, supers = -(-n // 16), k // 256
-    code_part = _nibble_blocks(codes, tiles).reshape(tiles, supers, 2048)
+    code_part = _nibble_blocks(codes, tiles).view(tiles, supers, 8, 256)
+    if fifth:
+        masks = _fifth_masks(codes, tiles).view(tiles, supers, 8, 64)
+        code_part = torch.cat([code_part, masks], -1)
+    code_part = code_part.reshape(tiles, supers, -1)
     sc8, m8 = (_tile_rows(t.to(torch.uint8).view(n, supers, 8), tiles) for t in (sc, m))
     meta = torch.stack([sc8, m8], -2).permute(0, 1, 4, 3, 2)  # (T, S, 8 groups, sc | m, 16 rows)
     halves = [
@@ -157,24 +198,44 @@ def pack_q6kx16(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch
     return torch.cat([groups, scales, half.view(tiles, supers, 32)], -1).contiguous()
 
 
+def pack_iq4xsx16(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The CPU kernels' IQ4_XS form, w = d * sc[g] * IQ4_VALUES[code]: codes (N, K) in [0, 15],
+    sc (N, K // 32) int8 in [-32, 31], d (N, K // 256) fp16 -> uint8 (ceil(N / 16), K // 256,
+    2208), per tile of 16 rows and super-block: the 8 groups' nibble blocks, then per group the
+    16 rows' sc, then the 16 d as fp16. 138 bytes a row and 256 values: the file's 136, its
+    6-bit sub-scales a byte each."""
+    n, k = codes.shape
+    tiles, supers = -(-n // 16), k // 256
+    code_part = _nibble_blocks(codes, tiles).reshape(tiles, supers, 2048)
+    scales = _tile_rows(sc.to(torch.int8).view(n, supers, 8), tiles)  # (T, S, 16, 8)
+    scales = scales.permute(0, 1, 3, 2).contiguous().view(torch.uint8).view(tiles, supers, 128)
+    half = _tile_rows(d.to(torch.float16), tiles).contiguous().view(torch.uint8)
+    return torch.cat([code_part, scales, half.view(tiles, supers, 32)], -1).contiguous()
+
+
+# The k-quant forms: GGUF type -> kernel.
+K_KERNELS = {"Q4_K": "cpu_q4k", "Q5_K": "cpu_q5k", "Q6_K": "cpu_q6k", "IQ4_XS": "cpu_iq4xs"}
+
+
+def pack_kx16(k: Any) -> torch.Tensor:
+    """k (layers/gguf.KQuantCodes, the file's own numbers) in its K_KERNELS form."""
+    if k.qtype in ("Q4_K", "Q5_K"):
+        return _pack_min_k(k.codes, k.sc, k.m, k.d, k.dmin, fifth=k.qtype == "Q5_K")
+    if k.qtype == "Q6_K":
+        return pack_q6kx16(k.codes, k.sc, k.d)
+    return pack_iq4xsx16(k.codes, k.sc, k.d)
+
+
 def set_cpu_k(layer: Any, k: Any) -> None:
-    """Leave the CPU kernels' Q4_K or Q6_K form on the layer (k: layers/gguf.KQuantCodes, the
-    file's own numbers)."""
-    if k.qtype == "Q4_K":
-        packed, kernel = pack_q4kx16(k.codes, k.sc, k.m, k.d, k.dmin), "cpu_q4k"
-    else:
-        packed, kernel = pack_q6kx16(k.codes, k.sc, k.d), "cpu_q6k"
-    layer.register_buffer("packed", packed)
-    layer.cpu_rows = k.codes.shape[0]
-    layer.kernel = kernel
+    """Leave the CPU kernels' form of a super-block type on the layer (k:
+    layers/gguf.KQuantCodes)."""
+    set_cpu_nibbles(layer, K_KERNELS[k.qtype], pack_kx16(k), k.codes.shape[0])
 
 
 def set_cpu_q5(layer: Any, codes: torch.Tensor, scale: torch.Tensor) -> None:
     """Leave the CPU kernels' 5-bit form on the layer (w = scale * (code - 16), codes in
     [0, 31], groups of 32: GGUF Q5_0's bytes)."""
-    layer.register_buffer("packed", pack_q5x16(codes, scale))
-    layer.cpu_rows = codes.shape[0]
-    layer.kernel = "cpu_q5"
+    set_cpu_nibbles(layer, "cpu_q5", pack_q5x16(codes, scale), codes.shape[0])
 
 
 class KernelPart(nn.Module):
@@ -216,10 +277,20 @@ def cpu_q8_rows(layer: Any, ids: torch.Tensor) -> torch.Tensor:
     return (codes * scales[..., None]).reshape(ids.shape[0], groups * 32)
 
 
-# The kernel forms of pagoda's CPU kernels: the nibble ones (4-bit, 5-bit, Q4_K, Q6_K) run the
-# q4x16 ops (which tell them apart by their unit's bytes), cpu_q8 the q8x16 ones.
-Q4X16_KERNELS = ("cpu_q4", "cpu_q5", "cpu_q4k", "cpu_q6k")
-CPU_KERNELS = (*Q4X16_KERNELS, "cpu_q8", "cpu_parts")
+# The kernel forms of pagoda's CPU kernels: the nibble ones run the q4x16 ops, which take the
+# form's number (quant_gemm.cpp's Form), cpu_q8 the q8x16 ones.
+NIBBLE_FORMS = {
+    "cpu_q4": 0,
+    "cpu_q5": 1,
+    "cpu_q4k": 2,
+    "cpu_q6k": 3,
+    "cpu_q4_0": 4,
+    "cpu_q5_1": 5,
+    "cpu_q5k": 6,
+    "cpu_iq4nl": 7,
+    "cpu_iq4xs": 8,
+}
+CPU_KERNELS = (*NIBBLE_FORMS, "cpu_q8", "cpu_parts")
 
 
 def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
@@ -228,8 +299,8 @@ def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if layer.kernel == "cpu_parts":
         y = torch.cat([cpu_matmul(p, rows) for p in layer.parts], -1)
-    elif layer.kernel in Q4X16_KERNELS:
-        y = ops.q4x16_matmul(rows, layer.packed, layer.cpu_rows, 2)
+    elif layer.kernel in NIBBLE_FORMS:
+        y = ops.q4x16_matmul(rows, layer.packed, layer.cpu_rows, 2, NIBBLE_FORMS[layer.kernel])
     else:
         y = ops.q8x16_matmul(rows, layer.packed, layer.packed_scales, layer.cpu_rows, 2)
     return y.view(*x.shape[:-1], layer.cpu_rows)
@@ -245,9 +316,16 @@ def cpu_matmul_norm(
     if layer.kernel == "cpu_parts":
         normed, hidden = ops.add_rms_norm(x, residual, norm.weight, norm.eps, 2)
         return cpu_matmul(layer, normed), hidden
-    if layer.kernel in Q4X16_KERNELS:
+    if layer.kernel in NIBBLE_FORMS:
         return ops.q4x16_matmul_norm(  # type: ignore[no-any-return]
-            x, residual, norm.weight, norm.eps, layer.packed, layer.cpu_rows, 2
+            x,
+            residual,
+            norm.weight,
+            norm.eps,
+            layer.packed,
+            layer.cpu_rows,
+            2,
+            NIBBLE_FORMS[layer.kernel],
         )
     return ops.q8x16_matmul_norm(  # type: ignore[no-any-return]
         x, residual, norm.weight, norm.eps, layer.packed, layer.packed_scales, layer.cpu_rows, 2
@@ -259,8 +337,9 @@ def cpu_matmul_silu(layer: Any, x: torch.Tensor) -> torch.Tensor:
     ops = torch.ops.pagoda_cpu
     if layer.kernel == "cpu_parts":
         return cpu_matmul(layer, ops.silu_and_mul(x, 2))
-    if layer.kernel in Q4X16_KERNELS:
-        return ops.q4x16_matmul_silu(x, layer.packed, layer.cpu_rows, 2)  # type: ignore[no-any-return]
+    if layer.kernel in NIBBLE_FORMS:
+        form = NIBBLE_FORMS[layer.kernel]
+        return ops.q4x16_matmul_silu(x, layer.packed, layer.cpu_rows, 2, form)  # type: ignore[no-any-return]
     return ops.q8x16_matmul_silu(  # type: ignore[no-any-return]
         x, layer.packed, layer.packed_scales, layer.cpu_rows, 2
     )

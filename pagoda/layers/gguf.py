@@ -15,16 +15,23 @@ A Q4_K super-block holds 8 sub-blocks of 32; its 128 nibble bytes are 4 chunks o
 low nibbles are sub-block 2i and high nibbles sub-block 2i + 1.
 
 Q8_0 (34 bytes / 32: d (f16), 32 int8) decodes to int8 codes with one scale per 32 values, and
-so does Q5_0 (22 bytes / 32: d (f16), 4 bytes of high bits, 16 bytes of nibbles; value j's fifth
-bit is bit j of the little-endian uint32 of high bits), as code - 16 in [-16, 15] with scale d.
-Every decoder reproduces `gguf.dequantize` bit for bit through `dequantize_groups` (tested).
+so do Q5_0 (22 bytes / 32: d (f16), 4 bytes of high bits, 16 bytes of nibbles; value j's fifth
+bit is bit j of the little-endian uint32 of high bits), as code - 16 in [-16, 15] with scale d,
+and IQ4_NL (18 bytes / 32: d, 16 bytes of nibbles), as IQ4_VALUES[nibble] with scale d. Q5_1
+(24 bytes / 32: d, m (f16), Q5_0's high bits and nibbles) decodes to codes in [0, 31], scale d,
+offset m. Every decoder reproduces `gguf.dequantize` bit for bit through `dequantize_groups`
+(tested).
 
-For pagoda's CPU kernels, Q4_K and Q6_K also decode to their own numbers (`decode_k`), which the
-kernels' k-quant forms hold as the file does (no product rounded):
+For pagoda's CPU kernels, the super-block types also decode to their own numbers (`decode_k`),
+which the kernels' forms hold as the file does (no product rounded):
 
     Q4_K: w = d * sc[g] * code - dmin * m[g]        per group g of 32, code in [0, 15]
+    Q5_K  (176 bytes / 256: Q4_K's fields, then 32 bytes of fifth bits before the nibbles;
+          group g's fifth bits are bit g of those bytes): as Q4_K, code in [0, 31]
     Q6_K  (210 bytes / 256: 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, d):
           w = d * sc[h] * (code - 32)              per 16 values h, code in [0, 63]
+    IQ4_XS (136 bytes / 256: d, 2 bytes of high and 4 of low scale bits, 128 bytes of nibbles
+          laid out as IQ4_NL's): w = d * sc[g] * IQ4_VALUES[code], sc 6-bit less 32, in [-32, 31]
 """
 
 from __future__ import annotations
@@ -36,16 +43,23 @@ import torch
 
 GROUP = 32
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-EIGHT_BIT_TYPES = ("Q8_0", "Q5_0")  # int8 codes, one scale per 32 values, no offset
+EIGHT_BIT_TYPES = ("Q8_0", "Q5_0", "IQ4_NL")  # int8 codes, one scale per 32 values, no offset
+GROUP_TYPES = (*FOUR_BIT_TYPES, *EIGHT_BIT_TYPES, "Q5_1")  # decode's
 _BLOCK_BYTES = {
     "Q4_0": (32, 18),
     "Q4_1": (32, 20),
     "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
     "Q8_0": (32, 34),
+    "IQ4_NL": (32, 18),
     "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
     "Q6_K": (256, 210),
+    "IQ4_XS": (256, 136),
 }
-K_TYPES = ("Q4_K", "Q6_K")  # decode_k's
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # decode_k's
+# IQ4_NL's and IQ4_XS's 16 values (ggml-common.h kvalues_iq4nl), a nibble picking one.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass(frozen=True)
@@ -121,8 +135,15 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+def _five_bits(high: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 codes in [0, 31]: (n, 4) bytes of fifth bits, (n, 16) of nibbles -> (n, 32)."""
+    bits = np.ascontiguousarray(high).view("<u4")  # (n, 1)
+    fifth = ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return _nibbles(qs) | (fifth << 4)
+
+
 def decode(w: GGUFWeight) -> GroupCodes:
-    """The group codes of a Q4_0, Q4_1, Q4_K, Q5_0 or Q8_0 tensor."""
+    """The group codes of a GROUP_TYPES tensor."""
     rows, cols = w.shape
     blocks = _blocks(w)
     if w.qtype == "Q8_0":
@@ -130,10 +151,14 @@ def decode(w: GGUFWeight) -> GroupCodes:
         codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8)
         return _group_codes(codes, scale, None, rows, cols)
     if w.qtype == "Q5_0":
-        high = np.ascontiguousarray(blocks[:, 2:6]).view("<u4")  # (n, 1)
-        fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-        codes = (_nibbles(blocks[:, 6:]) | (fifth << 4)).astype(np.int8) - np.int8(16)
+        codes = _five_bits(blocks[:, 2:6], blocks[:, 6:]).astype(np.int8) - np.int8(16)
         return _group_codes(codes, _f16(blocks[:, :2]), None, rows, cols)
+    if w.qtype == "Q5_1":
+        d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+        return _group_codes(_five_bits(blocks[:, 4:8], blocks[:, 8:]), d, m, rows, cols)
+    if w.qtype == "IQ4_NL":
+        values = np.array(IQ4_VALUES, dtype=np.int8)[_nibbles(blocks[:, 2:])]
+        return _group_codes(values, _f16(blocks[:, :2]), None, rows, cols)
     if w.qtype == "Q4_0":
         d = _f16(blocks[:, :2])
         return _group_codes(_nibbles(blocks[:, 2:]), d, -8 * d, rows, cols)
@@ -167,9 +192,10 @@ def _decode_q4_k(blocks: np.ndarray, rows: int, cols: int) -> GroupCodes:
 
 @dataclass(frozen=True)
 class KQuantCodes:
-    """A Q4_K or Q6_K tensor's own numbers (module docstring): codes (rows, cols) uint8; sc
-    (rows, cols // 32) uint8 (Q4_K) or (rows, cols // 16) int8 (Q6_K); m (rows, cols // 32)
-    uint8 or None; d, dmin (rows, cols // 256) float16 (dmin None for Q6_K)."""
+    """A K_TYPES tensor's own numbers (module docstring): codes (rows, cols) uint8 (IQ4_XS: the
+    nibbles, indices into IQ4_VALUES); sc (rows, cols // 32) uint8 (Q4_K, Q5_K) or int8 (IQ4_XS),
+    or (rows, cols // 16) int8 (Q6_K); m (rows, cols // 32) uint8 or None; d, dmin (rows,
+    cols // 256) float16 (dmin None for Q6_K and IQ4_XS)."""
 
     qtype: str
     codes: torch.Tensor
@@ -180,7 +206,7 @@ class KQuantCodes:
 
 
 def decode_k(w: GGUFWeight) -> KQuantCodes:
-    """The own numbers of a Q4_K or Q6_K tensor."""
+    """The own numbers of a K_TYPES tensor."""
     rows, cols = w.shape
     blocks = _blocks(w)
 
@@ -190,15 +216,31 @@ def decode_k(w: GGUFWeight) -> KQuantCodes:
     def half(raw: np.ndarray) -> torch.Tensor:
         return t(np.ascontiguousarray(raw).view(np.float16), cols // 256)
 
-    if w.qtype == "Q4_K":
+    if w.qtype in ("Q4_K", "Q5_K"):
+        if w.qtype == "Q5_K":  # Q4_K's fields with the 32 bytes of fifth bits taken out
+            high = blocks[:, 16:48]
+            blocks = np.concatenate([blocks[:, :16], blocks[:, 48:]], axis=1)
         _, _, sc, mn, codes = _q4_k_fields(blocks)
+        if w.qtype == "Q5_K":  # group g's value l: bit g of byte l
+            fifth = (high[:, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+            codes = codes | (fifth.reshape(-1, 256) << 4)
         return KQuantCodes(
-            "Q4_K",
+            w.qtype,
             t(codes, cols),
             t(sc, cols // 32),
             t(mn, cols // 32),
             half(blocks[:, 0:2]),
             half(blocks[:, 2:4]),
+        )
+    if w.qtype == "IQ4_XS":
+        n = blocks.shape[0]
+        high = np.ascontiguousarray(blocks[:, 2:4]).view("<u2")  # (n, 1)
+        high = (high >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # (n, 8)
+        low = (blocks[:, 4:8, None] >> np.array([0, 4], np.uint8)) & 0x0F  # (n, 4, 2)
+        sc = (low.reshape(n, 8) | (high.astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+        codes = _nibbles(blocks[:, 8:].reshape(n * 8, 16)).reshape(n, 256)
+        return KQuantCodes(
+            "IQ4_XS", t(codes, cols), t(sc, cols // 32), None, half(blocks[:, :2]), None
         )
     if w.qtype == "Q6_K":
         n = blocks.shape[0]
@@ -219,7 +261,11 @@ def decode_k(w: GGUFWeight) -> KQuantCodes:
 
 def dequantize_k(k: KQuantCodes) -> torch.Tensor:
     """float32 (rows, cols) of decode_k's numbers, as gguf computes them (d * sc first)."""
-    if k.qtype == "Q4_K":
+    if k.qtype == "IQ4_XS":
+        scale = k.d.float().repeat_interleave(8, 1) * k.sc.float()
+        values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[k.codes.long()]
+        return scale.repeat_interleave(GROUP, 1) * values
+    if k.qtype in ("Q4_K", "Q5_K"):
         assert k.m is not None and k.dmin is not None
         scale = k.d.float().repeat_interleave(8, 1) * k.sc.float()
         offset = k.dmin.float().repeat_interleave(8, 1) * k.m.float()

@@ -23,7 +23,9 @@ from pagoda.config import QUANTIZATION_METHODS
 from pagoda.layers import gguf
 from pagoda.layers.cpu_forms import (
     KernelPart,
+    pack_groups16,
     set_cpu_k,
+    set_cpu_nibbles,
     set_cpu_parts,
     set_cpu_q4,
     set_cpu_q5,
@@ -168,14 +170,14 @@ class FP8Method(QuantMethod):
 class GGUFMethod(QuantMethod):
     """GGUF blocks kept quantized.
 
-    On pagoda's CPU kernels every type keeps its own form (cpu_forms.py): Q4_0 / Q4_1 4-bit
-    groups (cpu_q4), Q5_0, Q4_K and Q6_K the file's own numbers and bytes (cpu_q5, cpu_q4k,
-    cpu_q6k), Q8_0 8-bit groups (cpu_q8), the other types re-quantized per row to int8. A
-    merged layer whose shards differ in type (Q4_K_M files store attn_v, and so qkv's third
-    shard, as Q6_K) keeps each shard's form and concatenates their outputs (cpu_parts).
-    Elsewhere Q4_0 / Q4_1 / Q4_K are repacked for torch's int4 op and Q8_0 / Q5_0 as int8
-    codes (group 32, no re-quantization); the other types and layers mixing the kinds
-    re-quantized per row to int8. Float tensors (F32 / F16) stay float."""
+    On pagoda's CPU kernels every type keeps its own form (cpu_forms.py): Q4_0, Q4_1, Q5_0,
+    Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS the file's own numbers and bytes (the nibble
+    forms), Q8_0 8-bit groups (cpu_q8); Q2_K and Q3_K re-quantized per row to int8. A merged
+    layer whose shards differ in type (Q4_K_M files store attn_v, and so qkv's third shard, as
+    Q6_K) keeps each shard's form and concatenates their outputs (cpu_parts). Elsewhere Q4_0 /
+    Q4_1 / Q4_K are repacked for torch's int4 op and Q8_0 / Q5_0 / IQ4_NL as int8 codes (group
+    32, no re-quantization); the other types and layers mixing the kinds re-quantized per row
+    to int8. Float tensors (F32 / F16) stay float."""
 
     name = "gguf"
     loads_raw = True
@@ -224,6 +226,20 @@ def _stacked_groups(
     return codes, scale, torch.cat(offsets) if four_bit else None
 
 
+def _gguf_group_form(qtype: str, parts: list[Any]) -> tuple[str, torch.Tensor]:
+    """Q4_0, Q5_1 or IQ4_NL parts in their nibble form: (kernel, packed)."""
+    groups = [gguf.decode(p) for p in parts]
+    codes = torch.cat([g.codes for g in groups])
+    scale = torch.cat([g.scale for g in groups])
+    if qtype == "Q4_0":  # codes in [0, 15], the offset -8 * scale
+        return "cpu_q4_0", pack_groups16(codes, [scale], fifth=False)
+    if qtype == "Q5_1":
+        offset = torch.cat([g.offset for g in groups if g.offset is not None])
+        return "cpu_q5_1", pack_groups16(codes, [scale, offset], fifth=True)
+    values = torch.tensor(gguf.IQ4_VALUES, dtype=torch.int8)  # IQ4_NL: its values back to nibbles
+    return "cpu_iq4nl", pack_groups16(torch.searchsorted(values, codes), [scale], fifth=False)
+
+
 def gguf_cpu_form(holder: Any, parts: list[Any]) -> bool:
     """The parts (GGUFWeight, all of one type) in the CPU kernels' form for their type, on
     `holder` (a layer, a KernelPart of one, or an LM head), where quant_forms.cpu_kernels_for
@@ -244,6 +260,10 @@ def gguf_cpu_form(holder: Any, parts: list[Any]) -> bool:
     if qtype == "Q5_0":  # its own 5 bits: codes [-16, 15] back to [0, 31]
         codes, scale, _ = _stacked_groups(parts, False)
         set_cpu_q5(holder, codes.to(torch.int16) + 16, scale)
+        return True
+    if qtype in ("Q4_0", "Q5_1", "IQ4_NL"):
+        kernel, packed = _gguf_group_form(qtype, parts)
+        set_cpu_nibbles(holder, kernel, packed, sum(p.shape[0] for p in parts))
         return True
     if qtype in gguf.FOUR_BIT_TYPES:
         codes, scale, offset = _stacked_groups(parts, True)

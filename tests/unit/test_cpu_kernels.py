@@ -1,5 +1,6 @@
 """pagoda's CPU kernels (pagoda/kernels/cpu): each quantized matmul against its torch reference
-over the GGUF formats (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0) and int8 rows, odd shapes, every instruction set
+over the GGUF formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, each in
+the form the GGUF method leaves) and int8 rows, odd shapes, every instruction set
 this CPU has (scalar, AVX2, AVX-512 VNNI) and 1 or 2 threads; the paged decode attention against
 paged_attention_torch's decode path. Skipped where the extension cannot be built (no compiler):
 pagoda then runs on torch's ops.
@@ -8,26 +9,28 @@ Two references for the matmuls: the exact one (the activations quantized as the 
 then a float64 matmul against the weights the kernel holds: its fp16 scales and offsets) within
 float32 rounding, and the plain one (float activations, the file's weights) within the bound
 the int8 activations allow: half a quantization step of each group times the group's |w| sum.
-Every GGUF form holds the file's weights exactly (the k-quants their own 6-bit and int8 scales,
-Q4_0 / Q4_1 / Q5_0 their fp16 ones)."""
+Every GGUF form holds the file's weights exactly (the super-block types their own 6-bit and int8
+scales, the others their fp16 ones)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagoda.kernels.cpu import built
 from pagoda.layers import gguf
 from pagoda.layers.attention import paged_attention_torch
 from pagoda.layers.cpu_forms import (
+    NIBBLE_FORMS,
+    KernelPart,
     cpu_q8_rows,
-    pack_q4kx16,
     pack_q4x16,
     pack_q5x16,
-    pack_q6kx16,
     pack_q8x16,
 )
 from pagoda.layers.embedding import LMHead, VocabEmbedding
@@ -35,7 +38,7 @@ from pagoda.layers.forward_context import AttentionMetadata
 from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.quant import GGUFMethod
+from pagoda.layers.quant import GGUFMethod, gguf_cpu_form
 from pagoda.layers.quant_forms import quantize_int8_rows
 
 OPS = built()
@@ -43,15 +46,23 @@ pytestmark = pytest.mark.skipif(OPS is None, reason="the CPU kernels cannot be b
 ISAS = [] if OPS is None else list(range(OPS.isa() + 1))
 
 
+# Where a block's fp16 fields start and how many there are: (d, m) / (d, dmin), or d alone.
+_FP16_FIELDS = {
+    **dict.fromkeys(("Q4_1", "Q5_1", "Q4_K", "Q5_K"), (0, 2)),
+    "Q2_K": (80, 2),
+    "Q3_K": (108, 1),
+    "Q6_K": (208, 1),
+}
+
+
 def _blocks(qtype: str, rows: int, cols: int, seed: int) -> gguf.GGUFWeight:
     """Random GGUF blocks with finite fp16 scales."""
-    per_block, nbytes = gguf._BLOCK_BYTES[qtype]
+    per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     rng = np.random.default_rng(seed)
     n = rows * cols // per_block
     raw = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
-    fields = 2 if qtype in ("Q4_1", "Q4_K") else 1  # (d, m) / (d, dmin) or d
+    at, fields = _FP16_FIELDS.get(qtype, (0, 1))
     scales = rng.uniform(0.001, 0.02, size=(n, fields)).astype(np.float16)
-    at = nbytes - 2 if qtype == "Q6_K" else 0  # Q6_K's d comes last
     raw[:, at : at + 2 * fields] = scales.view(np.uint8).reshape(n, 2 * fields)
     return gguf.GGUFWeight(qtype, raw.reshape(rows, -1), (rows, cols))
 
@@ -71,24 +82,39 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return half_step @ wsum.T
 
 
-def _run(qtype: str, x: torch.Tensor, weight: gguf.GGUFWeight, isa: int) -> torch.Tensor:
+# The form each GGUF type keeps on the CPU kernels.
+KERNEL_OF = {
+    "Q4_0": "cpu_q4_0",
+    "Q4_1": "cpu_q4",
+    "Q5_0": "cpu_q5",
+    "Q5_1": "cpu_q5_1",
+    "Q8_0": "cpu_q8",
+    "IQ4_NL": "cpu_iq4nl",
+    "Q4_K": "cpu_q4k",
+    "Q5_K": "cpu_q5k",
+    "Q6_K": "cpu_q6k",
+    "IQ4_XS": "cpu_iq4xs",
+}
+QTYPES = list(KERNEL_OF)
+
+
+def _held(weight: gguf.GGUFWeight) -> KernelPart:
+    """The weight in the form the GGUF method leaves on the CPU kernels."""
+    held = KernelPart(SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32))
+    assert gguf_cpu_form(held, [weight])
+    assert held.kernel == KERNEL_OF[weight.qtype] and held.cpu_rows == weight.shape[0]
+    return held
+
+
+def _matmul(held: KernelPart, x: torch.Tensor, isa: int) -> torch.Tensor:
     assert OPS is not None
-    if qtype in gguf.K_TYPES:  # the file's own numbers
-        k = gguf.decode_k(weight)
-        n = k.codes.shape[0]
-        if qtype == "Q4_K":
-            return OPS.q4x16_matmul(x, pack_q4kx16(k.codes, k.sc, k.m, k.d, k.dmin), n, isa)
-        return OPS.q4x16_matmul(x, pack_q6kx16(k.codes, k.sc, k.d), n, isa)
-    g = gguf.decode(weight)
-    n = g.codes.shape[0]
-    if qtype == "Q5_0":  # its own 5 bits: codes [-16, 15] back to [0, 31]
-        return OPS.q4x16_matmul(x, pack_q5x16(g.codes.to(torch.int16) + 16, g.scale), n, isa)
-    if g.offset is None:  # Q8_0
-        return OPS.q8x16_matmul(x, *pack_q8x16(g.codes, g.scale), n, isa)
-    return OPS.q4x16_matmul(x, pack_q4x16(g.codes, g.scale, g.offset), n, isa)
+    if held.kernel == "cpu_q8":
+        return OPS.q8x16_matmul(x, held.packed, held.packed_scales, held.cpu_rows, isa)
+    return OPS.q4x16_matmul(x, held.packed, held.cpu_rows, isa, NIBBLE_FORMS[held.kernel])
 
 
-QTYPES = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0"]
+def _run(qtype: str, x: torch.Tensor, weight: gguf.GGUFWeight, isa: int) -> torch.Tensor:
+    return _matmul(_held(weight), x, isa)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -111,25 +137,26 @@ def test_gguf_formats_match_the_reference(
     assert (plain <= _bound(x, w) * 1.001 + 1e-5).all()
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_the_k_quant_forms_hold_the_file_s_bytes_and_numbers(qtype: str) -> None:
-    """16 rows of a tile take 16 x the file's bytes per 256 values (210 for Q6_K; 144 + 4 for
-    Q4_K, whose 16 6-bit numbers take a byte each); rows past the tensor's (padding) are
-    zeros. The numbers are the file's: decode_k gives gguf's dequantization bit for bit."""
+# Bytes a row takes per block of the file: the file's, but where the kernels hold 6-bit
+# sub-scales a byte each (Q4_K / Q5_K: 8 scales and 8 mins in 12 bytes -> 16; IQ4_XS: 8 in 6 -> 8).
+FORM_BYTES = {"Q4_K": 148, "Q5_K": 180, "IQ4_XS": 138}
+
+
+@pytest.mark.parametrize("qtype", [q for q in QTYPES if q != "Q8_0"])
+def test_the_nibble_forms_hold_the_file_s_bytes_and_numbers(qtype: str) -> None:
+    """16 rows of a tile take 16 x the file's bytes per block (FORM_BYTES where they differ);
+    rows past the tensor's (padding) are zeros. The numbers are the file's: unit activations
+    give gguf's dequantization."""
     rows, cols = 37, 512
     weight = _blocks(qtype, rows, cols, seed=7)
-    k = gguf.decode_k(weight)
-    assert torch.equal(gguf.dequantize_k(k), weight.dequantize())
-    if qtype == "Q4_K":
-        packed = pack_q4kx16(k.codes, k.sc, k.m, k.d, k.dmin)
-    else:
-        packed = pack_q6kx16(k.codes, k.sc, k.d)
-    file_row = gguf._BLOCK_BYTES[qtype][1] * cols // 256
-    assert weight.data.shape == (rows, file_row)
-    per_row = file_row + (4 * cols // 256 if qtype == "Q4_K" else 0)
-    assert packed.shape == (3, 2, 16 * per_row // 2) and packed.numel() == 48 * per_row
-    assert OPS is not None
-    y = OPS.q4x16_matmul(torch.eye(cols), packed, 48, ISAS[-1]).T  # unit rows: w itself
+    if qtype in gguf.K_TYPES:
+        assert torch.equal(gguf.dequantize_k(gguf.decode_k(weight)), weight.dequantize())
+    held = _held(weight)
+    per_block, file_bytes = gguf._BLOCK_BYTES[qtype]
+    assert weight.data.shape == (rows, file_bytes * cols // per_block)
+    per_row = FORM_BYTES.get(qtype, file_bytes) * cols // per_block
+    assert held.packed.shape == (3, cols // per_block, 16 * per_row * per_block // cols)
+    y = _matmul(held, torch.eye(cols), ISAS[-1]).T  # unit rows: w itself
     w = weight.dequantize()
     torch.testing.assert_close(y[:rows], w, rtol=1e-6, atol=1e-6 * w.abs().max().item())
     assert y[rows:].eq(0).all()
@@ -210,9 +237,13 @@ def test_tiles_of_the_wrong_shape_are_refused() -> None:
         torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2)
     )
     with pytest.raises(RuntimeError, match="packed shape"):
-        OPS.q4x16_matmul(torch.randn(1, 64), packed, 20, 2)  # 20 rows need 2 tiles
+        OPS.q4x16_matmul(torch.randn(1, 64), packed, 20, 2, 0)  # 20 rows need 2 tiles
     with pytest.raises(RuntimeError, match="packed shape"):
-        OPS.q4x16_matmul(torch.randn(1, 96), packed, 16, 2)  # K of 96: 3 groups
+        OPS.q4x16_matmul(torch.randn(1, 96), packed, 16, 2, 0)  # K of 96: 3 groups
+    with pytest.raises(RuntimeError, match="packed shape"):
+        OPS.q4x16_matmul(torch.randn(1, 64), packed, 16, 2, NIBBLE_FORMS["cpu_q5"])  # 320 bytes
+    with pytest.raises(RuntimeError, match="form: 0 .. 8"):
+        OPS.q4x16_matmul(torch.randn(1, 64), packed, 16, 2, 9)
     codes, scales = pack_q8x16(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 1))
     with pytest.raises(RuntimeError, match="scales"):
         OPS.q8x16_matmul(torch.randn(1, 64), codes, torch.ones(1, 3, 16), 16, 2)
@@ -235,12 +266,12 @@ def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
     q5_codes = torch.randint(0, 32, (40, 96), dtype=torch.uint8, generator=gen)
     q5 = pack_q5x16(q5_codes, (torch.rand(40, 3, generator=gen) * 0.02).half().float())
     x = torch.randn(19, 96, generator=gen)
-    alone4 = torch.cat([OPS.q4x16_matmul(x[i : i + 1], q4, 40, isa) for i in range(19)])
-    alone5 = torch.cat([OPS.q4x16_matmul(x[i : i + 1], q5, 40, isa) for i in range(19)])
+    alone4 = torch.cat([OPS.q4x16_matmul(x[i : i + 1], q4, 40, isa, 0) for i in range(19)])
+    alone5 = torch.cat([OPS.q4x16_matmul(x[i : i + 1], q5, 40, isa, 1) for i in range(19)])
     alone8 = torch.cat([OPS.q8x16_matmul(x[i : i + 1], q8, q8_scales, 40, isa) for i in range(19)])
     for m in range(2, 20):
-        assert torch.equal(OPS.q4x16_matmul(x[:m], q4, 40, isa), alone4[:m]), m
-        assert torch.equal(OPS.q4x16_matmul(x[:m], q5, 40, isa), alone5[:m]), m
+        assert torch.equal(OPS.q4x16_matmul(x[:m], q4, 40, isa, 0), alone4[:m]), m
+        assert torch.equal(OPS.q4x16_matmul(x[:m], q5, 40, isa, 1), alone5[:m]), m
         assert torch.equal(OPS.q8x16_matmul(x[:m], q8, q8_scales, 40, isa), alone8[:m]), m
 
 
@@ -279,16 +310,7 @@ def _gguf_layer(sizes: dict[str, int], qtype: str, cols: int) -> tuple[MergedLin
 
 
 @pytest.mark.usefixtures("kernels_on")
-@pytest.mark.parametrize(
-    ("qtype", "kernel"),
-    [
-        ("Q4_1", "cpu_q4"),
-        ("Q4_K", "cpu_q4k"),
-        ("Q5_0", "cpu_q5"),
-        ("Q6_K", "cpu_q6k"),
-        ("Q8_0", "cpu_q8"),
-    ],
-)
+@pytest.mark.parametrize(("qtype", "kernel"), list(KERNEL_OF.items()))
 def test_a_gguf_layer_keeps_only_the_kernel_form_for_any_row_count(qtype: str, kernel: str) -> None:
     # 88 rows: not in 16s (torch's int4 op would not take them: int8 rows, re-quantized)
     layer, held = _gguf_layer({"q": 40, "k": 24, "v": 24}, qtype, 256)
@@ -355,12 +377,11 @@ def test_an_untied_gguf_head_keeps_the_file_s_form_a_tied_matrix_int8_rows() -> 
 
 @pytest.mark.usefixtures("kernels_on")
 def test_other_gguf_types_and_the_tied_vocabulary_are_int8_rows_once() -> None:
-    data = np.random.default_rng(5).standard_normal((40, 64)).astype(np.float32)
-    q5 = Linear(64, 40)
-    q5.set_quant_method(GGUFMethod())
-    q5.load("weight", gguf.GGUFWeight("Q5_1", quantize(data, GGMLQuantizationType.Q5_1), (40, 64)))
-    q5.finalize()  # no group decoding for Q5_1: re-quantized per row
-    assert q5.kernel == "cpu_q8" and q5.packed_scales.shape == (3, 1, 16)
+    q3 = Linear(256, 40)
+    q3.set_quant_method(GGUFMethod())
+    q3.load("weight", _blocks("Q3_K", 40, 256, seed=5))
+    q3.finalize()  # no kernel form for Q3_K: re-quantized per row
+    assert q3.kernel == "cpu_q8" and q3.packed_scales.shape == (3, 1, 16)
     emb, head = VocabEmbedding(1000, 64), LMHead(1000, 64)
     with torch.no_grad():
         emb.weight.copy_(torch.randn(1000, 64, generator=torch.Generator().manual_seed(0)))
@@ -714,15 +735,15 @@ def test_matmul_prologues_equal_the_ops_apart(isa: int) -> None:
     q8, q8_scales = pack_q8x16(codes8, scale8[:, None])
     x, residual, weight = _rows(6, k, 8), _rows(6, k, 9), _rows(1, k, 10)[0]
     normed, hidden = OPS.add_rms_norm(x, residual, weight, 1e-5, isa)
-    y4, h4 = OPS.q4x16_matmul_norm(x, residual, weight, 1e-5, q4, n, isa)
+    y4, h4 = OPS.q4x16_matmul_norm(x, residual, weight, 1e-5, q4, n, isa, 0)
     y8, h8 = OPS.q8x16_matmul_norm(x, residual, weight, 1e-5, q8, q8_scales, n, isa)
     assert torch.equal(h4, hidden) and torch.equal(h8, hidden)
-    assert torch.equal(y4, OPS.q4x16_matmul(normed, q4, n, isa))
+    assert torch.equal(y4, OPS.q4x16_matmul(normed, q4, n, isa, 0))
     assert torch.equal(y8, OPS.q8x16_matmul(normed, q8, q8_scales, n, isa))
     gate_up = _rows(6, 2 * k, 11)
     act = OPS.silu_and_mul(gate_up, isa)
     assert torch.equal(
-        OPS.q4x16_matmul_silu(gate_up, q4, n, isa), OPS.q4x16_matmul(act, q4, n, isa)
+        OPS.q4x16_matmul_silu(gate_up, q4, n, isa, 0), OPS.q4x16_matmul(act, q4, n, isa, 0)
     )
     assert torch.equal(
         OPS.q8x16_matmul_silu(gate_up, q8, q8_scales, n, isa),

@@ -92,7 +92,7 @@ _F16_FIELDS = {
 }
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K"])
 @pytest.mark.parametrize("rows,cols", [(16, 256), (48, 512)])
 def test_gguf_block_decoding_is_bit_exact(qtype: str, rows: int, cols: int) -> None:
     raw = _random_blocks(qtype, rows, cols, np.random.default_rng(rows + cols))
@@ -298,14 +298,17 @@ def test_gguf_q8_0_layer_runs_its_exact_codes_as_two_int4_halves() -> None:
     _close(layer(x), _bf16_round(x) @ ref_w.t())
 
 
-def test_gguf_q5_0_layer_keeps_its_codes_as_int8_groups() -> None:
-    data = np.random.default_rng(4).standard_normal((48, 256)).astype(np.float32)
-    layer = _gguf_linear("Q5_0", data)
-    ref_w = torch.from_numpy(
-        dequantize(quantize(data, GGMLQuantizationType.Q5_0), GGMLQuantizationType.Q5_0)
-    )
+@pytest.mark.parametrize("qtype", ["Q5_0", "IQ4_NL"])
+def test_gguf_q5_0_and_iq4_nl_layers_keep_their_codes_as_int8_groups(qtype: str) -> None:
+    raw = _random_blocks(qtype, 48, 256, np.random.default_rng(4))
+    w = gguf_blocks.GGUFWeight(qtype, raw, (48, 256))
+    layer = Linear(256, 48)
+    layer.set_quant_method(GGUFMethod())
+    layer.load("weight", w)
+    layer.finalize()
+    assert layer.kernel == "int8x2"
     x = torch.randn(5, 256)
-    _close(layer(x), _bf16_round(x) @ ref_w.t())
+    _close(layer(x), _bf16_round(x) @ w.dequantize().t())
 
 
 def test_gguf_layer_mixing_q8_0_and_q5_0_keeps_both_codes() -> None:
@@ -325,7 +328,7 @@ def test_gguf_layer_mixing_q8_0_and_q5_0_keeps_both_codes() -> None:
     _close(layer(x), _bf16_round(x) @ torch.cat(refs).t())
 
 
-@pytest.mark.parametrize("qtype", ["Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_gguf_layer_of_other_types_uses_int8_rows(qtype: str) -> None:
     """No group decoding: the gguf package's dequantization, re-quantized per row to int8."""
     raw = _random_blocks(qtype, 32, 256, np.random.default_rng(5))

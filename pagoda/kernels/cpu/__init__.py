@@ -13,9 +13,11 @@ built, for whatever reason (`make test` and CI set it). `built()` gives the ops 
 switch says (the tests use it).
 
 The kernels are torch custom ops (torch.ops.pagoda_cpu, so torch.compile keeps them in its
-graph): `q4x16_matmul(x, packed, n, isa_limit)` and `q8x16_matmul(x, packed, scales, n,
-isa_limit)`, y = x @ w^T in float32 for 4-bit and 8-bit codes in tiles of 16 rows (laid out in
-quant_gemm.cpp, packed by layers/cpu_forms.py), with x quantized per 32-wide group to int8;
+graph): `q4x16_matmul(x, packed, n, isa_limit, form)` and `q8x16_matmul(x, packed, scales, n,
+isa_limit)`, y = x @ w^T in float32 for the nibble forms (4- to 6-bit codes, GGUF's types as the
+file holds them; `form` names one, layers/cpu_forms.NIBBLE_FORMS) and 8-bit codes in tiles of 16
+rows (laid out in quant_gemm.cpp, packed by layers/cpu_forms.py), with x quantized per 32-wide
+group to int8;
 `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa_limit)`
 (one query row per request) and `paged_attention(q, k_cache, v_cache, block_tables, query_start,
 seq_lens, scale, window, isa_limit)` (any mix of prefill chunks and decodes) over a float32 paged
@@ -131,7 +133,7 @@ def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing."""
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul")  # type: ignore[misc]
-    def _q4(x: Any, packed: Any, n: int, isa_limit: int) -> Any:
+    def _q4(x: Any, packed: Any, n: int, isa_limit: int, form: int) -> Any:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("pagoda_cpu::q8x16_matmul")  # type: ignore[misc]
@@ -146,7 +148,14 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul_norm")  # type: ignore[misc]
     def _q4_norm(
-        x: Any, residual: Any, weight: Any, eps: float, packed: Any, n: int, isa_limit: int
+        x: Any,
+        residual: Any,
+        weight: Any,
+        eps: float,
+        packed: Any,
+        n: int,
+        isa_limit: int,
+        form: int,
     ) -> Any:
         return x.new_empty((x.shape[0], n)), x.new_empty(x.shape)
 
@@ -164,7 +173,7 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], n)), x.new_empty(x.shape)
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul_silu")  # type: ignore[misc]
-    def _q4_silu(x: Any, packed: Any, n: int, isa_limit: int) -> Any:
+    def _q4_silu(x: Any, packed: Any, n: int, isa_limit: int, form: int) -> Any:
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("pagoda_cpu::q8x16_matmul_silu")  # type: ignore[misc]

@@ -17,16 +17,31 @@
 //     the 4-bit blocks, then 8 masks of 64 bits (mask 2s + h, bit 4j + b: the fifth bit of
 //     code[j, 8s + 4h + b], the code the 4-bit block s holds in its low (h = 0) or high nibble),
 //     then the 16 rows' scales, fp16; the offset is -16 * scale.
+//   GGUF Q4_0 (288 bytes: 16 x 18), w = scale * (code - 8): the 4-bit blocks, then the scales.
+//   GGUF Q5_1 (384 bytes: 16 x 24), w = scale * code + offset, code in [0, 31]: the 5-bit
+//     layout, then the offsets after the scales.
+//   GGUF IQ4_NL (288 bytes: 16 x 18), w = scale * IQ4[code], code in [0, 15] indexing the
+//     file's 16 int8 values (kIq4): the 4-bit blocks, then the scales.
 //   GGUF Q4_K (q4x16_matmul on 2368-byte super-blocks of 8 groups: 16 x 148 bytes / 256 values,
 //     the file's 144 with its 6-bit numbers a byte each), w = d * sc[g] * code - dmin * m[g],
 //     code in [0, 15], sc and m 6-bit: the 8 groups' 4-bit blocks, then per group the rows' sc,
 //     then their m, a byte each, then the rows' d and -dmin, fp16.
+//   GGUF Q5_K (2880-byte super-blocks: 16 x 180, the file's 176 with Q4_K's 6-bit numbers a
+//     byte each): Q4_K's layout with each group's 4-bit blocks followed by its 8 masks of
+//     fifth bits (as the 5-bit form's); code in [0, 31].
+//   GGUF IQ4_XS (2208-byte super-blocks: 16 x 138, the file's 136 with its 6-bit sub-scales a
+//     byte each), w = d * sc[g] * IQ4[code]: the 8 groups' 4-bit blocks, then per group the
+//     rows' sc (int8, the file's 6-bit number less 32), then the rows' d, fp16.
 //   GGUF Q6_K (q4x16_matmul on 3360-byte super-blocks: 16 x 210 bytes / 256 values),
 //     w = d * sc[g, half] * (code - 32), code in [0, 63], sc int8 per 16 values: per group the
 //     4-bit blocks of the low nibbles and 4 x 32 bytes of top 2 bits (block s's byte p % 32,
 //     nibble p / 32, for its byte p: bits 0-1 the low nibble's code's, 2-3 the high one's),
 //     then per group the rows' two int8 scales, then the rows' d, fp16. The halves' dot products
 //     are kept apart, each less 32 * the half's sum of activation codes.
+//   The caller names the form (Form's numbers); the unit's bytes are checked against it.
+//   IQ4's values: VNNI looks up value + 128 (unsigned for dpbusd) and takes 128 * the group's
+//     sum of activation codes off; AVX2 looks up the signed values and moves their signs onto
+//     the activations (as the 8-bit form).
 //   8-bit (q8x16_matmul), w[n, k] = scale[n, g] * code[n, k], code in [-128, 127]: 512 bytes a
 //     group, 8 blocks of 64 (block s, byte 4j + b: code[j, 4s + b] + 128, as uint8); scales apart,
 //     float32 (tiles, groups, 16) or (tiles, 1, 16) for one scale a row.
@@ -46,10 +61,6 @@ namespace pagoda_cpu {
 namespace {
 
 constexpr int64_t ROWS = 16;       // output rows per tile
-constexpr int64_t Q4_BYTES = 320;  // a tile's group of 4-bit codes, scales and offsets
-constexpr int64_t Q5_BYTES = 352;  // a tile's group of 5-bit codes and scales
-constexpr int64_t Q4K_BYTES = 2368;  // a tile's Q4_K super-block: 16 x 148 (the file's 144 + 4)
-constexpr int64_t Q6K_BYTES = 3360;  // a tile's Q6_K super-block: 16 x 210
 constexpr int64_t Q8_BYTES = 512;  // a tile's group of 8-bit codes
 // Activation rows per pass over a tile: a pass keeps the tile's unpacked codes in registers
 // (8 of them) beside one accumulator per row; AVX2 has 16 registers, AVX-512 32.
@@ -77,27 +88,57 @@ inline void load_words(const int8_t* q, int32_t* words, int count) {
 #define PAGODA_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
 #define PAGODA_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// ---- the nibble forms: 4-bit, 5-bit, Q4_K and Q6_K --------------------------------------------
+// ---- the nibble forms ------------------------------------------------------------------------
 //
-// One tile function per ISA for all four (Form): every one holds a group's low nibbles in the
-// 4-bit blocks; kQ5 adds a fifth bit from its masks, kQ6K two high bits from its bit planes.
-// kQ4 and kQ5 store a group at a time; the k-quants a super-block of 8 groups (256 values, the
-// file's block), whose per-group scales are the file's small integers times its fp16 ones.
+// One tile function per ISA for all of them (Form): every one holds a group's low nibbles in the
+// 4-bit blocks; the 5-bit ones add a fifth bit from their masks, kQ6K two high bits from its bit
+// planes, the IQ4 ones look their codes up in kIq4. The group forms store a group at a time;
+// the super-block ones 8 groups (256 values, the file's block), whose per-group scales are the
+// file's small integers times its fp16 ones. The numbers are the Python side's
+// (layers/cpu_forms.py NIBBLE_FORMS).
 
-enum class Form { kQ4, kQ5, kQ4K, kQ6K };
+enum class Form : int64_t {
+  kQ4 = 0,     // 4-bit, scale and offset (GGUF Q4_1, pagoda's int4)
+  kQ5 = 1,     // GGUF Q5_0
+  kQ4K = 2,    // GGUF Q4_K
+  kQ6K = 3,    // GGUF Q6_K
+  kQ40 = 4,    // GGUF Q4_0
+  kQ51 = 5,    // GGUF Q5_1
+  kQ5K = 6,    // GGUF Q5_K
+  kIq4Nl = 7,  // GGUF IQ4_NL
+  kIq4Xs = 8,  // GGUF IQ4_XS
+};
+constexpr int64_t FORMS = 9;
 
 template <Form F>
-constexpr bool kSuper = F == Form::kQ4K || F == Form::kQ6K;
-
-// A tile's unit: one group (kQ4, kQ5) or one super-block of 8 groups (kQ4K, kQ6K).
+constexpr bool kSuper = F == Form::kQ4K || F == Form::kQ6K || F == Form::kQ5K || F == Form::kIq4Xs;
 template <Form F>
-constexpr int64_t unit_bytes() {
-  switch (F) {
-    case Form::kQ4: return Q4_BYTES;
-    case Form::kQ5: return Q5_BYTES;
-    case Form::kQ4K: return Q4K_BYTES;
-    default: return Q6K_BYTES;
+constexpr bool kFifth = F == Form::kQ5 || F == Form::kQ51 || F == Form::kQ5K;
+template <Form F>
+constexpr bool kTable = F == Form::kIq4Nl || F == Form::kIq4Xs;
+template <Form F>
+constexpr bool kMinK = F == Form::kQ4K || F == Form::kQ5K;  // d * sc and -dmin * m
+
+// IQ4_NL's 16 values (ggml's kvalues_iq4nl), and plus 128 as dpbusd's unsigned operand.
+alignas(16) constexpr int8_t kIq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                         1,    13,   25,  38,  53,  69,  89,  113};
+alignas(16) constexpr uint8_t kIq4Unsigned[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                                  129, 141, 153, 166, 181, 197, 217, 241};
+
+// A tile's unit: one group, or one super-block of 8 groups.
+constexpr int64_t unit_bytes(Form f) {
+  switch (f) {
+    case Form::kQ4: return 320;     // 16 x 20: codes, scales, offsets
+    case Form::kQ5: return 352;     // 16 x 22: codes, masks, scales
+    case Form::kQ4K: return 2368;   // 16 x 148: the file's 144 + 4
+    case Form::kQ6K: return 3360;   // 16 x 210
+    case Form::kQ40: return 288;    // 16 x 18
+    case Form::kQ51: return 384;    // 16 x 24
+    case Form::kQ5K: return 2880;   // 16 x 180: the file's 176 + 4
+    case Form::kIq4Nl: return 288;  // 16 x 18
+    case Form::kIq4Xs: return 2208; // 16 x 138: the file's 136 + 2
   }
+  return 0;
 }
 
 template <Form F>
@@ -105,34 +146,44 @@ constexpr int64_t unit_groups() {
   return kSuper<F> ? 8 : 1;
 }
 
-// A super-block's groups of codes one after the other: nibbles only (kQ4K), or nibbles then
-// their 128 bytes of high bits (kQ6K); then the per-group scales and the fp16 ones.
+// A group's code bytes: the 4-bit blocks, then the 5-bit forms' masks or kQ6K's high bits. A
+// super-block holds its groups' code bytes one after the other, then the per-group numbers
+// (meta_at), then the fp16 ones (d_at).
 template <Form F>
 constexpr int64_t code_bytes() {
-  return F == Form::kQ6K ? 384 : 256;
+  return F == Form::kQ6K ? 384 : kFifth<F> ? 320 : 256;
 }
+
+template <Form F>
+constexpr int64_t meta_at() { return 8 * code_bytes<F>(); }
+
+template <Form F>
+constexpr int64_t meta_bytes() { return F == Form::kIq4Xs ? 16 : 32; }
+
+template <Form F>
+constexpr int64_t d_at() { return meta_at<F>() + 8 * meta_bytes<F>(); }
 
 template <Form F>
 inline const uint8_t* unit_at(const uint8_t* tile, int64_t g) {
-  return tile + g / unit_groups<F>() * unit_bytes<F>();
+  return tile + g / unit_groups<F>() * unit_bytes(F);
 }
 
-// Group g's 4 blocks of 64 nibble bytes (then kQ5's masks or kQ6K's high bits).
+// Group g's 4 blocks of 64 nibble bytes (then its masks or high bits).
 template <Form F>
 inline const uint8_t* codes_at(const uint8_t* tile, int64_t g) {
   return unit_at<F>(tile, g) + g % unit_groups<F>() * code_bytes<F>();
 }
 
-// kQ4K: per group the 16 rows' 6-bit scales, then their 6-bit mins, a byte each; then the 16
-// rows' d and -dmin, fp16: scale = d * sc, offset = (-dmin) * m. (The file packs the 6-bit
-// numbers into 12 bytes a row; a byte each costs 4 bytes a row and 256 values, 2.8%, and saves
-// the unpacking in every tile's group: a batch-1 step on 2 cores is bound by instructions.)
-constexpr int64_t Q4K_META = 2048, Q4K_D = 2304, Q4K_NDMIN = 2336;
-// kQ6K: per group 2 x 16 int8 scales (the 16-value halves), then the 16 rows' d, fp16.
-constexpr int64_t Q6K_SCALES = 3072, Q6K_D = 3328;
-
-inline const uint8_t* q4k_meta(const uint8_t* unit, int64_t g) { return unit + Q4K_META + 32 * (g % 8); }
-inline const uint8_t* q6k_scales(const uint8_t* unit, int64_t g) { return unit + Q6K_SCALES + 32 * (g % 8); }
+// Group g's per-group numbers: kMinK the 16 rows' 6-bit scales, then their 6-bit mins, a byte
+// each, with the rows' d and -dmin after the groups' (scale = d * sc, offset = (-dmin) * m; the
+// file packs the 6-bit numbers into 12 bytes a row: a byte each costs 4 bytes a row and 256
+// values, 2.8%, and saves the unpacking in every tile's group, where a batch-1 step on 2 cores
+// is bound by instructions); kQ6K 2 x 16 int8 scales (the 16-value halves), kIq4Xs 16 int8
+// ones, each with the rows' d after the groups'.
+template <Form F>
+inline const uint8_t* meta_of(const uint8_t* tile, int64_t g) {
+  return unit_at<F>(tile, g) + meta_at<F>() + meta_bytes<F>() * (g % 8);
+}
 
 // The fifth bits of 64 codes (one 4-bit block's low or high nibbles) from their mask.
 inline uint64_t fifth_mask(const uint8_t* b, int i) {
@@ -160,8 +211,8 @@ PAGODA_VNNI inline __m512 int8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// Group g's 16 scales and offsets (kQ4, kQ5, kQ4K), or its two halves' scales (kQ6K: the
-// offset is -32 * scale, applied as -32 * the half's sum of activation codes).
+// Group g's 16 scales and offsets; kQ6K: its halves' scales (the offset is -32 * scale, applied
+// as -32 * the half's sum of activation codes); the IQ4 forms: scales only.
 template <Form F>
 PAGODA_VNNI inline void group_scales_vnni(const uint8_t* tile, int64_t g, __m512* s0, __m512* s1) {
   const uint8_t* b = codes_at<F>(tile, g);
@@ -169,16 +220,25 @@ PAGODA_VNNI inline void group_scales_vnni(const uint8_t* tile, int64_t g, __m512
   if constexpr (F == Form::kQ4) {
     *s0 = fp16x16(b + 256);
     *s1 = fp16x16(b + 288);
+  } else if constexpr (F == Form::kQ40 || F == Form::kIq4Nl) {
+    *s0 = fp16x16(b + 256);
+    *s1 = _mm512_mul_ps(*s0, _mm512_set1_ps(-8.f));
   } else if constexpr (F == Form::kQ5) {
     *s0 = fp16x16(b + 320);
     *s1 = _mm512_mul_ps(*s0, _mm512_set1_ps(-16.f));
-  } else if constexpr (F == Form::kQ4K) {
-    const uint8_t* meta = q4k_meta(unit, g);
-    *s0 = _mm512_mul_ps(fp16x16(unit + Q4K_D), uint8x16(meta));
-    *s1 = _mm512_mul_ps(fp16x16(unit + Q4K_NDMIN), uint8x16(meta + 16));
+  } else if constexpr (F == Form::kQ51) {
+    *s0 = fp16x16(b + 320);
+    *s1 = fp16x16(b + 352);
+  } else if constexpr (kMinK<F>) {
+    const uint8_t* meta = meta_of<F>(tile, g);
+    *s0 = _mm512_mul_ps(fp16x16(unit + d_at<F>()), uint8x16(meta));
+    *s1 = _mm512_mul_ps(fp16x16(unit + d_at<F>() + 32), uint8x16(meta + 16));
+  } else if constexpr (F == Form::kIq4Xs) {
+    *s0 = _mm512_mul_ps(fp16x16(unit + d_at<F>()), int8x16(meta_of<F>(tile, g)));
+    *s1 = *s0;
   } else {
-    const uint8_t* sc = q6k_scales(unit, g);
-    const __m512 d = fp16x16(unit + Q6K_D);
+    const uint8_t* sc = meta_of<F>(tile, g);
+    const __m512 d = fp16x16(unit + d_at<F>());
     *s0 = _mm512_mul_ps(d, int8x16(sc));
     *s1 = _mm512_mul_ps(d, int8x16(sc + 16));
   }
@@ -197,11 +257,14 @@ PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
       w[2 * s] = _mm512_and_si512(v, mask);
       w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
     }
-    if constexpr (F == Form::kQ5) {
+    if constexpr (kFifth<F>) {
       const __m512i fifth = _mm512_set1_epi8(0x10);
       for (int i = 0; i < 8; ++i) {
         w[i] = _mm512_or_si512(w[i], _mm512_maskz_mov_epi8(fifth_mask(b, i), fifth));
       }
+    } else if constexpr (kTable<F>) {
+      const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Unsigned)));
+      for (int i = 0; i < 8; ++i) w[i] = _mm512_shuffle_epi8(lut, w[i]);
     } else if constexpr (F == Form::kQ6K) {
       const __m256i low4 = _mm256_set1_epi8(0x0F);
       for (int s = 0; s < 4; ++s) {
@@ -230,14 +293,16 @@ PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, xd), acc[r]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, xd), acc[r]);
       } else {
-        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+        // IQ4: the codes are value + 128, so 128 * qsum comes off (in integers, exactly)
+        __m512i d0 = kTable<F> ? _mm512_set1_epi32(-128 * p.qsum[i]) : _mm512_setzero_si512();
+        __m512i d1 = _mm512_setzero_si512();
         for (int s = 0; s < 4; ++s) {
           d0 = _mm512_dpbusd_epi32(d0, w[2 * s], _mm512_set1_epi32(qw[2 * s]));
           d1 = _mm512_dpbusd_epi32(d1, w[2 * s + 1], _mm512_set1_epi32(qw[2 * s + 1]));
         }
         const __m512 d = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
         acc[r] = _mm512_fmadd_ps(d, _mm512_mul_ps(s0, xd), acc[r]);
-        acc[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(p.xs[i]), acc[r]);
+        if constexpr (!kTable<F>) acc[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(p.xs[i]), acc[r]);
       }
     }
   }
@@ -292,24 +357,34 @@ PAGODA_AVX2 inline void group_scales_avx2(const uint8_t* tile, int64_t g, int h,
   if constexpr (F == Form::kQ4) {
     *s0 = fp16x8(b + 256);
     *s1 = fp16x8(b + 288);
+  } else if constexpr (F == Form::kQ40 || F == Form::kIq4Nl) {
+    *s0 = fp16x8(b + 256);
+    *s1 = _mm256_mul_ps(*s0, _mm256_set1_ps(-8.f));
   } else if constexpr (F == Form::kQ5) {
     *s0 = fp16x8(b + 320);
     *s1 = _mm256_mul_ps(*s0, _mm256_set1_ps(-16.f));
-  } else if constexpr (F == Form::kQ4K) {
-    const uint8_t* meta = q4k_meta(unit_at<F>(tile, g), g) + 8 * h;
-    *s0 = _mm256_mul_ps(fp16x8(unit + Q4K_D), uint8x8(meta));
-    *s1 = _mm256_mul_ps(fp16x8(unit + Q4K_NDMIN), uint8x8(meta + 16));
+  } else if constexpr (F == Form::kQ51) {
+    *s0 = fp16x8(b + 320);
+    *s1 = fp16x8(b + 352);
+  } else if constexpr (kMinK<F>) {
+    const uint8_t* meta = meta_of<F>(tile, g) + 8 * h;
+    *s0 = _mm256_mul_ps(fp16x8(unit + d_at<F>()), uint8x8(meta));
+    *s1 = _mm256_mul_ps(fp16x8(unit + d_at<F>() + 32), uint8x8(meta + 16));
+  } else if constexpr (F == Form::kIq4Xs) {
+    *s0 = _mm256_mul_ps(fp16x8(unit + d_at<F>()), int8x8(meta_of<F>(tile, g) + 8 * h));
+    *s1 = *s0;
   } else {
-    const uint8_t* sc = q6k_scales(unit_at<F>(tile, g), g) + 8 * h;
-    const __m256 d = fp16x8(unit + Q6K_D);
+    const uint8_t* sc = meta_of<F>(tile, g) + 8 * h;
+    const __m256 d = fp16x8(unit + d_at<F>());
     *s0 = _mm256_mul_ps(d, int8x8(sc));
     *s1 = _mm256_mul_ps(d, int8x8(sc + 16));
   }
 }
 
-// maddubs of a code and an activation (|q| <= 127) pair: <= 7874 for codes <= 31, so kQ5's 4
-// blocks add up to <= 31496, inside int16, and a group's 8 blocks are widened to int32 in two
-// halves; kQ6K's codes (<= 63) give <= 16002 a pair, so it widens every 2 blocks.
+// maddubs of a code and an activation (|q| <= 127) pair: <= 7874 for codes <= 31, so the 5-bit
+// forms' 4 blocks add up to <= 31496, inside int16, and a group's 8 blocks are widened to int32
+// in two halves; kQ6K's codes (<= 63) give <= 16002 a pair, so it widens every 2 blocks; the
+// IQ4 values (|v| <= 127, signs on the activations) <= 32258, so they widen every block.
 template <int M, Form F>
 PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
@@ -325,11 +400,14 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
         w[2 * s] = _mm256_and_si256(v, mask);
         w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
       }
-      if constexpr (F == Form::kQ5) {
+      if constexpr (kFifth<F>) {
         for (int i = 0; i < 8; ++i) {
           const auto word = static_cast<uint32_t>(fifth_mask(b, i) >> (32 * h));
           w[i] = _mm256_or_si256(w[i], fifth_bits_avx2(word));
         }
+      } else if constexpr (kTable<F>) {
+        const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4)));
+        for (int i = 0; i < 8; ++i) w[i] = _mm256_shuffle_epi8(lut, w[i]);
       } else if constexpr (F == Form::kQ6K) {
         for (int s = 0; s < 4; ++s) {
           const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * s));
@@ -352,6 +430,14 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
                                               _mm256_set1_epi32(32 * p.qsum16[2 * i + 1]));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, xd), acc[r]);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, xd), acc[r]);
+        } else if constexpr (kTable<F>) {
+          __m256i dot = _mm256_setzero_si256();
+          for (int s = 0; s < 8; ++s) {
+            const __m256i u = _mm256_sign_epi8(w[s], w[s]);
+            const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(qw[s]), w[s]);
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u, sq), ones));
+          }
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, xd), acc[r]);
         } else {
           __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
           for (int s = 0; s < 4; ++s) {
@@ -368,14 +454,17 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
   }
 }
 
-// Row j's code of block s, byte 4j + e, low (hi = 0) or high nibble, with its upper bits.
+// Row j's code of block s, byte 4j + e, low (hi = 0) or high nibble, with its upper bits; the
+// IQ4 forms: its value.
 template <Form F>
 inline int nibble_code(const uint8_t* b, int s, int j, int e, int hi) {
   const int at = 4 * j + e;
   const uint8_t byte = b[64 * s + at];
   int code = hi ? byte >> 4 : byte & 0x0F;
-  if constexpr (F == Form::kQ5) {
+  if constexpr (kFifth<F>) {
     code |= static_cast<int>((fifth_mask(b, 2 * s + hi) >> at) & 1u) << 4;
+  } else if constexpr (kTable<F>) {
+    code = kIq4[code];
   } else if constexpr (F == Form::kQ6K) {
     code |= ((q6k_high(b, s, at) >> (2 * hi)) & 3) << 4;
   }
@@ -390,18 +479,24 @@ inline void group_scales_scalar(const uint8_t* tile, int64_t g, int64_t j, float
   if constexpr (F == Form::kQ4) {
     *s0 = fp16(b + 256 + 2 * j);
     *s1 = fp16(b + 288 + 2 * j);
+  } else if constexpr (F == Form::kQ40 || F == Form::kIq4Nl) {
+    *s0 = fp16(b + 256 + 2 * j);
+    *s1 = *s0 * -8.f;
   } else if constexpr (F == Form::kQ5) {
     *s0 = fp16(b + 320 + 2 * j);
     *s1 = *s0 * -16.f;
-  } else if constexpr (F == Form::kQ4K) {
-    const uint8_t* meta = q4k_meta(unit, g);
-    *s0 = fp16(unit + Q4K_D + 2 * j) * static_cast<float>(meta[j]);
-    *s1 = fp16(unit + Q4K_NDMIN + 2 * j) * static_cast<float>(meta[16 + j]);
+  } else if constexpr (F == Form::kQ51) {
+    *s0 = fp16(b + 320 + 2 * j);
+    *s1 = fp16(b + 352 + 2 * j);
+  } else if constexpr (kMinK<F>) {
+    const uint8_t* meta = meta_of<F>(tile, g);
+    *s0 = fp16(unit + d_at<F>() + 2 * j) * static_cast<float>(meta[j]);
+    *s1 = fp16(unit + d_at<F>() + 32 + 2 * j) * static_cast<float>(meta[16 + j]);
   } else {
-    const auto* sc = reinterpret_cast<const int8_t*>(q6k_scales(unit, g));
-    const float d = fp16(unit + Q6K_D + 2 * j);
+    const auto* sc = reinterpret_cast<const int8_t*>(meta_of<F>(tile, g));
+    const float d = fp16(unit + d_at<F>() + 2 * j);
     *s0 = d * static_cast<float>(sc[j]);
-    *s1 = d * static_cast<float>(sc[16 + j]);
+    *s1 = F == Form::kQ6K ? d * static_cast<float>(sc[16 + j]) : *s0;
   }
 }
 
@@ -427,6 +522,8 @@ void nibble_tile_scalar(const uint8_t* tile, const Pass& p, int m) {
         if constexpr (F == Form::kQ6K) {
           sum += static_cast<float>(dot[0] - 32 * p.qsum16[2 * i]) * (s0 * p.xd[i]);
           sum += static_cast<float>(dot[1] - 32 * p.qsum16[2 * i + 1]) * (s1 * p.xd[i]);
+        } else if constexpr (kTable<F>) {
+          sum += static_cast<float>(dot[0] + dot[1]) * (s0 * p.xd[i]);
         } else {
           sum += static_cast<float>(dot[0] + dot[1]) * (s0 * p.xd[i]) + s1 * p.xs[i];
         }
@@ -599,36 +696,40 @@ void check_packed(const at::Tensor& packed, int64_t tiles, int64_t groups, int64
               k, ", got ", packed.sizes());
 }
 
-// The nibble form a packed tensor holds, told by its unit's bytes.
-Form nibble_form(const at::Tensor& packed) {
-  TORCH_CHECK(packed.dim() == 3, "packed: (tiles, units, bytes), got ", packed.sizes());
-  switch (packed.size(2)) {
-    case Q4_BYTES: return Form::kQ4;
-    case Q5_BYTES: return Form::kQ5;
-    case Q4K_BYTES: return Form::kQ4K;
-    case Q6K_BYTES: return Form::kQ6K;
-    default:
-      TORCH_CHECK(false, "packed: units of 320, 352, 2368 or 3360 bytes, got ", packed.size(2));
+// Calls fn(std::integral_constant<Form, F>) for F = form.
+template <typename Fn>
+void with_form(Form form, Fn&& fn) {
+  switch (form) {
+    case Form::kQ4: fn(std::integral_constant<Form, Form::kQ4>{}); break;
+    case Form::kQ5: fn(std::integral_constant<Form, Form::kQ5>{}); break;
+    case Form::kQ4K: fn(std::integral_constant<Form, Form::kQ4K>{}); break;
+    case Form::kQ6K: fn(std::integral_constant<Form, Form::kQ6K>{}); break;
+    case Form::kQ40: fn(std::integral_constant<Form, Form::kQ40>{}); break;
+    case Form::kQ51: fn(std::integral_constant<Form, Form::kQ51>{}); break;
+    case Form::kQ5K: fn(std::integral_constant<Form, Form::kQ5K>{}); break;
+    case Form::kIq4Nl: fn(std::integral_constant<Form, Form::kIq4Nl>{}); break;
+    case Form::kIq4Xs: fn(std::integral_constant<Form, Form::kIq4Xs>{}); break;
   }
-  return Form::kQ4;  // not reached
 }
 
-// packed: (ceil(n / 16), K / 32, 320 or 352) or (ceil(n / 16), K / 256, 2368 or 3360) uint8,
-// the nibble tiles described at the top
+// packed: (ceil(n / 16), K / 32 or K / 256, unit_bytes(form)) uint8, the nibble tiles described
+// at the top; form: Form's number
 at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                        int64_t isa_limit) {
+                        int64_t isa_limit, int64_t form_number) {
   check_rows(x);
-  const Form form = nibble_form(packed);
-  const bool super = form == Form::kQ4K || form == Form::kQ6K;
+  TORCH_CHECK(form_number >= 0 && form_number < FORMS, "form: 0 .. ", FORMS - 1, ", got ", form_number);
+  const auto form = static_cast<Form>(form_number);
+  bool super = false;
+  with_form(form, [&](auto tag) { super = kSuper<decltype(tag)::value>; });
   const int64_t tiles = (n + ROWS - 1) / ROWS, k = x.size(-1), per_unit = super ? 8 * GROUP : GROUP;
   TORCH_CHECK(k % per_unit == 0, "K must be a multiple of ", per_unit, " for this form, got ", k);
-  check_packed(packed, tiles, k / per_unit, packed.size(2), n, k);
+  check_packed(packed, tiles, k / per_unit, unit_bytes(form), n, k);
   const Isa isa = pick_isa(isa_limit);
   const uint8_t* w = packed.data_ptr<uint8_t>();
-  const int64_t tile_bytes = (k / per_unit) * packed.size(2);
+  const int64_t tile_bytes = (k / per_unit) * unit_bytes(form);
   const auto tile_fn = [&](int64_t t, const Pass& p, int m) {
     const uint8_t* tile = w + t * tile_bytes;
-    const auto run = [&](auto tag) {
+    with_form(form, [&](auto tag) {
       constexpr Form F = decltype(tag)::value;
       if (isa == Isa::kVnni) {
         with_rows<MAX_M_VNNI>(m, [&](auto rows) { nibble_tile_vnni<decltype(rows)::value, F>(tile, p); });
@@ -637,13 +738,7 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
       } else {
         nibble_tile_scalar<F>(tile, p, m);
       }
-    };
-    switch (form) {
-      case Form::kQ4: run(std::integral_constant<Form, Form::kQ4>{}); break;
-      case Form::kQ5: run(std::integral_constant<Form, Form::kQ5>{}); break;
-      case Form::kQ4K: run(std::integral_constant<Form, Form::kQ4K>{}); break;
-      case Form::kQ6K: run(std::integral_constant<Form, Form::kQ6K>{}); break;
-    }
+    });
   };
   return run_tiles(x, n, tiles, isa, tile_fn, form == Form::kQ6K);
 }
@@ -692,9 +787,9 @@ std::tuple<at::Tensor, at::Tensor> q4x16_matmul_norm(const at::Tensor& x,
                                                      const c10::optional<at::Tensor>& residual,
                                                      const at::Tensor& weight, double eps,
                                                      const at::Tensor& packed, int64_t n,
-                                                     int64_t isa_limit) {
+                                                     int64_t isa_limit, int64_t form) {
   auto [normed, hidden] = add_rms_norm(x, residual, weight, eps, isa_limit);
-  return {q4x16_matmul(normed, packed, n, isa_limit), hidden};
+  return {q4x16_matmul(normed, packed, n, isa_limit, form), hidden};
 }
 
 std::tuple<at::Tensor, at::Tensor> q8x16_matmul_norm(const at::Tensor& x,
@@ -708,8 +803,8 @@ std::tuple<at::Tensor, at::Tensor> q8x16_matmul_norm(const at::Tensor& x,
 }
 
 at::Tensor q4x16_matmul_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                             int64_t isa_limit) {
-  return q4x16_matmul(silu_and_mul(x, isa_limit), packed, n, isa_limit);
+                             int64_t isa_limit, int64_t form) {
+  return q4x16_matmul(silu_and_mul(x, isa_limit), packed, n, isa_limit, form);
 }
 
 at::Tensor q8x16_matmul_silu(const at::Tensor& x, const at::Tensor& packed,
@@ -731,15 +826,15 @@ int64_t isa() { return static_cast<int64_t>(best_isa()); }
 // torch.ops.pagoda_cpu.*: custom ops, so torch.compile keeps them in its graph (their shapes are
 // registered in Python, pagoda/kernels/cpu/__init__.py).
 TORCH_LIBRARY(pagoda_cpu, m) {
-  m.def("q4x16_matmul(Tensor x, Tensor packed, int n, int isa_limit) -> Tensor");
+  m.def("q4x16_matmul(Tensor x, Tensor packed, int n, int isa_limit, int form) -> Tensor");
   m.def("q8x16_matmul(Tensor x, Tensor packed, Tensor scales, int n, int isa_limit) -> Tensor");
   m.def(
       "q4x16_matmul_norm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor packed, "
-      "int n, int isa_limit) -> (Tensor, Tensor)");
+      "int n, int isa_limit, int form) -> (Tensor, Tensor)");
   m.def(
       "q8x16_matmul_norm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor packed, "
       "Tensor scales, int n, int isa_limit) -> (Tensor, Tensor)");
-  m.def("q4x16_matmul_silu(Tensor x, Tensor packed, int n, int isa_limit) -> Tensor");
+  m.def("q4x16_matmul_silu(Tensor x, Tensor packed, int n, int isa_limit, int form) -> Tensor");
   m.def(
       "q8x16_matmul_silu(Tensor x, Tensor packed, Tensor scales, int n, int isa_limit) -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
