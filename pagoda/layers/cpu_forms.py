@@ -20,6 +20,8 @@ for the 6-bit sub-scales a byte each, its bytes:
     cpu_q5k:   (.., K // 256, 2880), GGUF Q5_K (x1.02, the same)
     cpu_q6k:   (.., K // 256, 3360), GGUF Q6_K
     cpu_iq4xs: (.., K // 256, 2208), GGUF IQ4_XS (x1.01: its sub-scales a byte each)
+    cpu_q3k:   (.., K // 256, 1824), GGUF Q3_K (x1.04: its sub-scales a byte each)
+    cpu_q2k:   (.., K // 256, 1344), GGUF Q2_K
 
 and the others:
 
@@ -54,13 +56,25 @@ def _tile_rows(t: torch.Tensor, tiles: int) -> torch.Tensor:
     return t.view(tiles, 16, *t.shape[1:]).transpose(1, 2)
 
 
-def _fifth_masks(codes: torch.Tensor, tiles: int) -> torch.Tensor:
-    """Bit 4 of codes (N, K) as the 5-bit forms' masks: uint8 (tiles, K // 32, 64), 8 masks of
-    64 bits a group (mask 2s + h, bit 4j + b: the fifth bit of row j's code 8s + 4h + b)."""
+def _crumb_blocks(codes: torch.Tensor, tiles: int) -> torch.Tensor:
+    """The low 2 bits of codes (N, K) as the 2-bit forms' blocks: uint8 (tiles, K // 32, 128),
+    per group 2 blocks of 64 bytes (block t, byte 4j + b, bits 2c .. 2c + 1: row j's code
+    8s + 4h + b for 2s + h = 4t + c, the code the 4-bit blocks keep in block s's low (h = 0)
+    or high nibble), N padded with zero rows."""
+    n, k = codes.shape
+    c = F.pad(codes.to(torch.uint8) & 3, (0, 0, 0, 16 * tiles - n))
+    c = c.view(tiles, 16, k // 32, 2, 4, 4)  # (T, j, G, t, c, b)
+    crumbs = c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
+    return crumbs.permute(0, 2, 3, 1, 4).reshape(tiles, k // 32, 128)
+
+
+def _fifth_masks(codes: torch.Tensor, tiles: int, bit: int = 4) -> torch.Tensor:
+    """Bit `bit` of codes (N, K) as the masks: uint8 (tiles, K // 32, 64), 8 masks of 64 bits a
+    group (mask 2s + h, bit 4j + b: that bit of row j's code 8s + 4h + b)."""
     n, k = codes.shape
     groups = k // 32
     c = F.pad(codes.to(torch.uint8), (0, 0, 0, 16 * tiles - n)).view(tiles, 16, groups, 4, 2, 4)
-    fifth = (c >> 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, 8, 8, 8)  # mask, byte, bit
+    fifth = ((c >> bit) & 1).permute(0, 2, 3, 4, 1, 5).reshape(tiles, groups, 8, 8, 8)
     weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
     return (fifth.to(torch.int32) * weights).sum(-1).to(torch.uint8).view(tiles, groups, 64)
 
@@ -213,8 +227,51 @@ def pack_iq4xsx16(codes: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tor
     return torch.cat([code_part, scales, half.view(tiles, supers, 32)], -1).contiguous()
 
 
+def pack_two_bit_x16(
+    codes: torch.Tensor,
+    sc: torch.Tensor,
+    m: torch.Tensor | None,
+    d: torch.Tensor,
+    dmin: torch.Tensor | None,
+) -> torch.Tensor:
+    """The CPU kernels' Q3_K form (m, dmin None; w = d * sc[h] * (code - 4), codes (N, K) in
+    [0, 7], sc (N, K // 16) int8) or Q2_K form (w = d * sc[h] * code - dmin * m[h], codes in
+    [0, 3], sc and m (N, K // 16) in [0, 15]); d, dmin (N, K // 256) fp16 -> uint8
+    (ceil(N / 16), K // 256, 1824 or 1344), per tile of 16 rows and super-block: per group its
+    2 crumb blocks (_crumb_blocks) and, for Q3_K, the masks of third bits; then per group the
+    16 rows' two int8 sc (Q3_K) or two (sc | m << 4) bytes (Q2_K), values [0, 16) then
+    [16, 32); then the 16 d, and for Q2_K the 16 -dmin, as fp16. 114 (the file's 110 with its
+    6-bit scales a byte each) and 84 (the file's) bytes a row and 256 values."""
+    n, k = codes.shape
+    tiles, supers = -(-n // 16), k // 256
+    code_part = _crumb_blocks(codes, tiles).view(tiles, supers, 8, 128)
+    if m is None:  # Q3_K
+        masks = _fifth_masks(codes, tiles, bit=2).view(tiles, supers, 8, 64)
+        code_part = torch.cat([code_part, masks], -1)
+        numbers = sc.to(torch.int8).view(torch.uint8)
+    else:
+        numbers = sc.to(torch.uint8) | (m.to(torch.uint8) << 4)
+    meta = _tile_rows(numbers.view(n, supers, 8, 2), tiles)  # (T, S, 16, 8, 2)
+    meta = meta.permute(0, 1, 3, 4, 2).reshape(tiles, supers, 256)
+    halves = [
+        _tile_rows(t.to(torch.float16), tiles)
+        .contiguous()
+        .view(torch.uint8)
+        .view(tiles, supers, 32)
+        for t in ([d] if dmin is None else [d, -dmin])
+    ]
+    return torch.cat([code_part.reshape(tiles, supers, -1), meta, *halves], -1).contiguous()
+
+
 # The k-quant forms: GGUF type -> kernel.
-K_KERNELS = {"Q4_K": "cpu_q4k", "Q5_K": "cpu_q5k", "Q6_K": "cpu_q6k", "IQ4_XS": "cpu_iq4xs"}
+K_KERNELS = {
+    "Q4_K": "cpu_q4k",
+    "Q5_K": "cpu_q5k",
+    "Q6_K": "cpu_q6k",
+    "IQ4_XS": "cpu_iq4xs",
+    "Q3_K": "cpu_q3k",
+    "Q2_K": "cpu_q2k",
+}
 
 
 def pack_kx16(k: Any) -> torch.Tensor:
@@ -223,6 +280,8 @@ def pack_kx16(k: Any) -> torch.Tensor:
         return _pack_min_k(k.codes, k.sc, k.m, k.d, k.dmin, fifth=k.qtype == "Q5_K")
     if k.qtype == "Q6_K":
         return pack_q6kx16(k.codes, k.sc, k.d)
+    if k.qtype in ("Q3_K", "Q2_K"):
+        return pack_two_bit_x16(k.codes, k.sc, k.m, k.d, k.dmin)
     return pack_iq4xsx16(k.codes, k.sc, k.d)
 
 
@@ -289,6 +348,8 @@ NIBBLE_FORMS = {
     "cpu_q5k": 6,
     "cpu_iq4nl": 7,
     "cpu_iq4xs": 8,
+    "cpu_q3k": 9,
+    "cpu_q2k": 10,
 }
 CPU_KERNELS = (*NIBBLE_FORMS, "cpu_q8", "cpu_parts")
 

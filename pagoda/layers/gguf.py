@@ -32,11 +32,18 @@ which the kernels' forms hold as the file does (no product rounded):
           w = d * sc[h] * (code - 32)              per 16 values h, code in [0, 63]
     IQ4_XS (136 bytes / 256: d, 2 bytes of high and 4 of low scale bits, 128 bytes of nibbles
           laid out as IQ4_NL's): w = d * sc[g] * IQ4_VALUES[code], sc 6-bit less 32, in [-32, 31]
+    Q3_K  (110 bytes / 256: 32 bytes of third bits, 64 of 2-bit codes, 12 of 6-bit scales, d):
+          w = d * sc[h] * (code - 4)               per 16 values h, code in [0, 7], sc in [-32, 31]
+    Q2_K  (84 bytes / 256: 16 bytes of (sc | m << 4), 64 of 2-bit codes, d, dmin):
+          w = d * sc[h] * code - dmin * m[h]       per 16 values h, code in [0, 3]
+In both, value v's 2 bits are bits 2 (v % 128 // 32) of byte 32 (v // 128) + v % 32 of the codes;
+Q3_K's third bit is bit v // 32 of byte v % 32 of its first 32.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,8 +63,10 @@ _BLOCK_BYTES = {
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
     "IQ4_XS": (256, 136),
+    "Q3_K": (256, 110),
+    "Q2_K": (256, 84),
 }
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # decode_k's
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q3_K", "Q2_K")  # decode_k's
 # IQ4_NL's and IQ4_XS's 16 values (ggml-common.h kvalues_iq4nl), a nibble picking one.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -194,8 +203,9 @@ def _decode_q4_k(blocks: np.ndarray, rows: int, cols: int) -> GroupCodes:
 class KQuantCodes:
     """A K_TYPES tensor's own numbers (module docstring): codes (rows, cols) uint8 (IQ4_XS: the
     nibbles, indices into IQ4_VALUES); sc (rows, cols // 32) uint8 (Q4_K, Q5_K) or int8 (IQ4_XS),
-    or (rows, cols // 16) int8 (Q6_K); m (rows, cols // 32) uint8 or None; d, dmin (rows,
-    cols // 256) float16 (dmin None for Q6_K and IQ4_XS)."""
+    or (rows, cols // 16) int8 (Q6_K, Q3_K) or uint8 (Q2_K); m (rows, cols // 32) uint8 (Q4_K,
+    Q5_K), (rows, cols // 16) (Q2_K) or None; d, dmin (rows, cols // 256) float16 (dmin None but
+    for Q4_K, Q5_K and Q2_K)."""
 
     qtype: str
     codes: torch.Tensor
@@ -256,11 +266,41 @@ def decode_k(w: GGUFWeight) -> KQuantCodes:
         return KQuantCodes(
             "Q6_K", t(codes, cols), t(sc, cols // 16), None, half(blocks[:, 208:210]), None
         )
+    if w.qtype in ("Q3_K", "Q2_K"):
+        return _decode_two_bit(w.qtype, blocks, cols, t, half)
     raise ValueError(f"GGUF type {w.qtype} is not a k-quant decode_k reads")
+
+
+def _decode_two_bit(qtype: str, blocks: np.ndarray, cols: int, t: Any, half: Any) -> KQuantCodes:
+    """decode_k of Q3_K / Q2_K (t, half: decode_k's (array, width) -> tensor helpers)."""
+    n = blocks.shape[0]
+    at = 32 if qtype == "Q3_K" else 16  # the 2-bit codes
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+    codes = ((blocks[:, at : at + 64].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 256)
+    if qtype == "Q2_K":
+        sc, mn = blocks[:, :16] & 0x0F, blocks[:, :16] >> 4
+        d, dmin = half(blocks[:, 80:82]), half(blocks[:, 82:84])
+        return KQuantCodes("Q2_K", t(codes, cols), t(sc, cols // 16), t(mn, cols // 16), d, dmin)
+    third = (blocks[:, None, :32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    codes = codes | (third.reshape(n, 256) << 2)
+    low = (blocks[:, 96:104, None] >> np.array([0, 4], np.uint8)) & 0x0F  # (n, 8, 2)
+    high = (blocks[:, 104:108, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3  # (n, 4, 4)
+    low, high = low.transpose(0, 2, 1).reshape(n, 16), high.transpose(0, 2, 1).reshape(n, 16)
+    sc = (low | (high << 4)).astype(np.int8) - np.int8(32)
+    return KQuantCodes(
+        "Q3_K", t(codes, cols), t(sc, cols // 16), None, half(blocks[:, 108:110]), None
+    )
 
 
 def dequantize_k(k: KQuantCodes) -> torch.Tensor:
     """float32 (rows, cols) of decode_k's numbers, as gguf computes them (d * sc first)."""
+    if k.qtype in ("Q3_K", "Q2_K"):
+        scale = (k.d.float().repeat_interleave(16, 1) * k.sc.float()).repeat_interleave(16, 1)
+        if k.qtype == "Q3_K":
+            return scale * (k.codes.float() - 4)
+        assert k.m is not None and k.dmin is not None
+        offset = k.dmin.float().repeat_interleave(16, 1) * k.m.float()
+        return scale * k.codes.float() - offset.repeat_interleave(16, 1)
     if k.qtype == "IQ4_XS":
         scale = k.d.float().repeat_interleave(8, 1) * k.sc.float()
         values = torch.tensor(IQ4_VALUES, dtype=torch.float32)[k.codes.long()]

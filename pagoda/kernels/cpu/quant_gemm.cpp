@@ -38,6 +38,14 @@
 //     nibble p / 32, for its byte p: bits 0-1 the low nibble's code's, 2-3 the high one's),
 //     then per group the rows' two int8 scales, then the rows' d, fp16. The halves' dot products
 //     are kept apart, each less 32 * the half's sum of activation codes.
+//   GGUF Q3_K (1824-byte super-blocks: 16 x 114, the file's 110 with its 6-bit sub-scales a
+//     byte each), w = d * sc[g, half] * (code - 4), code in [0, 7]: per group 2 blocks of 64
+//     bytes of 2-bit crumbs (block t, byte 4j + b, bits 2c .. 2c + 1: the code the 4-bit form
+//     keeps in block (4t + c) / 2's low (c even) or high nibble), then 8 masks of third bits
+//     (as the 5-bit form's fifth), then per group the rows' two int8 scales, then the rows' d.
+//   GGUF Q2_K (1344-byte super-blocks: 16 x 84, the file's bytes), w = d * sc[g, half] * code
+//     - dmin * m[g, half], code in [0, 3], sc and m 4-bit: per group the 2 crumb blocks, then
+//     per group the rows' two (sc | m << 4) bytes, then the rows' d and -dmin, fp16.
 //   The caller names the form (Form's numbers); the unit's bytes are checked against it.
 //   IQ4's values: VNNI looks up value + 128 (unsigned for dpbusd) and takes 128 * the group's
 //     sum of activation codes off; AVX2 looks up the signed values and moves their signs onto
@@ -107,13 +115,26 @@ enum class Form : int64_t {
   kQ5K = 6,    // GGUF Q5_K
   kIq4Nl = 7,  // GGUF IQ4_NL
   kIq4Xs = 8,  // GGUF IQ4_XS
+  kQ3K = 9,    // GGUF Q3_K
+  kQ2K = 10,   // GGUF Q2_K
 };
-constexpr int64_t FORMS = 9;
+constexpr int64_t FORMS = 11;
 
 template <Form F>
-constexpr bool kSuper = F == Form::kQ4K || F == Form::kQ6K || F == Form::kQ5K || F == Form::kIq4Xs;
+constexpr bool kSuper = F == Form::kQ4K || F == Form::kQ6K || F == Form::kQ5K || F == Form::kIq4Xs ||
+                        F == Form::kQ3K || F == Form::kQ2K;
 template <Form F>
-constexpr bool kFifth = F == Form::kQ5 || F == Form::kQ51 || F == Form::kQ5K;
+constexpr bool kCrumb = F == Form::kQ3K || F == Form::kQ2K;  // 2-bit blocks, not 4-bit ones
+// A scale per 16 values (the halves of a group), and the codes' offset: w = scale * (code - it)
+template <Form F>
+constexpr bool kHalves = F == Form::kQ6K || F == Form::kQ3K || F == Form::kQ2K;
+template <Form F>
+constexpr int kHalfOffset = F == Form::kQ6K ? 32 : F == Form::kQ3K ? 4 : 0;
+template <Form F>
+constexpr bool kFifth = F == Form::kQ5 || F == Form::kQ51 || F == Form::kQ5K || F == Form::kQ3K;
+// The bit the masks add: 16 (the 5-bit forms), 4 (Q3_K's third bit)
+template <Form F>
+constexpr int kMaskBit = F == Form::kQ3K ? 4 : 16;
 template <Form F>
 constexpr bool kTable = F == Form::kIq4Nl || F == Form::kIq4Xs;
 template <Form F>
@@ -137,6 +158,8 @@ constexpr int64_t unit_bytes(Form f) {
     case Form::kQ5K: return 2880;   // 16 x 180: the file's 176 + 4
     case Form::kIq4Nl: return 288;  // 16 x 18
     case Form::kIq4Xs: return 2208; // 16 x 138: the file's 136 + 2
+    case Form::kQ3K: return 1824;   // 16 x 114: the file's 110 + 4
+    case Form::kQ2K: return 1344;   // 16 x 84
   }
   return 0;
 }
@@ -151,8 +174,12 @@ constexpr int64_t unit_groups() {
 // (meta_at), then the fp16 ones (d_at).
 template <Form F>
 constexpr int64_t code_bytes() {
-  return F == Form::kQ6K ? 384 : kFifth<F> ? 320 : 256;
+  return F == Form::kQ6K ? 384 : F == Form::kQ3K ? 192 : F == Form::kQ2K ? 128 : kFifth<F> ? 320 : 256;
 }
+
+// Where a group's masks start in its code bytes.
+template <Form F>
+constexpr int64_t masks_at() { return kCrumb<F> ? 128 : 256; }
 
 template <Form F>
 constexpr int64_t meta_at() { return 8 * code_bytes<F>(); }
@@ -185,10 +212,11 @@ inline const uint8_t* meta_of(const uint8_t* tile, int64_t g) {
   return unit_at<F>(tile, g) + meta_at<F>() + meta_bytes<F>() * (g % 8);
 }
 
-// The fifth bits of 64 codes (one 4-bit block's low or high nibbles) from their mask.
+// The fifth (third) bits of 64 codes (w[i]'s) from their mask.
+template <Form F>
 inline uint64_t fifth_mask(const uint8_t* b, int i) {
   uint64_t bits;
-  std::memcpy(&bits, b + 256 + 8 * i, 8);
+  std::memcpy(&bits, b + masks_at<F>() + 8 * i, 8);
   return bits;
 }
 
@@ -209,6 +237,20 @@ PAGODA_VNNI inline __m512 uint8x16(const uint8_t* p) {
 
 PAGODA_VNNI inline __m512 int8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The low (hi = 0) or high nibbles of 16 bytes, as floats.
+PAGODA_VNNI inline __m512 nibbles_x16(const uint8_t* p, int hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i n = _mm_and_si128(hi ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0x0F));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n));
+}
+
+// kQ2K's halves' offsets for group g: -dmin * m.
+PAGODA_VNNI inline void q2k_offsets_vnni(const uint8_t* unit, const uint8_t* meta, __m512* o0, __m512* o1) {
+  const __m512 ndmin = fp16x16(unit + d_at<Form::kQ2K>() + 32);
+  *o0 = _mm512_mul_ps(ndmin, nibbles_x16(meta, 1));
+  *o1 = _mm512_mul_ps(ndmin, nibbles_x16(meta + 16, 1));
 }
 
 // Group g's 16 scales and offsets; kQ6K: its halves' scales (the offset is -32 * scale, applied
@@ -236,6 +278,11 @@ PAGODA_VNNI inline void group_scales_vnni(const uint8_t* tile, int64_t g, __m512
   } else if constexpr (F == Form::kIq4Xs) {
     *s0 = _mm512_mul_ps(fp16x16(unit + d_at<F>()), int8x16(meta_of<F>(tile, g)));
     *s1 = *s0;
+  } else if constexpr (F == Form::kQ2K) {
+    const uint8_t* meta = meta_of<F>(tile, g);
+    const __m512 d = fp16x16(unit + d_at<F>());
+    *s0 = _mm512_mul_ps(d, nibbles_x16(meta, 0));
+    *s1 = _mm512_mul_ps(d, nibbles_x16(meta + 16, 0));
   } else {
     const uint8_t* sc = meta_of<F>(tile, g);
     const __m512 d = fp16x16(unit + d_at<F>());
@@ -252,15 +299,23 @@ PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
   for (int64_t g = 0; g < p.groups; ++g) {
     const uint8_t* b = codes_at<F>(tile, g);
     __m512i w[8];
-    for (int s = 0; s < 4; ++s) {
-      const __m512i v = _mm512_loadu_si512(b + 64 * s);
-      w[2 * s] = _mm512_and_si512(v, mask);
-      w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    if constexpr (kCrumb<F>) {
+      const __m512i three = _mm512_set1_epi8(3);
+      for (int t = 0; t < 2; ++t) {
+        const __m512i v = _mm512_loadu_si512(b + 64 * t);
+        for (int c = 0; c < 4; ++c) w[4 * t + c] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * c), three);
+      }
+    } else {
+      for (int s = 0; s < 4; ++s) {
+        const __m512i v = _mm512_loadu_si512(b + 64 * s);
+        w[2 * s] = _mm512_and_si512(v, mask);
+        w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      }
     }
     if constexpr (kFifth<F>) {
-      const __m512i fifth = _mm512_set1_epi8(0x10);
+      const __m512i fifth = _mm512_set1_epi8(kMaskBit<F>);
       for (int i = 0; i < 8; ++i) {
-        w[i] = _mm512_or_si512(w[i], _mm512_maskz_mov_epi8(fifth_mask(b, i), fifth));
+        w[i] = _mm512_or_si512(w[i], _mm512_maskz_mov_epi8(fifth_mask<F>(b, i), fifth));
       }
     } else if constexpr (kTable<F>) {
       const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Unsigned)));
@@ -275,23 +330,27 @@ PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
         w[2 * s + 1] = _mm512_or_si512(w[2 * s + 1], _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(12)), 2));
       }
     }
-    __m512 s0, s1;
+    __m512 s0, s1, o0, o1;
     group_scales_vnni<F>(tile, g, &s0, &s1);
+    if constexpr (F == Form::kQ2K) q2k_offsets_vnni(unit_at<F>(tile, g), meta_of<F>(tile, g), &o0, &o1);
     for (int r = 0; r < M; ++r) {
       int32_t qw[8];
       load_words(p.q + r * p.k + g * GROUP, qw, 8);
       const int64_t i = r * p.groups + g;
       const __m512 xd = _mm512_set1_ps(p.xd[i]);
-      if constexpr (F == Form::kQ6K) {  // the halves' dot products apart: a scale each
-        __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+      if constexpr (kHalves<F>) {  // the halves' dot products apart: a scale each
+        __m512i d0 = _mm512_set1_epi32(-kHalfOffset<F> * p.qsum16[2 * i]);
+        __m512i d1 = _mm512_set1_epi32(-kHalfOffset<F> * p.qsum16[2 * i + 1]);
         for (int s = 0; s < 4; ++s) {
           d0 = _mm512_dpbusd_epi32(d0, w[s], _mm512_set1_epi32(qw[s]));
           d1 = _mm512_dpbusd_epi32(d1, w[s + 4], _mm512_set1_epi32(qw[s + 4]));
         }
-        d0 = _mm512_sub_epi32(d0, _mm512_set1_epi32(32 * p.qsum16[2 * i]));
-        d1 = _mm512_sub_epi32(d1, _mm512_set1_epi32(32 * p.qsum16[2 * i + 1]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, xd), acc[r]);
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, xd), acc[r]);
+        if constexpr (F == Form::kQ2K) {  // -dmin * m * (the half's sum of activations)
+          acc[r] = _mm512_fmadd_ps(o0, _mm512_set1_ps(p.xd[i] * static_cast<float>(p.qsum16[2 * i])), acc[r]);
+          acc[r] = _mm512_fmadd_ps(o1, _mm512_set1_ps(p.xd[i] * static_cast<float>(p.qsum16[2 * i + 1])), acc[r]);
+        }
       } else {
         // IQ4: the codes are value + 128, so 128 * qsum comes off (in integers, exactly)
         __m512i d0 = kTable<F> ? _mm512_set1_epi32(-128 * p.qsum[i]) : _mm512_setzero_si512();
@@ -320,14 +379,14 @@ PAGODA_AVX2 inline void store_half(float* y, int64_t valid, __m256 v) {
   }
 }
 
-// 0x10 in byte i where bit i of `word` is set (32 codes of rows 8h .. 8h + 7).
-PAGODA_AVX2 inline __m256i fifth_bits_avx2(uint32_t word) {
+// `value` in byte i where bit i of `word` is set (32 codes of rows 8h .. 8h + 7).
+PAGODA_AVX2 inline __m256i fifth_bits_avx2(uint32_t word, int value) {
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(word)), spread);
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
-  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+  return _mm256_and_si256(set, _mm256_set1_epi8(static_cast<char>(value)));
 }
 
 PAGODA_AVX2 inline __m256 fp16x8(const uint8_t* p) {
@@ -340,6 +399,13 @@ PAGODA_AVX2 inline __m256 int8x8(const uint8_t* p) {
 
 PAGODA_AVX2 inline __m256 uint8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The low (hi = 0) or high nibbles of 8 bytes, as floats.
+PAGODA_AVX2 inline __m256 nibbles_x8(const uint8_t* p, int hi) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i n = _mm_and_si128(hi ? _mm_srli_epi16(v, 4) : v, _mm_set1_epi8(0x0F));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(n));
 }
 
 // Blocks a and a + 1 of a group against their activation words, widened to int32.
@@ -373,6 +439,11 @@ PAGODA_AVX2 inline void group_scales_avx2(const uint8_t* tile, int64_t g, int h,
   } else if constexpr (F == Form::kIq4Xs) {
     *s0 = _mm256_mul_ps(fp16x8(unit + d_at<F>()), int8x8(meta_of<F>(tile, g) + 8 * h));
     *s1 = *s0;
+  } else if constexpr (F == Form::kQ2K) {
+    const uint8_t* meta = meta_of<F>(tile, g) + 8 * h;
+    const __m256 d = fp16x8(unit + d_at<F>());
+    *s0 = _mm256_mul_ps(d, nibbles_x8(meta, 0));
+    *s1 = _mm256_mul_ps(d, nibbles_x8(meta + 16, 0));
   } else {
     const uint8_t* sc = meta_of<F>(tile, g) + 8 * h;
     const __m256 d = fp16x8(unit + d_at<F>());
@@ -395,15 +466,23 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
     for (int64_t g = 0; g < p.groups; ++g) {
       const uint8_t* b = codes_at<F>(tile, g);
       __m256i w[8];
-      for (int s = 0; s < 4; ++s) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
-        w[2 * s] = _mm256_and_si256(v, mask);
-        w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      if constexpr (kCrumb<F>) {
+        const __m256i three = _mm256_set1_epi8(3);
+        for (int t = 0; t < 2; ++t) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * t + 32 * h));
+          for (int c = 0; c < 4; ++c) w[4 * t + c] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * c), three);
+        }
+      } else {
+        for (int s = 0; s < 4; ++s) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
+          w[2 * s] = _mm256_and_si256(v, mask);
+          w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        }
       }
       if constexpr (kFifth<F>) {
         for (int i = 0; i < 8; ++i) {
-          const auto word = static_cast<uint32_t>(fifth_mask(b, i) >> (32 * h));
-          w[i] = _mm256_or_si256(w[i], fifth_bits_avx2(word));
+          const auto word = static_cast<uint32_t>(fifth_mask<F>(b, i) >> (32 * h));
+          w[i] = _mm256_or_si256(w[i], fifth_bits_avx2(word, kMaskBit<F>));
         }
       } else if constexpr (kTable<F>) {
         const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4)));
@@ -423,13 +502,21 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
         load_words(p.q + r * p.k + g * GROUP, qw, 8);
         const int64_t i = r * p.groups + g;
         const __m256 xd = _mm256_set1_ps(p.xd[i]);
-        if constexpr (F == Form::kQ6K) {
+        if constexpr (kHalves<F>) {
           const __m256i d0 = _mm256_sub_epi32(_mm256_add_epi32(dot_pair_avx2(w, qw, 0), dot_pair_avx2(w, qw, 2)),
-                                              _mm256_set1_epi32(32 * p.qsum16[2 * i]));
+                                              _mm256_set1_epi32(kHalfOffset<F> * p.qsum16[2 * i]));
           const __m256i d1 = _mm256_sub_epi32(_mm256_add_epi32(dot_pair_avx2(w, qw, 4), dot_pair_avx2(w, qw, 6)),
-                                              _mm256_set1_epi32(32 * p.qsum16[2 * i + 1]));
+                                              _mm256_set1_epi32(kHalfOffset<F> * p.qsum16[2 * i + 1]));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, xd), acc[r]);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, xd), acc[r]);
+          if constexpr (F == Form::kQ2K) {  // -dmin * m * (the half's sum of activations)
+            const uint8_t* meta = meta_of<F>(tile, g) + 8 * h;
+            const __m256 ndmin = fp16x8(unit_at<F>(tile, g) + d_at<F>() + 32 + 16 * h);
+            const float xd0 = p.xd[i] * static_cast<float>(p.qsum16[2 * i]);
+            const float xd1 = p.xd[i] * static_cast<float>(p.qsum16[2 * i + 1]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ndmin, nibbles_x8(meta, 1)), _mm256_set1_ps(xd0), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ndmin, nibbles_x8(meta + 16, 1)), _mm256_set1_ps(xd1), acc[r]);
+          }
         } else if constexpr (kTable<F>) {
           __m256i dot = _mm256_setzero_si256();
           for (int s = 0; s < 8; ++s) {
@@ -454,15 +541,20 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
   }
 }
 
-// Row j's code of block s, byte 4j + e, low (hi = 0) or high nibble, with its upper bits; the
-// IQ4 forms: its value.
+// Row j's code of block s, byte 4j + e, low (hi = 0) or high nibble (the crumb forms: the code
+// kept in its place), with its upper bits; the IQ4 forms: its value.
 template <Form F>
 inline int nibble_code(const uint8_t* b, int s, int j, int e, int hi) {
-  const int at = 4 * j + e;
-  const uint8_t byte = b[64 * s + at];
-  int code = hi ? byte >> 4 : byte & 0x0F;
+  const int at = 4 * j + e, i = 2 * s + hi;
+  int code;
+  if constexpr (kCrumb<F>) {
+    code = (b[64 * (i / 4) + at] >> (2 * (i % 4))) & 3;
+  } else {
+    const uint8_t byte = b[64 * s + at];
+    code = hi ? byte >> 4 : byte & 0x0F;
+  }
   if constexpr (kFifth<F>) {
-    code |= static_cast<int>((fifth_mask(b, 2 * s + hi) >> at) & 1u) << 4;
+    code |= static_cast<int>((fifth_mask<F>(b, i) >> at) & 1u) * kMaskBit<F>;
   } else if constexpr (kTable<F>) {
     code = kIq4[code];
   } else if constexpr (F == Form::kQ6K) {
@@ -492,11 +584,16 @@ inline void group_scales_scalar(const uint8_t* tile, int64_t g, int64_t j, float
     const uint8_t* meta = meta_of<F>(tile, g);
     *s0 = fp16(unit + d_at<F>() + 2 * j) * static_cast<float>(meta[j]);
     *s1 = fp16(unit + d_at<F>() + 32 + 2 * j) * static_cast<float>(meta[16 + j]);
+  } else if constexpr (F == Form::kQ2K) {
+    const uint8_t* meta = meta_of<F>(tile, g);
+    const float d = fp16(unit + d_at<F>() + 2 * j);
+    *s0 = d * static_cast<float>(meta[j] & 0x0F);
+    *s1 = d * static_cast<float>(meta[16 + j] & 0x0F);
   } else {
     const auto* sc = reinterpret_cast<const int8_t*>(meta_of<F>(tile, g));
     const float d = fp16(unit + d_at<F>() + 2 * j);
     *s0 = d * static_cast<float>(sc[j]);
-    *s1 = F == Form::kQ6K ? d * static_cast<float>(sc[16 + j]) : *s0;
+    *s1 = kHalves<F> ? d * static_cast<float>(sc[16 + j]) : *s0;
   }
 }
 
@@ -519,9 +616,15 @@ void nibble_tile_scalar(const uint8_t* tile, const Pass& p, int m) {
         const int64_t i = r * p.groups + g;
         float s0, s1;
         group_scales_scalar<F>(tile, g, j, &s0, &s1);
-        if constexpr (F == Form::kQ6K) {
-          sum += static_cast<float>(dot[0] - 32 * p.qsum16[2 * i]) * (s0 * p.xd[i]);
-          sum += static_cast<float>(dot[1] - 32 * p.qsum16[2 * i + 1]) * (s1 * p.xd[i]);
+        if constexpr (kHalves<F>) {
+          sum += static_cast<float>(dot[0] - kHalfOffset<F> * p.qsum16[2 * i]) * (s0 * p.xd[i]);
+          sum += static_cast<float>(dot[1] - kHalfOffset<F> * p.qsum16[2 * i + 1]) * (s1 * p.xd[i]);
+          if constexpr (F == Form::kQ2K) {
+            const uint8_t* meta = meta_of<F>(tile, g);
+            const float ndmin = fp16(unit_at<F>(tile, g) + d_at<F>() + 32 + 2 * j);
+            sum += ndmin * static_cast<float>(meta[j] >> 4) * (p.xd[i] * static_cast<float>(p.qsum16[2 * i]));
+            sum += ndmin * static_cast<float>(meta[16 + j] >> 4) * (p.xd[i] * static_cast<float>(p.qsum16[2 * i + 1]));
+          }
         } else if constexpr (kTable<F>) {
           sum += static_cast<float>(dot[0] + dot[1]) * (s0 * p.xd[i]);
         } else {
@@ -709,6 +812,8 @@ void with_form(Form form, Fn&& fn) {
     case Form::kQ5K: fn(std::integral_constant<Form, Form::kQ5K>{}); break;
     case Form::kIq4Nl: fn(std::integral_constant<Form, Form::kIq4Nl>{}); break;
     case Form::kIq4Xs: fn(std::integral_constant<Form, Form::kIq4Xs>{}); break;
+    case Form::kQ3K: fn(std::integral_constant<Form, Form::kQ3K>{}); break;
+    case Form::kQ2K: fn(std::integral_constant<Form, Form::kQ2K>{}); break;
   }
 }
 
@@ -740,7 +845,9 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
       }
     });
   };
-  return run_tiles(x, n, tiles, isa, tile_fn, form == Form::kQ6K);
+  bool halves = false;
+  with_form(form, [&](auto tag) { halves = kHalves<decltype(tag)::value>; });
+  return run_tiles(x, n, tiles, isa, tile_fn, halves);
 }
 
 // packed: (ceil(n / 16), K / 32, 512) uint8; scales: (ceil(n / 16), K / 32 or 1, 16) float32
