@@ -27,6 +27,8 @@ and the others:
 
     cpu_q8:    packed (ceil(N / 16), K // 32, 512) uint8 (code + 128), packed_scales float32
                (ceil(N / 16), K // 32 or 1, 16): w = scale * code, per group or per row
+    cpu_f16, cpu_bf16: packed (ceil(N / 16), K, 16) int16, GGUF F16 / BF16 weights as the file
+               holds them (2 bytes a weight), against float32 activations (float_gemm.cpp)
     cpu_parts: a merged layer whose shards differ in type, each shard a KernelPart in its form
 """
 
@@ -127,13 +129,13 @@ def set_cpu_q4(layer: Any, codes: torch.Tensor, scale: torch.Tensor, offset: tor
         packed = pack_q4x16(codes, scale.float(), offset.float())
     except ValueError:
         return False
-    set_cpu_nibbles(layer, "cpu_q4", packed, codes.shape[0])
+    set_cpu_packed(layer, "cpu_q4", packed, codes.shape[0])
     return True
 
 
-def set_cpu_nibbles(layer: Any, kernel: str, packed: torch.Tensor, rows: int) -> None:
-    """Leave a nibble form (NIBBLE_FORMS' `kernel`, its `packed` tiles of `rows` rows) on the
-    layer."""
+def set_cpu_packed(layer: Any, kernel: str, packed: torch.Tensor, rows: int) -> None:
+    """Leave a form held in one buffer (a NIBBLE_FORMS or FLOAT16_KERNELS `kernel`, its `packed`
+    tiles of `rows` rows) on the layer."""
     layer.register_buffer("packed", packed)
     layer.cpu_rows = rows
     layer.kernel = kernel
@@ -288,13 +290,13 @@ def pack_kx16(k: Any) -> torch.Tensor:
 def set_cpu_k(layer: Any, k: Any) -> None:
     """Leave the CPU kernels' form of a super-block type on the layer (k:
     layers/gguf.KQuantCodes)."""
-    set_cpu_nibbles(layer, K_KERNELS[k.qtype], pack_kx16(k), k.codes.shape[0])
+    set_cpu_packed(layer, K_KERNELS[k.qtype], pack_kx16(k), k.codes.shape[0])
 
 
 def set_cpu_q5(layer: Any, codes: torch.Tensor, scale: torch.Tensor) -> None:
     """Leave the CPU kernels' 5-bit form on the layer (w = scale * (code - 16), codes in
     [0, 31], groups of 32: GGUF Q5_0's bytes)."""
-    set_cpu_nibbles(layer, "cpu_q5", pack_q5x16(codes, scale), codes.shape[0])
+    set_cpu_packed(layer, "cpu_q5", pack_q5x16(codes, scale), codes.shape[0])
 
 
 class KernelPart(nn.Module):
@@ -314,6 +316,21 @@ def set_cpu_parts(layer: Any, parts: list[KernelPart]) -> None:
     layer.parts = nn.ModuleList(parts)
     layer.cpu_rows = sum(p.cpu_rows for p in parts)
     layer.kernel = "cpu_parts"
+
+
+def pack_f16x16(w: torch.Tensor) -> torch.Tensor:
+    """The CPU kernels' float16 form: w (N, K) float16 or bfloat16 -> int16 (ceil(N / 16), K,
+    16), element [t, k, j] the bits of w[16t + j, k], N padded with zero rows."""
+    n, k = w.shape
+    tiles = -(-n // 16)
+    rows = F.pad(w, (0, 0, 0, 16 * tiles - n)).view(tiles, 16, k)
+    return rows.transpose(1, 2).contiguous().view(torch.int16)
+
+
+def set_cpu_float16(layer: Any, w: torch.Tensor) -> None:
+    """Leave the CPU kernels' float16 form of w (N, K) float16 or bfloat16 on the layer."""
+    kernel = "cpu_bf16" if w.dtype == torch.bfloat16 else "cpu_f16"
+    set_cpu_packed(layer, kernel, pack_f16x16(w), w.shape[0])
 
 
 def set_cpu_q8(layer: Any, codes: torch.Tensor, scale: torch.Tensor) -> None:
@@ -351,7 +368,8 @@ NIBBLE_FORMS = {
     "cpu_q3k": 9,
     "cpu_q2k": 10,
 }
-CPU_KERNELS = (*NIBBLE_FORMS, "cpu_q8", "cpu_parts")
+FLOAT16_KERNELS = ("cpu_f16", "cpu_bf16")
+CPU_KERNELS = (*NIBBLE_FORMS, *FLOAT16_KERNELS, "cpu_q8", "cpu_parts")
 
 
 def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
@@ -362,6 +380,9 @@ def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([cpu_matmul(p, rows) for p in layer.parts], -1)
     elif layer.kernel in NIBBLE_FORMS:
         y = ops.q4x16_matmul(rows, layer.packed, layer.cpu_rows, 2, NIBBLE_FORMS[layer.kernel])
+    elif layer.kernel in FLOAT16_KERNELS:
+        bf16 = layer.kernel == "cpu_bf16"
+        y = ops.f16x16_matmul(rows, layer.packed, layer.cpu_rows, 2, bf16)
     else:
         y = ops.q8x16_matmul(rows, layer.packed, layer.packed_scales, layer.cpu_rows, 2)
     return y.view(*x.shape[:-1], layer.cpu_rows)
@@ -371,10 +392,10 @@ def cpu_matmul_norm(
     layer: Any, x: torch.Tensor, residual: torch.Tensor | None, norm: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cpu_matmul of norm(x + residual) and x + residual (x where residual is None), in one
-    call: x, residual (T, K); norm a RMSNorm -> (float32 (T, N), (T, K)). cpu_parts: the
-    norm's op, then each part's matmul."""
+    call: x, residual (T, K); norm a RMSNorm -> (float32 (T, N), (T, K)). cpu_parts and the
+    float16 forms: the norm's op, then the matmul."""
     ops = torch.ops.pagoda_cpu
-    if layer.kernel == "cpu_parts":
+    if layer.kernel == "cpu_parts" or layer.kernel in FLOAT16_KERNELS:
         normed, hidden = ops.add_rms_norm(x, residual, norm.weight, norm.eps, 2)
         return cpu_matmul(layer, normed), hidden
     if layer.kernel in NIBBLE_FORMS:
@@ -396,7 +417,7 @@ def cpu_matmul_norm(
 def cpu_matmul_silu(layer: Any, x: torch.Tensor) -> torch.Tensor:
     """cpu_matmul of silu(gate) * up in one call: x (T, 2K), gate | up -> float32 (T, N)."""
     ops = torch.ops.pagoda_cpu
-    if layer.kernel == "cpu_parts":
+    if layer.kernel == "cpu_parts" or layer.kernel in FLOAT16_KERNELS:
         return cpu_matmul(layer, ops.silu_and_mul(x, 2))
     if layer.kernel in NIBBLE_FORMS:
         form = NIBBLE_FORMS[layer.kernel]

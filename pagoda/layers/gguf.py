@@ -67,6 +67,7 @@ _BLOCK_BYTES = {
     "Q2_K": (256, 84),
 }
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q3_K", "Q2_K")  # decode_k's
+FLOAT16_TYPES = ("F16", "BF16")  # float16_weights
 # IQ4_NL's and IQ4_XS's 16 values (ggml-common.h kvalues_iq4nl), a nibble picking one.
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -313,6 +314,14 @@ def dequantize_k(k: KQuantCodes) -> torch.Tensor:
         return w - offset.repeat_interleave(GROUP, 1)
     scale = k.d.float().repeat_interleave(16, 1) * k.sc.float()
     return scale.repeat_interleave(16, 1) * (k.codes.float() - 32)
+
+
+def float16_weights(w: GGUFWeight) -> torch.Tensor:
+    """An F16 or BF16 tensor's weights as they are: (rows, cols) float16 or bfloat16."""
+    raw = np.array(w.data, copy=True)  # the file's memory map is read-only
+    if w.qtype == "F16":
+        return torch.from_numpy(raw.view(np.float16)).reshape(w.shape)
+    return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16).reshape(w.shape)
 
 
 def _group_codes(

@@ -24,8 +24,9 @@ from pagoda.layers import gguf
 from pagoda.layers.cpu_forms import (
     KernelPart,
     pack_groups16,
+    set_cpu_float16,
     set_cpu_k,
-    set_cpu_nibbles,
+    set_cpu_packed,
     set_cpu_parts,
     set_cpu_q4,
     set_cpu_q5,
@@ -171,27 +172,22 @@ class GGUFMethod(QuantMethod):
     """GGUF blocks kept quantized.
 
     On pagoda's CPU kernels every type keeps its own form (cpu_forms.py): Q4_0, Q4_1, Q5_0,
-    Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K and IQ4_XS the file's own numbers and bytes (the nibble
-    forms), Q8_0 8-bit groups (cpu_q8); Q2_K and Q3_K re-quantized per row to int8. A merged
-    layer whose shards differ in type (Q4_K_M files store attn_v, and so qkv's third shard, as
-    Q6_K) keeps each shard's form and concatenates their outputs (cpu_parts). Elsewhere Q4_0 /
-    Q4_1 / Q4_K are repacked for torch's int4 op and Q8_0 / Q5_0 / IQ4_NL as int8 codes (group
-    32, no re-quantization); the other types and layers mixing the kinds re-quantized per row
-    to int8. Float tensors (F32 / F16) stay float."""
+    Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS the file's own numbers and bytes
+    (the nibble forms), F16 / BF16 as they are (cpu_f16, cpu_bf16), Q8_0 8-bit groups
+    (cpu_q8). A merged layer whose shards differ in type (Q4_K_M files store attn_v, and so
+    qkv's third shard, as Q6_K) keeps each shard's form and concatenates their outputs
+    (cpu_parts). Elsewhere Q4_0 / Q4_1 / Q4_K are repacked for torch's int4 op and Q8_0 / Q5_0
+    / IQ4_NL as int8 codes (group 32, no re-quantization); F16 / BF16 become float; the other
+    types and layers mixing the kinds re-quantized per row to int8. F32 tensors stay float."""
 
     name = "gguf"
     loads_raw = True
 
     def narrow(self, name: str, tensor: Any, dim: int, start: int, length: int) -> Any:
-        return tensor.narrow(dim, start, length)  # GGUFWeight or a float tensor (F32 / F16)
+        return tensor.narrow(dim, start, length)  # GGUFWeight or a float tensor (F32)
 
     def finalize(self, layer: Any) -> None:
         parts = [tensors["weight"] for _, tensors in self._pending_shards(layer)]
-        if all(isinstance(p, torch.Tensor) for p in parts):
-            w = torch.cat(parts, dim=0).to(layer.dtype)
-            layer.weight = nn.Parameter(w.to(layer.device), requires_grad=False)
-            layer.kernel = "float"
-            return
         qtypes = {p.qtype if isinstance(p, gguf.GGUFWeight) else "float" for p in parts}
         if cpu_kernels_for(layer) is not None and "float" not in qtypes:
             if len(qtypes) == 1 and gguf_cpu_form(layer, parts):
@@ -201,6 +197,12 @@ class GGUFMethod(QuantMethod):
                 if all(gguf_cpu_form(h, [p]) for h, p in zip(holders, parts)):
                     set_cpu_parts(layer, holders)
                     return
+        if qtypes <= {"float", *gguf.FLOAT16_TYPES}:  # F32 tensors, F16 / BF16 blocks: float
+            floats = [p.dequantize() if isinstance(p, gguf.GGUFWeight) else p for p in parts]
+            w = torch.cat(floats, dim=0).to(layer.dtype)
+            layer.weight = nn.Parameter(w.to(layer.device), requires_grad=False)
+            layer.kernel = "float"
+            return
         four_bit = qtypes <= set(gguf.FOUR_BIT_TYPES)
         if four_bit or qtypes <= set(gguf.EIGHT_BIT_TYPES):
             codes, scale, offset = _stacked_groups(parts, four_bit)
@@ -261,9 +263,12 @@ def gguf_cpu_form(holder: Any, parts: list[Any]) -> bool:
         codes, scale, _ = _stacked_groups(parts, False)
         set_cpu_q5(holder, codes.to(torch.int16) + 16, scale)
         return True
+    if qtype in gguf.FLOAT16_TYPES:
+        set_cpu_float16(holder, torch.cat([gguf.float16_weights(p) for p in parts]))
+        return True
     if qtype in ("Q4_0", "Q5_1", "IQ4_NL"):
         kernel, packed = _gguf_group_form(qtype, parts)
-        set_cpu_nibbles(holder, kernel, packed, sum(p.shape[0] for p in parts))
+        set_cpu_packed(holder, kernel, packed, sum(p.shape[0] for p in parts))
         return True
     if qtype in gguf.FOUR_BIT_TYPES:
         codes, scale, offset = _stacked_groups(parts, True)

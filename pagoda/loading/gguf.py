@@ -57,7 +57,8 @@ def unpermute_qk(tensor: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
     """(HF parameter name, tensor) for every tensor of the GGUF file the models take; with
-    `raw`, quantized tensors come as GGUFWeight (their blocks) instead of float32."""
+    `raw`, quantized tensors and F16 / BF16 weights come as GGUFWeight (their blocks) instead
+    of float32."""
     from gguf import dequantize
 
     index = read_gguf_index(path)
@@ -82,7 +83,8 @@ def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWe
             heads = int(n_head)
         elif family.gguf_permute_qk and ".attn_k." in tensor.name:
             heads = int(n_kv_head)
-        if raw and qtype not in _GGUF_FLOAT_TYPES:
+        # F16 / BF16 weights as they are too (F32 and the vectors, norms and biases: float32)
+        if raw and (qtype not in _GGUF_FLOAT_TYPES or (qtype != "F32" and len(tensor.shape) >= 2)):
             rows = int(np.prod(tensor.shape[1:]))
             # a 3-D tensor (a mixture's experts, stacked) as rows: expert-major
             data = tensor.data.reshape(rows, -1)

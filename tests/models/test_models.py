@@ -574,6 +574,47 @@ def test_gguf_reader_gives_back_hf_tensors(
         assert "model.layers.1.self_attn.v_proj.bias" in got
 
 
+def test_gguf_f16_and_bf16_weights_keep_the_file_s_two_bytes(
+    tiny_model_dir: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny Qwen3 file's F16 v_proj and BF16 o_proj (_QTYPES) come raw as their blocks and
+    stay 2 bytes a weight on the CPU kernels (cpu_f16 inside qkv's parts, cpu_bf16), giving the
+    file's weights' products in float32 (within the float32 dot product's rounding bound)."""
+    from pagoda.kernels.cpu import built
+    from pagoda.layers.cpu_forms import cpu_matmul
+    from pagoda.layers.linear import Linear
+    from pagoda.layers.quant import make_method
+
+    assert built() is not None, "the CPU kernels must build here"
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "1")
+    folder = tiny_model_dir("qwen3")
+    path = str(tmp_path / "tiny-qwen3.gguf")
+    expected = _write_gguf(folder, "qwen3", path)
+    hf_config = load_hf_config(folder, None)
+    model = get_model_class(architectures_of(hf_config))(hf_config)
+    method = make_method("gguf", {})
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.set_quant_method(method)
+    model.load_weights(iter_weights(str(tmp_path), "tiny-qwen3.gguf", raw_gguf=True))
+    attention: Any = model.model.layers[0].self_attn
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.finalize()
+    assert [p.kernel for p in attention.qkv_proj.parts] == ["cpu_q4_0", "cpu_q8", "cpu_f16"]
+    assert attention.o_proj.kernel == "cpu_bf16"
+    v, o = (expected[f"model.layers.0.self_attn.{n}.weight"].double() for n in ("v_proj", "o_proj"))
+    assert attention.qkv_proj.parts[2].packed.numel() == -(-v.shape[0] // 16) * 16 * v.shape[1]
+    for weight, run in (
+        (v, lambda x: cpu_matmul(attention.qkv_proj.parts[2], x)),
+        (o, attention.o_proj),
+    ):
+        x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        exact = x.double() @ weight.T
+        bound = weight.shape[1] * 2.0**-24 * (x.double().abs() @ weight.abs().T)
+        assert ((run(x).double() - exact).abs() <= bound).all()
+
+
 def test_max_positions_is_the_checkpoints_not_its_window() -> None:
     # a sliding window bounds what a layer attends to, not how long a sequence may be
     assert max_positions(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 32768

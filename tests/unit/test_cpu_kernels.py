@@ -26,6 +26,7 @@ from pagoda.kernels.cpu import built
 from pagoda.layers import gguf
 from pagoda.layers.attention import paged_attention_torch
 from pagoda.layers.cpu_forms import (
+    FLOAT16_KERNELS,
     NIBBLE_FORMS,
     KernelPart,
     cpu_q8_rows,
@@ -56,9 +57,13 @@ _FP16_FIELDS = {
 
 
 def _blocks(qtype: str, rows: int, cols: int, seed: int) -> gguf.GGUFWeight:
-    """Random GGUF blocks with finite fp16 scales."""
+    """Random GGUF blocks with finite fp16 scales (F16 / BF16: random normal weights / 20)."""
     per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     rng = np.random.default_rng(seed)
+    if qtype in gguf.FLOAT16_TYPES:
+        w = torch.from_numpy(rng.standard_normal((rows, cols), dtype=np.float32)) / 20
+        bits = w.to(torch.float16 if qtype == "F16" else torch.bfloat16).view(torch.uint8)
+        return gguf.GGUFWeight(qtype, bits.numpy(), (rows, cols))
     n = rows * cols // per_block
     raw = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
     at, fields = _FP16_FIELDS.get(qtype, (0, 1))
@@ -96,6 +101,8 @@ KERNEL_OF = {
     "IQ4_XS": "cpu_iq4xs",
     "Q3_K": "cpu_q3k",
     "Q2_K": "cpu_q2k",
+    "F16": "cpu_f16",
+    "BF16": "cpu_bf16",
 }
 QTYPES = list(KERNEL_OF)
 
@@ -112,11 +119,27 @@ def _matmul(held: KernelPart, x: torch.Tensor, isa: int) -> torch.Tensor:
     assert OPS is not None
     if held.kernel == "cpu_q8":
         return OPS.q8x16_matmul(x, held.packed, held.packed_scales, held.cpu_rows, isa)
+    if held.kernel in FLOAT16_KERNELS:
+        return OPS.f16x16_matmul(x, held.packed, held.cpu_rows, isa, held.kernel == "cpu_bf16")
     return OPS.q4x16_matmul(x, held.packed, held.cpu_rows, isa, NIBBLE_FORMS[held.kernel])
 
 
 def _run(qtype: str, x: torch.Tensor, weight: gguf.GGUFWeight, isa: int) -> torch.Tensor:
     return _matmul(_held(weight), x, isa)
+
+
+def _check(qtype: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y against the exact product of what the kernels multiply: the int8 activations (F16 /
+    BF16: the float32 ones) and the file's weights w (float64), within float32 rounding (F16 /
+    BF16: the float32 dot product's bound, K * 2^-24 * |x| @ |w|^T)."""
+    if qtype in gguf.FLOAT16_TYPES:
+        exact = x.double() @ w.T
+        bound = x.shape[1] * 2.0**-24 * (x.double().abs() @ w.abs().T)
+        assert ((y.double() - exact).abs() <= bound + 1e-30).all()
+        return
+    exact = _activations(x) @ w.T
+    scale = exact.abs().amax().item()
+    torch.testing.assert_close(y.double(), exact, rtol=0, atol=2e-6 * scale + 1e-6)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -132,9 +155,7 @@ def test_gguf_formats_match_the_reference(
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     y = _run(qtype, x, weight, isa)
     assert y.shape == (m, n) and y.dtype == torch.float32
-    exact = _activations(x) @ w.T
-    scale = exact.abs().amax().item()
-    torch.testing.assert_close(y.double(), exact, rtol=0, atol=2e-6 * scale + 1e-6)
+    _check(qtype, y, x, w)
     plain = (x.double() @ w.T - y.double()).abs()
     assert (plain <= _bound(x, w) * 1.001 + 1e-5).all()
 
@@ -146,7 +167,7 @@ FORM_BYTES = {"Q4_K": 148, "Q5_K": 180, "IQ4_XS": 138, "Q3_K": 114}
 
 
 @pytest.mark.parametrize("qtype", [q for q in QTYPES if q != "Q8_0"])
-def test_the_nibble_forms_hold_the_file_s_bytes_and_numbers(qtype: str) -> None:
+def test_the_nibble_and_float16_forms_hold_the_file_s_bytes_and_numbers(qtype: str) -> None:
     """16 rows of a tile take 16 x the file's bytes per block (FORM_BYTES where they differ);
     rows past the tensor's (padding) are zeros. The numbers are the file's: unit activations
     give gguf's dequantization."""
@@ -155,10 +176,10 @@ def test_the_nibble_forms_hold_the_file_s_bytes_and_numbers(qtype: str) -> None:
     if qtype in gguf.K_TYPES:
         assert torch.equal(gguf.dequantize_k(gguf.decode_k(weight)), weight.dequantize())
     held = _held(weight)
-    per_block, file_bytes = gguf._BLOCK_BYTES[qtype]
+    per_block, file_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
     assert weight.data.shape == (rows, file_bytes * cols // per_block)
     per_row = FORM_BYTES.get(qtype, file_bytes) * cols // per_block
-    assert held.packed.shape == (3, cols // per_block, 16 * per_row * per_block // cols)
+    assert held.packed.numel() * held.packed.element_size() == 48 * per_row
     y = _matmul(held, torch.eye(cols), ISAS[-1]).T  # unit rows: w itself
     w = weight.dequantize()
     torch.testing.assert_close(y[:rows], w, rtol=1e-6, atol=1e-6 * w.abs().max().item())
@@ -321,8 +342,7 @@ def test_a_gguf_layer_keeps_only_the_kernel_form_for_any_row_count(qtype: str, k
     assert {n for n, _ in layer.named_buffers()} <= {"packed", "packed_scales"}
     for m in (1, 7):
         x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
-        exact = _activations(x) @ held.T
-        torch.testing.assert_close(layer(x).double(), exact, rtol=0, atol=2e-6 * exact.abs().max())
+        _check(qtype, layer(x), x, held)
 
 
 @pytest.mark.usefixtures("kernels_on")

@@ -17,7 +17,8 @@ graph): `q4x16_matmul(x, packed, n, isa_limit, form)` and `q8x16_matmul(x, packe
 isa_limit)`, y = x @ w^T in float32 for the nibble forms (4- to 6-bit codes, GGUF's types as the
 file holds them; `form` names one, layers/cpu_forms.NIBBLE_FORMS) and 8-bit codes in tiles of 16
 rows (laid out in quant_gemm.cpp, packed by layers/cpu_forms.py), with x quantized per 32-wide
-group to int8;
+group to int8; `f16x16_matmul(x, packed, n, isa_limit, bf16)` (float_gemm.cpp) for GGUF's F16 and
+BF16 weights as the file holds them, x float32;
 `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa_limit)`
 (one query row per request) and `paged_attention(q, k_cache, v_cache, block_tables, query_start,
 seq_lens, scale, window, isa_limit)` (any mix of prefill chunks and decodes) over a float32 paged
@@ -47,7 +48,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name(n) for n in ("quant_gemm.cpp", "paged_attention.cpp", "row_ops.cpp")
+    Path(__file__).with_name(n)
+    for n in ("quant_gemm.cpp", "float_gemm.cpp", "paged_attention.cpp", "row_ops.cpp")
 ]
 HEADER = Path(__file__).with_name("common.h")
 ISA_NAMES = ("scalar", "AVX2 + FMA", "AVX-512 VNNI")
@@ -134,6 +136,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul")  # type: ignore[misc]
     def _q4(x: Any, packed: Any, n: int, isa_limit: int, form: int) -> Any:
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+    @torch.library.register_fake("pagoda_cpu::f16x16_matmul")  # type: ignore[misc]
+    def _f16(x: Any, packed: Any, n: int, isa_limit: int, bf16: bool) -> Any:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("pagoda_cpu::q8x16_matmul")  # type: ignore[misc]
