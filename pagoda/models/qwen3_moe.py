@@ -33,7 +33,12 @@ FAMILY = ModelFamily(
         "ffn_up_exps": "mlp.experts.up_proj",
         "ffn_down_exps": "mlp.experts.down_proj",
     },
-    gguf_config_fields={"expert_feed_forward_length": "moe_intermediate_size"},
+    # transformers' GGUF conversion names expert_count num_local_experts (Mixtral's name), so
+    # a file's Qwen3MoeConfig had no num_experts
+    gguf_config_fields={
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_count": "num_experts",
+    },
     # llama.cpp renormalizes qwen3moe's top-k weights; transformers' default is False
     gguf_config_values={"norm_topk_prob": True},
 )

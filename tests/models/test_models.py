@@ -642,6 +642,7 @@ def test_a_mixtures_stacked_gguf_experts_load_per_expert_and_stay_quantized(
     path = str(tmp_path / "tiny-moe.gguf")
     writer = gguf.GGUFWriter(path, "qwen3moe")
     writer.add_uint32("qwen3moe.expert_feed_forward_length", 32)
+    writer.add_expert_count(8)
     q8 = gguf.GGMLQuantizationType.Q8_0
     expected: dict[str, torch.Tensor] = {}
     for layer in (0, 2):  # the sparse layers
@@ -663,8 +664,10 @@ def test_a_mixtures_stacked_gguf_experts_load_per_expert_and_stay_quantized(
     writer.write_tensors_to_file()
     writer.close()
 
-    # what transformers' GGUF config leaves out: the experts' width, llama.cpp's renormalization
-    assert _family_fields(path) == {"moe_intermediate_size": 32, "norm_topk_prob": True}
+    # what transformers' GGUF config leaves out: the experts' width and count (it names the
+    # count num_local_experts, Mixtral's name), llama.cpp's renormalization
+    fields = {"moe_intermediate_size": 32, "num_experts": 8, "norm_topk_prob": True}
+    assert _family_fields(path) == fields
 
     float_model = Qwen3MoeForCausalLM(hf_config)
     float_model.load_weights(iter_weights(str(tmp_path), "tiny-moe.gguf"))
