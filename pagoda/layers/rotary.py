@@ -8,7 +8,8 @@ forward (`cos_sin`), then applied to q and k in every layer (`apply_rotary`).
 Rope parameters come from `config.rope_parameters` (transformers >= 5: holds rope_theta and
 rope_type) or the older `rope_theta` / `rope_scaling` attributes. Types: default, linear, llama3,
 longrope (Phi-3: short factors up to original_max_position_embeddings, long factors past it, cos
-and sin scaled by the attention factor). With partial_rotary_factor < 1 (Phi-4-mini) only the
+and sin scaled by the attention factor), yarn, and freq_factors (a GGUF file's `rope_freqs`
+tensor, each frequency divided by its factor: how llama.cpp keeps Llama 3's scaling). With partial_rotary_factor < 1 (Phi-4-mini) only the
 first rotary_dim = head_dim * factor values of each head rotate (`apply_partial_rotary`).
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn", "freq_factors")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -62,6 +63,8 @@ def compute_inv_freq(params: dict[str, Any], rotary_dim: int, long: bool = False
         inv_freq = _llama3_inv_freq(inv_freq, params)
     elif rope_type == "yarn":
         inv_freq = _yarn_inv_freq(inv_freq, params, base, rotary_dim)
+    elif rope_type == "freq_factors":
+        inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32)
     return inv_freq
 
 

@@ -64,7 +64,7 @@ def iter_gguf(path: str, raw: bool) -> Iterator[tuple[str, torch.Tensor | GGUFWe
     index = read_gguf_index(path)
     fields: dict[str, Any] = index.fields
     arch = fields.get("general.architecture")
-    family = gguf_family(str(arch))
+    family = gguf_family(str(arch), fields)
     if family is None:
         raise ValueError(f"GGUF architecture {arch!r} is not supported by pagoda's models")
     n_head: Any = fields.get(f"{arch}.attention.head_count")

@@ -49,9 +49,10 @@ def _family_fields(path: str) -> dict[str, Any]:
     from pagoda.loading.gguf_index import read_gguf_index
     from pagoda.models import gguf_family
 
-    fields = read_gguf_index(path).fields
+    index = read_gguf_index(path)
+    fields = index.fields
     arch = str(fields.get("general.architecture"))
-    family = gguf_family(arch)
+    family = gguf_family(arch, fields)
     if family is None:
         return {}
     out = dict(family.gguf_config_values)
@@ -59,6 +60,17 @@ def _family_fields(path: str) -> dict[str, Any]:
         value = fields.get(f"{arch}.{key}")
         if value is not None:
             out[attr] = value
+    if family.gguf_config_rule is not None:
+        out.update(family.gguf_config_rule(fields, arch))
+    factors = next((t for t in index.tensors if t.name == "rope_freqs.weight"), None)
+    if factors is not None:
+        # llama.cpp's converter keeps Llama 3's rope scaling only as these per-frequency divisors
+        # (transformers' conversion drops it): the angles llama.cpp computes
+        out["rope_parameters"] = {
+            "rope_type": "freq_factors",
+            "rope_theta": float(fields.get(f"{arch}.rope.freq_base") or 10000.0),
+            "freq_factors": [float(f) for f in factors.data.reshape(-1)],
+        }
     return out
 
 

@@ -4,6 +4,7 @@ adding one."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from pagoda.models import deepseek_v3, gemma3, llama, mistral, mixtral, phi3, qwen3, qwen3_moe
@@ -49,6 +50,13 @@ def architectures_of(hf_config: Any) -> list[str]:
     return architectures or [f"<model_type {hf_config.model_type}>"]
 
 
-def gguf_family(gguf_arch: str) -> ModelFamily | None:
-    """The family of GGUF files whose general.architecture is `gguf_arch` (None: unknown)."""
-    return next((f for f, _ in FAMILIES if gguf_arch in f.gguf_archs), None)
+def gguf_family(gguf_arch: str, fields: Mapping[str, Any] | None = None) -> ModelFamily | None:
+    """The family of GGUF files whose general.architecture is `gguf_arch` and whose metadata is
+    `fields` (None: unknown). Of the families sharing an architecture, one that requires a key
+    (ModelFamily.gguf_requires) serves the files holding it, the other the rest."""
+    families = [f for f, _ in FAMILIES if gguf_arch in f.gguf_archs]
+    for family in families:
+        key = family.gguf_requires
+        if key is not None and fields is not None and f"{gguf_arch}.{key}" in fields:
+            return family
+    return next((f for f in families if f.gguf_requires is None), None)

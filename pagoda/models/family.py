@@ -5,7 +5,7 @@ Plain data: the loader (loading/hf_config.py, loading/gguf.py) reads these, neve
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -58,6 +58,12 @@ class ModelFamily:
     gguf_config_fields: Mapping[str, str] = field(default_factory=dict)
     # config values llama.cpp assumes for the architecture (not in its files)
     gguf_config_values: Mapping[str, Any] = field(default_factory=dict)
+    # a metadata key (<arch>.<key>) only this family's files of a shared architecture hold:
+    # llama.cpp's "llama" files with experts are Mixtral's
+    gguf_requires: str | None = None
+    # config values llama.cpp derives from a file's metadata by the family's own rule:
+    # (metadata, architecture) -> {attribute: value}
+    gguf_config_rule: Callable[[Mapping[str, Any], str], dict[str, Any]] | None = None
 
     def layer_names(self) -> Mapping[str, str]:
         return {**GGUF_LAYER_NAMES, **self.gguf_layer_names}

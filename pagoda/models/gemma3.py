@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -27,6 +28,30 @@ from pagoda.models.family import ModelFamily
 from pagoda.models.llama import LlamaMLP
 from pagoda.models.qwen3 import Qwen3Attention
 
+
+def _gguf_config(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """What transformers' GGUF conversion gets wrong for Gemma 3, as llama.cpp reads the file:
+    the softmax scale (1 / sqrt(head_dim), but hidden / heads for the 62-layer 27B; no file
+    states query_pre_attn_scalar) and the global layers' linear rope scaling (factor 8 on the
+    4B and larger models), which the conversion drops."""
+    heads = int(fields[f"{arch}.attention.head_count"])
+    head_dim = int(fields.get(f"{arch}.attention.key_length") or 256)
+    big = int(fields[f"{arch}.block_count"]) == 62
+    out: dict[str, Any] = {
+        "query_pre_attn_scalar": int(fields[f"{arch}.embedding_length"]) // heads
+        if big
+        else head_dim
+    }
+    if fields.get(f"{arch}.rope.scaling.type") == "linear":
+        local_base = float(fields.get(f"{arch}.rope.freq_base_swa") or 10000.0)
+        local = {"rope_type": "default", "rope_theta": local_base}
+        factor = float(fields[f"{arch}.rope.scaling.factor"])
+        base = float(fields[f"{arch}.rope.freq_base"])
+        glob = {"rope_type": "linear", "rope_theta": base, "factor": factor}
+        out["rope_parameters"] = {"sliding_attention": local, "full_attention": glob}
+    return out
+
+
 FAMILY = ModelFamily(
     architectures=("Gemma3ForCausalLM",),
     model_types=("gemma3_text", "gemma3"),
@@ -37,6 +62,7 @@ FAMILY = ModelFamily(
         "post_ffw_norm": "post_feedforward_layernorm",
     },
     gguf_norm_shift=1.0,
+    gguf_config_rule=_gguf_config,
 )
 
 

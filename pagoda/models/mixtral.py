@@ -12,7 +12,25 @@ from pagoda.models.family import ModelFamily
 from pagoda.models.llama import LlamaAttention
 from pagoda.models.qwen3_moe import MoESpec, Qwen3MoeForCausalLM
 
-FAMILY = ModelFamily(architectures=("MixtralForCausalLM",), model_types=("mixtral",))
+FAMILY = ModelFamily(
+    architectures=("MixtralForCausalLM",),
+    model_types=("mixtral",),
+    # llama.cpp writes Mixtral as its "llama" architecture with experts
+    gguf_archs=("llama",),
+    gguf_requires="expert_count",
+    gguf_permute_qk=True,
+    gguf_layer_names={
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts.gate_proj",
+        "ffn_up_exps": "mlp.experts.up_proj",
+        "ffn_down_exps": "mlp.experts.down_proj",
+    },
+    gguf_config_fields={
+        "expert_count": "num_local_experts",
+        "expert_used_count": "num_experts_per_tok",
+    },
+    gguf_config_values={"model_type": "mixtral"},
+)
 
 _NAMES = {
     ".block_sparse_moe.": ".mlp.",

@@ -13,7 +13,11 @@ from pagoda.models.family import ModelFamily
 from pagoda.models.llama import LlamaAttention, LlamaForCausalLM
 
 FAMILY = ModelFamily(
-    architectures=("Qwen3ForCausalLM",), model_types=("qwen3",), gguf_archs=("qwen3",)
+    architectures=("Qwen3ForCausalLM",),
+    model_types=("qwen3",),
+    gguf_archs=("qwen3",),
+    # transformers' conversion leaves head_dim at Qwen3's default (128) whatever the file says
+    gguf_config_fields={"attention.key_length": "head_dim"},
 )
 
 

@@ -38,6 +38,7 @@ FAMILY = ModelFamily(
     gguf_config_fields={
         "expert_feed_forward_length": "moe_intermediate_size",
         "expert_count": "num_experts",
+        "attention.key_length": "head_dim",
     },
     # llama.cpp renormalizes qwen3moe's top-k weights; transformers' default is False
     gguf_config_values={"norm_topk_prob": True},

