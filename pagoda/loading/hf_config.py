@@ -62,16 +62,49 @@ def _family_fields(path: str) -> dict[str, Any]:
             out[attr] = value
     if family.gguf_config_rule is not None:
         out.update(family.gguf_config_rule(fields, arch))
-    factors = next((t for t in index.tensors if t.name == "rope_freqs.weight"), None)
-    if factors is not None:
-        # llama.cpp's converter keeps Llama 3's rope scaling only as these per-frequency divisors
-        # (transformers' conversion drops it): the angles llama.cpp computes
-        out["rope_parameters"] = {
-            "rope_type": "freq_factors",
-            "rope_theta": float(fields.get(f"{arch}.rope.freq_base") or 10000.0),
-            "freq_factors": [float(f) for f in factors.data.reshape(-1)],
-        }
+    rope = _rope_parameters(index, arch)
+    if rope is not None:
+        out["rope_parameters"] = rope
     return out
+
+
+def _rope_parameters(index: Any, arch: str) -> dict[str, Any] | None:
+    """The rope a GGUF file states beyond a plain one, which transformers' conversion drops:
+    Llama 3's scaling (kept by llama.cpp's converter only as the `rope_freqs` tensor, each
+    frequency's divisor), longrope's factors (Phi-3.5 / Phi-4-mini: `rope_factors_short` /
+    `_long` with the original context and attention factor), and a partial rotary
+    (rope.dimension_count below the head size, Phi-4-mini's 3/4). None: nothing of the kind."""
+    fields = index.fields
+    tensors = {t.name: t for t in index.tensors}
+    head_dim = fields.get(f"{arch}.attention.key_length") or (
+        int(fields[f"{arch}.embedding_length"]) // int(fields[f"{arch}.attention.head_count"])
+    )
+    dims = fields.get(f"{arch}.rope.dimension_count")
+    partial = dims is not None and int(dims) < int(head_dim)
+    rope: dict[str, Any] = {"rope_theta": float(fields.get(f"{arch}.rope.freq_base") or 10000.0)}
+
+    def values(name: str) -> list[float]:
+        return [float(v) for v in tensors[name].data.reshape(-1)]
+
+    if "rope_freqs.weight" in tensors:
+        rope |= {"rope_type": "freq_factors", "freq_factors": values("rope_freqs.weight")}
+    elif "rope_factors_long.weight" in tensors:
+        rope |= {
+            "rope_type": "longrope",
+            "short_factor": values("rope_factors_short.weight"),
+            "long_factor": values("rope_factors_long.weight"),
+            "original_max_position_embeddings": int(
+                fields[f"{arch}.rope.scaling.original_context_length"]
+            ),
+            "attention_factor": float(fields[f"{arch}.rope.scaling.attn_factor"]),
+        }
+    elif not partial:
+        return None
+    else:
+        rope["rope_type"] = "default"
+    if partial:
+        rope["partial_rotary_factor"] = int(dims) / int(head_dim)
+    return rope
 
 
 def _write(path: str, text: str) -> None:

