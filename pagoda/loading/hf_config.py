@@ -76,11 +76,15 @@ def _rope_parameters(index: Any, arch: str) -> dict[str, Any] | None:
     (rope.dimension_count below the head size, Phi-4-mini's 3/4). None: nothing of the kind."""
     fields = index.fields
     tensors = {t.name: t for t in index.tensors}
-    head_dim = fields.get(f"{arch}.attention.key_length") or (
-        int(fields[f"{arch}.embedding_length"]) // int(fields[f"{arch}.attention.head_count"])
+    head_dim = fields.get(f"{arch}.attention.key_length")
+    hidden, heads = (
+        fields.get(f"{arch}.embedding_length"),
+        fields.get(f"{arch}.attention.head_count"),
     )
+    if head_dim is None and hidden and heads:
+        head_dim = int(hidden) // int(heads)
     dims = fields.get(f"{arch}.rope.dimension_count")
-    partial = dims is not None and int(dims) < int(head_dim)
+    partial = dims is not None and head_dim is not None and int(dims) < int(head_dim)
     rope: dict[str, Any] = {"rope_theta": float(fields.get(f"{arch}.rope.freq_base") or 10000.0)}
 
     def values(name: str) -> list[float]:
