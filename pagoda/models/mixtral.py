@@ -10,7 +10,7 @@ from typing import Any
 
 from pagoda.models.family import ModelFamily
 from pagoda.models.llama import LlamaAttention
-from pagoda.models.qwen3_moe import MoESpec, Qwen3MoeForCausalLM
+from pagoda.models.qwen3_moe import MOE_GGUF_LAYER_NAMES, MoESpec, Qwen3MoeForCausalLM
 
 FAMILY = ModelFamily(
     architectures=("MixtralForCausalLM",),
@@ -19,12 +19,7 @@ FAMILY = ModelFamily(
     gguf_archs=("llama",),
     gguf_requires="expert_count",
     gguf_permute_qk=True,
-    gguf_layer_names={
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_exps": "mlp.experts.gate_proj",
-        "ffn_up_exps": "mlp.experts.up_proj",
-        "ffn_down_exps": "mlp.experts.down_proj",
-    },
+    gguf_layer_names=MOE_GGUF_LAYER_NAMES,
     gguf_config_fields={
         "expert_count": "num_local_experts",
         "expert_used_count": "num_experts_per_tok",

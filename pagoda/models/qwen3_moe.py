@@ -23,16 +23,19 @@ from pagoda.models.family import ModelFamily
 from pagoda.models.llama import LlamaAttention, LlamaMLP, LlamaModel
 from pagoda.models.qwen3 import Qwen3Attention
 
+# llama.cpp's names of a mixture's router and stacked experts (Qwen3-MoE's and Mixtral's files)
+MOE_GGUF_LAYER_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
 FAMILY = ModelFamily(
     architectures=("Qwen3MoeForCausalLM",),
     model_types=("qwen3_moe",),
     gguf_archs=("qwen3moe",),
-    gguf_layer_names={
-        "ffn_gate_inp": "mlp.gate",
-        "ffn_gate_exps": "mlp.experts.gate_proj",
-        "ffn_up_exps": "mlp.experts.up_proj",
-        "ffn_down_exps": "mlp.experts.down_proj",
-    },
+    gguf_layer_names=MOE_GGUF_LAYER_NAMES,
     # transformers' GGUF conversion names expert_count num_local_experts (Mixtral's name), so
     # a file's Qwen3MoeConfig had no num_experts
     gguf_config_fields={

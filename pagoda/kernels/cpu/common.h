@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
 namespace pagoda_cpu {
 
@@ -182,6 +183,28 @@ inline void check_rows(const at::Tensor& x) {
 inline at::Tensor float_rows(const at::Tensor& x) {
   check_rows(x);
   return x.to(at::kFloat).contiguous();
+}
+
+// Calls fn(std::integral_constant<int, M>) for M = m (1 .. Max): a tile function's pass of m
+// activation rows, M a compile-time constant (its accumulators stay in registers).
+template <int Max, typename Fn>
+void with_rows(int m, Fn&& fn) {
+  static_assert(Max == 4 || Max == 8);
+  switch (m) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    default:
+      if constexpr (Max == 8) {
+        switch (m) {
+          case 5: fn(std::integral_constant<int, 5>{}); break;
+          case 6: fn(std::integral_constant<int, 6>{}); break;
+          case 7: fn(std::integral_constant<int, 7>{}); break;
+          default: fn(std::integral_constant<int, 8>{}); break;
+        }
+      }
+  }
 }
 
 }  // namespace pagoda_cpu

@@ -115,32 +115,12 @@ void tile_scalar(const uint16_t* tile, const FloatPass& p, int m, bool bf16) {
   }
 }
 
-// Calls fn(std::integral_constant<int, M>) for M = m (1 .. Max).
-template <int Max, typename Fn>
-void with_pass_rows(int m, Fn&& fn) {
-  switch (m) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    default:
-      if constexpr (Max == 8) {
-        switch (m) {
-          case 5: fn(std::integral_constant<int, 5>{}); break;
-          case 6: fn(std::integral_constant<int, 6>{}); break;
-          case 7: fn(std::integral_constant<int, 7>{}); break;
-          default: fn(std::integral_constant<int, 8>{}); break;
-        }
-      }
-  }
-}
-
 template <bool kBf16>
 void run_tile(const uint16_t* tile, const FloatPass& p, int m, Isa isa) {
   if (isa == Isa::kVnni) {
-    with_pass_rows<MAX_M_AVX512>(m, [&](auto rows) { tile_avx512<decltype(rows)::value, kBf16>(tile, p); });
+    with_rows<MAX_M_AVX512>(m, [&](auto rows) { tile_avx512<decltype(rows)::value, kBf16>(tile, p); });
   } else if (isa == Isa::kAvx2) {
-    with_pass_rows<MAX_M_AVX2>(m, [&](auto rows) { tile_avx2<decltype(rows)::value, kBf16>(tile, p); });
+    with_rows<MAX_M_AVX2>(m, [&](auto rows) { tile_avx2<decltype(rows)::value, kBf16>(tile, p); });
   } else {
     tile_scalar(tile, p, m, kBf16);
   }

@@ -726,27 +726,6 @@ void q8_tile_scalar(const uint8_t* tile, const float* scales, int64_t sstep, con
 
 // ---- dispatch -------------------------------------------------------------------------------
 
-// Calls fn(std::integral_constant<int, M>) for M = m (1 .. Max).
-template <int Max, typename Fn>
-void with_rows(int m, Fn&& fn) {
-  static_assert(Max == 4 || Max == 8);
-  switch (m) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: fn(std::integral_constant<int, 2>{}); break;
-    case 3: fn(std::integral_constant<int, 3>{}); break;
-    case 4: fn(std::integral_constant<int, 4>{}); break;
-    default:
-      if constexpr (Max == 8) {
-        switch (m) {
-          case 5: fn(std::integral_constant<int, 5>{}); break;
-          case 6: fn(std::integral_constant<int, 6>{}); break;
-          case 7: fn(std::integral_constant<int, 7>{}); break;
-          default: fn(std::integral_constant<int, 8>{}); break;
-        }
-      }
-  }
-}
-
 int rows_per_pass(Isa isa) { return isa == Isa::kVnni ? MAX_M_VNNI : MAX_M_AVX2; }
 
 // Runs tile_fn(tile index, pass of up to rows_per_pass(isa) rows, rows in it) over every tile
