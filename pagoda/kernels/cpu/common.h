@@ -185,6 +185,17 @@ inline at::Tensor float_rows(const at::Tensor& x) {
   return x.to(at::kFloat).contiguous();
 }
 
+// The first `valid` of 8 outputs (a tile's 8-row half on AVX2; none where valid <= 0).
+__attribute__((target("avx2,fma"))) inline void store_half(float* y, int64_t valid, __m256 v) {
+  if (valid >= 8) {
+    _mm256_storeu_ps(y, v);
+  } else if (valid > 0) {
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    std::memcpy(y, tmp, valid * sizeof(float));
+  }
+}
+
 // Calls fn(std::integral_constant<int, M>) for M = m (1 .. Max): a tile function's pass of m
 // activation rows, M a compile-time constant (its accumulators stay in registers).
 template <int Max, typename Fn>

@@ -63,16 +63,6 @@ PAGODA_AVX2 inline __m256 weights_x8(const uint16_t* p) {
   }
 }
 
-PAGODA_AVX2 inline void store_valid(float* y, int64_t valid, __m256 v) {
-  if (valid >= 8) {
-    _mm256_storeu_ps(y, v);
-  } else if (valid > 0) {
-    float tmp[8];
-    _mm256_storeu_ps(tmp, v);
-    std::memcpy(y, tmp, valid * sizeof(float));
-  }
-}
-
 template <int M, bool kBf16>
 PAGODA_AVX2 void tile_avx2(const uint16_t* tile, const FloatPass& p) {
   __m256 acc[M][2];
@@ -87,8 +77,8 @@ PAGODA_AVX2 void tile_avx2(const uint16_t* tile, const FloatPass& p) {
     }
   }
   for (int r = 0; r < M; ++r) {
-    store_valid(p.y + r * p.ldy, p.valid, acc[r][0]);
-    store_valid(p.y + r * p.ldy + 8, p.valid - 8, acc[r][1]);
+    store_half(p.y + r * p.ldy, p.valid, acc[r][0]);
+    store_half(p.y + r * p.ldy + 8, p.valid - 8, acc[r][1]);
   }
 }
 

@@ -369,16 +369,6 @@ PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
   for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(p.y + r * p.ldy, keep, acc[r]);
 }
 
-PAGODA_AVX2 inline void store_half(float* y, int64_t valid, __m256 v) {
-  if (valid >= 8) {
-    _mm256_storeu_ps(y, v);
-  } else if (valid > 0) {
-    float tmp[8];
-    _mm256_storeu_ps(tmp, v);
-    std::memcpy(y, tmp, valid * sizeof(float));
-  }
-}
-
 // `value` in byte i where bit i of `word` is set (32 codes of rows 8h .. 8h + 7).
 PAGODA_AVX2 inline __m256i fifth_bits_avx2(uint32_t word, int value) {
   const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
