@@ -12,8 +12,10 @@ attends over the rows themselves, as multi-query attention whose values are the 
     o'_h = softmax(q'_h . c * scale) c[:rank]               (rank)
     o_h  = W_UV[h] o'_h                                     (v_head_dim)
 The model (models/deepseek_v3.py) forms q' and o_h; this layer writes the rows and computes o'.
-Prefill chunks and decodes alike take this form, on the torch backend (SDPA over the gathered
-rows, the reference; no C++ or Triton kernel reads a latent cache yet). A quantized cache
+Prefill chunks and decodes alike take this form: on the torch backend SDPA over the gathered
+rows (the reference); on CPU with pagoda's C++ kernels (a float32 cache) paged_attention.cpp,
+reading the rows in place, each row's values its first `rank` (`value_dim`); on the triton
+backend pagoda/kernels/latent_attention.py. A quantized cache
 (`--kv-cache-dtype int8|fp8`) holds each row with one scale.
 """
 
@@ -29,6 +31,9 @@ from pagoda.layers.kv_cache import KVCache, read_kv, write_kv_cache
 
 
 class LatentAttention(nn.Module):
+    backend = "torch"  # or "triton" (pagoda/kernels/latent_attention.py), set by the model runner
+    cpu_kernel = False  # torch backend on CPU with pagoda's C++ kernels built; set likewise
+
     def __init__(self, num_heads: int, kv_lora_rank: int, scale: float, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -50,8 +55,12 @@ class LatentAttention(nn.Module):
                 "multi-head latent attention is not supported with prefill context parallelism; "
                 "run without --prefill-context-parallel-size"
             )
+        if self.backend == "triton":
+            return self._triton(q, rows, cache, meta)
         write_kv_cache(rows.unsqueeze(1), rows[:, None, :0], cache, meta.slot_mapping)
         num_tokens = q.shape[0]
+        if self.cpu_kernel and cache.k.dtype == torch.float32:
+            return self._cpu_kernel(q, cache, meta)
         if meta.num_decodes == num_tokens:
             return self._decode(q, cache, meta)
         out = q.new_empty(num_tokens, self.num_heads, self.kv_lora_rank)
@@ -79,6 +88,73 @@ class LatentAttention(nn.Module):
             )
             out[p.token_start : p.token_end] = op[0].transpose(0, 1)
         return out
+
+    def _triton(
+        self, q: torch.Tensor, rows: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """pagoda/kernels/latent_attention.py; launches only (no host sync), as Attention's."""
+        from pagoda.kernels import latent_attention as kernels
+        from pagoda.kernels.kv_cache import write_kv_cache as write_kv_cache_triton
+
+        # The key-and-value writer, handed the row as both, into the rows as both caches: the
+        # same bytes (and scale) written twice, padding slots skipped.
+        rows_3d = rows.unsqueeze(1)
+        as_kv = KVCache(cache.k, cache.k, cache.k_scale, cache.k_scale)
+        write_kv_cache_triton(rows_3d, rows_3d, as_kv, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], self.num_heads, self.kv_lora_rank)
+        if meta.num_decodes:
+            kernels.latent_decode_attention(
+                q,
+                out,
+                cache,
+                meta.decode_token_idx,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+                meta.decode_num_splits,
+            )
+        if meta.prefills:
+            kernels.latent_prefill_attention(
+                q,
+                out,
+                cache,
+                meta.prefill_token_start,
+                meta.prefill_query_lens,
+                meta.prefill_seq_lens,
+                meta.prefill_block_tables,
+                meta.max_prefill_query_len,
+                self.scale,
+            )
+        return out
+
+    def _cpu_kernel(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """paged_attention.cpp over the rows in place, its values each row's latent part: every
+        query row reduced the same way whatever the rows beside it, as Attention's."""
+        ops = torch.ops.pagoda_cpu
+        if meta.num_decodes == q.shape[0]:
+            return ops.paged_decode_attention(
+                q,
+                cache.k,
+                cache.v,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+                0,
+                2,
+                self.kv_lora_rank,
+            )
+        return ops.paged_attention(
+            q,
+            cache.k,
+            cache.v,
+            meta.req_block_tables,
+            meta.query_start_loc,
+            meta.req_seq_lens,
+            self.scale,
+            0,
+            2,
+            self.kv_lora_rank,
+        )
 
     def _decode(self, qd: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """The decode rows qd (num_decodes, H, rank + rope) -> (num_decodes, H, rank)."""

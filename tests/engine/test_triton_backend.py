@@ -178,3 +178,22 @@ def test_decode_step_launches(arch: str, tiny_model_dir: Any) -> None:
     assert record["forward_launches"] == 7 * record["num_layers"] + 3
     assert record["graph_after_forward"] == {"aten.linear": 1, "aten.argmax": 1}
     assert record["outside_graph"] == {}
+
+
+def test_latent_attention_on_the_triton_backend_matches_hf(
+    tiny_model_dir: Any, tiny_hf_model: Any
+) -> None:
+    """DeepSeek-V3's latent cache on the triton kernels (pagoda/kernels/latent_attention.py):
+    chunked prompts beside decodes, then decode batches padded to the CUDA-graph sizes (their
+    padding rows' slot -1 written nowhere), under async scheduling."""
+    llm = _triton_llm(tiny_model_dir("deepseek_v3"), max_num_seqs=8, async_scheduling=True)
+    runner = llm.engine.runner
+    runner.decode_sizes = capture_sizes(8)  # 1, 2, 4, 8
+    sizes = _step_sizes(llm)
+    prompts = PROMPTS[:3]  # 3 decode rows: padded to 4
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], _greedy())
+    assert max(sizes) > len(prompts), sizes  # prefill chunks ran
+    assert sizes.count(3) >= MAX_TOKENS - 2, sizes  # 3-row decode steps, padded to 4
+    attn = runner.model.model.layers[0].self_attn.attn
+    assert type(attn).__name__ == "LatentAttention" and attn.backend == "triton"
+    assert_outputs_match(outs, hf_greedy(tiny_hf_model("deepseek_v3"), prompts, MAX_TOKENS))

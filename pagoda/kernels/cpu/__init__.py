@@ -19,12 +19,13 @@ file holds them; `form` names one, layers/cpu_forms.NIBBLE_FORMS) and 8-bit code
 rows (laid out in quant_gemm.cpp, packed by layers/cpu_forms.py), with x quantized per 32-wide
 group to int8; `f16x16_matmul(x, packed, n, isa_limit, bf16)` (float_gemm.cpp) for GGUF's F16 and
 BF16 weights as the file holds them, x float32;
-`paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa_limit)`
-(one query row per request) and `paged_attention(q, k_cache, v_cache, block_tables, query_start,
-seq_lens, scale, window, isa_limit)` (any mix of prefill chunks and decodes) over a float32 paged
-cache, read in place, each row reduced the same way whatever the rows beside it (window > 0: a
-sliding window, the row at position p attending to its last `window` positions; 0: full causal
-attention); `rms_norm`, `add_rms_norm`, `silu_and_mul` and `rotary` (row_ops.cpp), which eager
+`paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa_limit,
+value_dim=0)` (one query row per request) and `paged_attention(q, k_cache, v_cache, block_tables,
+query_start, seq_lens, scale, window, isa_limit, value_dim=0)` (any mix of prefill chunks and
+decodes) over a float32 paged cache, read in place, each row reduced the same way whatever the
+rows beside it (window > 0: a sliding window, the row at position p attending to its last
+`window` positions; 0: full causal attention; value_dim > 0: a latent cache, MLA's, whose values
+are the first value_dim of each key row); `rms_norm`, `add_rms_norm`, `silu_and_mul` and `rotary` (row_ops.cpp), which eager
 and compiled steps share, so that the two compute the same bits, and `q4x16_matmul_norm` /
 `q8x16_matmul_norm` / `q4x16_matmul_silu` / `q8x16_matmul_silu`, the matmuls with the norm or
 the activation before them in one call; `isa()` names the instruction set picked at run time (0
@@ -148,9 +149,17 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("pagoda_cpu::paged_decode_attention")  # type: ignore[misc]
     def _attention(
-        q: Any, k: Any, v: Any, tables: Any, lens: Any, scale: float, window: int, isa_limit: int
+        q: Any,
+        k: Any,
+        v: Any,
+        tables: Any,
+        lens: Any,
+        scale: float,
+        window: int,
+        isa_limit: int,
+        value_dim: int = 0,
     ) -> Any:
-        return torch.empty_like(q)
+        return q.new_empty((*q.shape[:2], value_dim or q.shape[2]))
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul_norm")  # type: ignore[misc]
     def _q4_norm(
@@ -213,5 +222,6 @@ def _register_fakes() -> None:
         scale: float,
         window: int,
         isa_limit: int,
+        value_dim: int = 0,
     ) -> Any:
-        return torch.empty_like(q)
+        return q.new_empty((*q.shape[:2], value_dim or q.shape[2]))

@@ -16,6 +16,10 @@
 // [lo, p] with lo = max(0, p + 1 - window), its last `window` positions; window 0: lo = 0, full
 // causal attention, the same operations (and bits) as before windows existed.
 //
+// A latent cache (multi-head latent attention, `value_dim` > 0): one kv head whose key rows are
+// [latent, rotary key] and whose values are each row's first value_dim (the latent), read from
+// the same rows; out (rows, H, value_dim). v_cache is then empty.
+//
 // Query heads h share kv head h / (H / Hkv) (GQA). A row's positions [lo, len) are split into
 // chunks, from lo, of a size that follows from its own span len - lo; work items are (group of
 // rows, chunk), split over torch's intra-op threads, so that one long row still uses every
@@ -47,8 +51,10 @@ constexpr int64_t MAX_CHUNK = 256;  // positions per work item at most
 constexpr int64_t MAX_GROUP = 8;    // rows sharing one pass over their keys and values
 constexpr int64_t MAX_HEADS = 64;   // query heads per kv head (the blocked AVX-512 path)
 
+// dim: a key's values (per kv head); vdim: a value's, the same but for a latent cache, whose
+// values are the first vdim of each key row (no v_cache)
 struct Shape {
-  int64_t heads, kv_heads, group, dim, block_size, width, table_stride;
+  int64_t heads, kv_heads, group, dim, vdim, block_size, width, table_stride;
   float scale;
 };
 
@@ -276,7 +282,7 @@ struct RowWork {
 // positions), so a row's bits do not depend on its group. Defined once per instruction set: WIDE
 // for the four-position steps, SUFFIX for the rest.
 #define PAGODA_ATTEND_GROUP(WIDE, SUFFIX)                                                             \
-  const int64_t d = s.dim, row = s.kv_heads * d;                                               \
+  const int64_t d = s.dim, vd = s.vdim, row = s.kv_heads * d;                                \
   auto at = [&](const float* cache, int64_t p) {                                               \
     const int64_t pos = begin + p;                                                             \
     const int64_t block = table[pos / s.block_size];                                           \
@@ -305,10 +311,10 @@ struct RowWork {
     }                                                                                          \
     for (int64_t h = 0; h < s.heads; ++h) {                                                    \
       float* sh = r.scores + h * r.n;                                                          \
-      float* out = r.part + h * (d + 2);                                                       \
+      float* out = r.part + h * (vd + 2);                                                      \
       out[0] = max_##SUFFIX(sh, r.n);                                                          \
       out[1] = exp_shifted_sum_##SUFFIX(sh, r.n, out[0]);                                      \
-      std::fill(out + 2, out + 2 + d, 0.f);                                                    \
+      std::fill(out + 2, out + 2 + vd, 0.f);                                                   \
     }                                                                                          \
   }                                                                                            \
   for (int64_t p = 0; p < most4; p += 4) {                                                     \
@@ -317,8 +323,8 @@ struct RowWork {
       const float* v4[4] = {r4[0] + kh * d, r4[1] + kh * d, r4[2] + kh * d, r4[3] + kh * d};   \
       for (int i = 0; i < count; ++i) {                                                        \
         if (p + 4 > w[i].n4) continue;                                                         \
-        weighted4_##WIDE(w[i].scores + kh * s.group * w[i].n + p, v4, s.group, d,              \
-                         w[i].part + kh * s.group * (d + 2) + 2, d + 2, w[i].n);               \
+        weighted4_##WIDE(w[i].scores + kh * s.group * w[i].n + p, v4, s.group, vd,             \
+                         w[i].part + kh * s.group * (vd + 2) + 2, vd + 2, w[i].n);             \
       }                                                                                        \
     }                                                                                          \
   }                                                                                            \
@@ -326,8 +332,8 @@ struct RowWork {
     const RowWork& r = w[i];                                                                   \
     for (int64_t p = r.n4; p < r.n; ++p) {                                                     \
       for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                            \
-        weighted_##SUFFIX(r.scores + kh * s.group * r.n + p, at(vc, p) + kh * d, s.group, d,   \
-                          r.part + kh * s.group * (d + 2) + 2, d + 2, r.n);                    \
+        weighted_##SUFFIX(r.scores + kh * s.group * r.n + p, at(vc, p) + kh * d, s.group, vd,  \
+                          r.part + kh * s.group * (vd + 2) + 2, vd + 2, r.n);                  \
       }                                                                                        \
     }                                                                                          \
   }
@@ -672,7 +678,7 @@ __attribute__((target("avx2,fma"))) void attend_group_avx2_blocked(
 
 // Merges a row's chunks into its query heads' outputs: exp(m_c - M) rescales each.
 void merge(const Shape& s, const float* parts, int64_t num_chunks, float* out) {
-  const int64_t d = s.dim, stride = s.heads * (d + 2);  // floats per chunk
+  const int64_t d = s.vdim, stride = s.heads * (d + 2);  // floats per chunk
   for (int64_t h = 0; h < s.heads; ++h) {
     float big = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < num_chunks; ++c) big = std::max(big, parts[c * stride + h * (d + 2)]);
@@ -741,12 +747,12 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
     for (int64_t b = group_start[g]; b < group_start[g + 1]; ++b) most = std::max(most, first[b + 1] - first[b]);
     for (int64_t c = 0; c < most; ++c) items.emplace_back(static_cast<int64_t>(g), c);
   }
-  const int64_t d = s.dim, per_item = s.heads * (d + 2);
+  const int64_t d = s.dim, vd = s.vdim, per_item = s.heads * (vd + 2);
   std::vector<float> parts(first[num_rows] * per_item);  // (row's chunk, head, max|sum|D)
   const pagoda_cpu::Isa isa = pagoda_cpu::pick_isa(isa_limit);
   const bool simd = isa != pagoda_cpu::Isa::kScalar;
-  const bool wide = isa == pagoda_cpu::Isa::kVnni && d % 16 == 0;  // AVX-512 F among VNNI's
-  const bool blocked = simd && (d == 64 || d == 128) && s.group <= MAX_HEADS;
+  const bool wide = isa == pagoda_cpu::Isa::kVnni && d % 16 == 0 && vd % 16 == 0;  // AVX-512 F
+  const bool blocked = simd && (d == 64 || d == 128) && vd == d && s.group <= MAX_HEADS;
   const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, num_items, 1, [&](int64_t begin_item, int64_t end_item) {
     std::unique_ptr<float[]> scores(new float[largest * s.heads * widest]);  // written before read
@@ -782,7 +788,7 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
   at::parallel_for(0, num_rows, 16, [&](int64_t begin_row, int64_t end_row) {
     for (int64_t b = begin_row; b < end_row; ++b) {
       const int64_t used = first[b + 1] - first[b];
-      if (used > 0) merge(s, parts.data() + first[b] * per_item, used, op + b * s.heads * d);
+      if (used > 0) merge(s, parts.data() + first[b] * per_item, used, op + b * s.heads * vd);
     }
   });
 }
@@ -814,12 +820,20 @@ std::vector<int64_t> group_starts(const Shape& s, const std::vector<QueryRow>& r
   return starts;
 }
 
-// The checks both entry points make; returns the shape.
+// The checks both entry points make; returns the shape. value_dim 0: values from v_cache, of
+// the keys' shape; value_dim > 0: a latent cache (multi-head latent attention), whose values are
+// the first value_dim of each key row, v_cache empty (its last dimension 0).
 Shape check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                   int64_t value_dim) {
   TORCH_CHECK(q.dim() == 3, "q must be (num_rows, H, D)");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "k_cache, v_cache: (num_blocks, block_size, Hkv, D), the same shape");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches: (num_blocks, block_size, Hkv, D)");
+  if (value_dim == 0) {
+    TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache, v_cache: the same shape");
+  } else {
+    TORCH_CHECK(value_dim > 0 && value_dim <= k_cache.size(3) && v_cache.size(3) == 0,
+                "a latent cache: 0 < value_dim <= the key width, v_cache empty");
+  }
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
               "caches must be float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -827,13 +841,19 @@ Shape check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
               "block_tables and seq_lens: int32");
   // a view of the runner's wider table buffer: rows read in place with their stride
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1, "block_tables: (B, W), rows contiguous");
-  Shape s{q.size(1), k_cache.size(2), 0, q.size(2), k_cache.size(1), block_tables.size(1),
-          block_tables.stride(0), static_cast<float>(scale)};
+  const int64_t vdim = value_dim > 0 ? value_dim : q.size(2);
+  Shape s{q.size(1), k_cache.size(2), 0, q.size(2), vdim, k_cache.size(1),
+          block_tables.size(1), block_tables.stride(0), static_cast<float>(scale)};
   TORCH_CHECK(k_cache.size(3) == s.dim, "head_dim of q and the cache differ");
   TORCH_CHECK(s.heads % s.kv_heads == 0, "query heads must be a multiple of kv heads");
   s.group = s.heads / s.kv_heads;
   TORCH_CHECK(block_tables.size(0) == seq_lens.size(0), "one table row and length per request");
   return s;
+}
+
+// The values' rows: v_cache's, or a latent cache's own key rows (their first vdim values).
+const float* values(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t value_dim) {
+  return value_dim > 0 ? k_cache.data_ptr<float>() : v_cache.data_ptr<float>();
 }
 
 // Request b's table covers its seq_len within the cache: every block from position lo's on.
@@ -848,8 +868,8 @@ void check_table(const Shape& s, const int32_t* table, int64_t lo, int64_t seq_l
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale, int64_t window,
-                                  int64_t isa_limit) {
-  const Shape s = check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens, scale);
+                                  int64_t isa_limit, int64_t value_dim) {
+  const Shape s = check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens, scale, value_dim);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
   const at::Tensor lens = seq_lens.contiguous();
@@ -864,9 +884,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     check_table(s, tp + b * s.table_stride, lo, lp[b], k_cache.size(0));
     rows[b] = QueryRow{qp + b * s.heads * s.dim, tp + b * s.table_stride, lo, lp[b]};
   }
-  auto out = at::zeros({batch, s.heads, s.dim}, at::kFloat);
-  attend_rows(s, rows, group_starts(s, rows), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-              isa_limit, out.data_ptr<float>());
+  auto out = at::zeros({batch, s.heads, s.vdim}, at::kFloat);
+  attend_rows(s, rows, group_starts(s, rows), k_cache.data_ptr<float>(),
+              values(k_cache, v_cache, value_dim), isa_limit, out.data_ptr<float>());
   return out.to(q_in.scalar_type());
 }
 
@@ -877,8 +897,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& query_start, const at::Tensor& seq_lens, double scale,
-                           int64_t window, int64_t isa_limit) {
-  const Shape s = check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens, scale);
+                           int64_t window, int64_t isa_limit, int64_t value_dim) {
+  const Shape s = check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens, scale, value_dim);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.dim() == 1 &&
                   query_start.size(0) == seq_lens.size(0) + 1,
@@ -913,9 +933,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     }
   }
   group_start.push_back(num_rows);
-  auto out = at::zeros({num_rows, s.heads, s.dim}, at::kFloat);
-  attend_rows(s, rows, group_start, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-              isa_limit, out.data_ptr<float>());
+  auto out = at::zeros({num_rows, s.heads, s.vdim}, at::kFloat);
+  attend_rows(s, rows, group_start, k_cache.data_ptr<float>(),
+              values(k_cache, v_cache, value_dim), isa_limit, out.data_ptr<float>());
   return out.to(q_in.scalar_type());
 }
 
@@ -924,10 +944,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window, int isa_limit) -> Tensor");
+      "Tensor seq_lens, float scale, int window, int isa_limit, int value_dim=0) -> Tensor");
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor query_start, Tensor seq_lens, float scale, int window, int isa_limit) -> Tensor");
+      "Tensor query_start, Tensor seq_lens, float scale, int window, int isa_limit, "
+      "int value_dim=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
