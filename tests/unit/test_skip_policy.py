@@ -30,7 +30,9 @@ def test_needs_a_part():
 
 
 def _run(folder: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("CI", "PAGODA_TEST_STRICT")}
+    # the outer run's PYTEST_ADDOPTS (-rs, --junitxml) would change the inner run's report
+    dropped = ("CI", "PAGODA_TEST_STRICT", "PYTEST_ADDOPTS")
+    clean = {k: v for k, v in os.environ.items() if k not in dropped}
     clean["PYTHONPATH"] = str(ROOT)
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.skip_policy", "-q", "-p", "no:cacheprovider",
