@@ -35,6 +35,8 @@ def gguf_to_hf_name(gguf_name: str, family: ModelFamily | None = None) -> str | 
         return f"{GGUF_GLOBAL_NAMES[base]}.{suffix}"
     layer_names = GGUF_LAYER_NAMES if family is None else family.layer_names()
     parts = base.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and f"{parts[2]}.{suffix}" in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[f'{parts[2]}.{suffix}']}"
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} is not supported by pagoda's models")

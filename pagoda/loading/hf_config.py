@@ -7,9 +7,19 @@ from __future__ import annotations
 import json
 import os
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagoda.loading.model_files import gguf_cache_dir, save_to_cache
+
+if TYPE_CHECKING:
+    from pagoda.models.family import ModelFamily
+
+# tokenizer metadata -> config attribute (a config pagoda builds: ModelFamily.gguf_model_type)
+_TOKEN_IDS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
 
 
 class GGUFConfig(SimpleNamespace):
@@ -27,19 +37,56 @@ def load_hf_config(folder: str, gguf_file: str | None, trust_remote_code: bool =
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    cached = gguf_cache_dir("configs", os.path.join(folder, gguf_file))
-    path = None if cached is None else os.path.join(cached, "config.json")
-    if path is not None and os.path.isfile(path):
-        with open(path) as f:
+    path = os.path.join(folder, gguf_file)
+    cached = gguf_cache_dir("configs", path)
+    entry = None if cached is None else os.path.join(cached, "config.json")
+    if entry is not None and os.path.isfile(entry):
+        with open(entry) as f:
             return GGUFConfig(**json.load(f))
     from transformers import AutoConfig
 
-    # Every field (use_diff=False): absent ones would read as None here, not as class defaults.
-    text = AutoConfig.from_pretrained(folder, gguf_file=gguf_file).to_json_string(use_diff=False)
-    config = {**json.loads(text), **_family_fields(os.path.join(folder, gguf_file))}
+    from pagoda.loading.gguf_index import read_gguf_index
+
+    index = read_gguf_index(path)
+    family = _family_of(index)
+    if family is not None and family.gguf_model_type is not None:
+        # transformers' conversion does not read the architecture: built from the metadata here
+        built = AutoConfig.for_model(family.gguf_model_type, **_built_fields(index, family))
+        config = json.loads(built.to_json_string(use_diff=False))
+    else:
+        # Every field (use_diff=False): absent ones would read as None here, not as defaults.
+        converted = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+        config = {**json.loads(converted.to_json_string(use_diff=False)), **_family_fields(path)}
     text = json.dumps(config, indent=2)
     save_to_cache(lambda tmp: _write(os.path.join(tmp, "config.json"), text), cached)
     return GGUFConfig(**config)
+
+
+def _family_of(index: Any) -> ModelFamily | None:
+    from pagoda.models import gguf_family
+
+    return gguf_family(str(index.fields.get("general.architecture")), index.fields)
+
+
+def _built_fields(index: Any, family: ModelFamily) -> dict[str, Any]:
+    """The config of a family whose files transformers does not read: what every architecture
+    states (GGUF_CONFIG_NAMES; the vocabulary's size, else the embedding's rows), the special
+    token ids (absent: None, not the config class's defaults), tied embeddings (no `output`
+    tensor, as llama.cpp writes them), then the family's own fields."""
+    from pagoda.models.family import GGUF_CONFIG_NAMES
+
+    fields, arch = index.fields, str(index.fields.get("general.architecture"))
+    out = {
+        attr: fields[f"{arch}.{key}"]
+        for key, attr in GGUF_CONFIG_NAMES.items()
+        if f"{arch}.{key}" in fields
+    }
+    tensors = {t.name: t for t in index.tensors}
+    if "vocab_size" not in out and "token_embd.weight" in tensors:
+        out["vocab_size"] = int(tensors["token_embd.weight"].shape[1])
+    out |= {attr: fields.get(key) for key, attr in _TOKEN_IDS.items()}
+    out["tie_word_embeddings"] = "output.weight" not in tensors
+    return out | _fields_of(index, family)
 
 
 def _family_fields(path: str) -> dict[str, Any]:
@@ -47,14 +94,17 @@ def _family_fields(path: str) -> dict[str, Any]:
     metadata (ModelFamily.gguf_config_fields) and what llama.cpp assumes for the architecture
     (gguf_config_values)."""
     from pagoda.loading.gguf_index import read_gguf_index
-    from pagoda.models import gguf_family
 
     index = read_gguf_index(path)
+    family = _family_of(index)
+    return {} if family is None else _fields_of(index, family)
+
+
+def _fields_of(index: Any, family: ModelFamily) -> dict[str, Any]:
+    """`family`'s config fields of a file: its values, the metadata its table names, what its
+    rule derives, and the rope the file states (unless the rule states it)."""
     fields = index.fields
     arch = str(fields.get("general.architecture"))
-    family = gguf_family(arch, fields)
-    if family is None:
-        return {}
     out = dict(family.gguf_config_values)
     for key, attr in family.gguf_config_fields.items():
         value = fields.get(f"{arch}.{key}")
@@ -63,7 +113,7 @@ def _family_fields(path: str) -> dict[str, Any]:
     if family.gguf_config_rule is not None:
         out.update(family.gguf_config_rule(fields, arch))
     rope = _rope_parameters(index, arch)
-    if rope is not None:
+    if rope is not None and "rope_parameters" not in out:
         out["rope_parameters"] = rope
     return out
 

@@ -17,7 +17,11 @@ import os
 from typing import Any
 
 from pagoda.config import EngineConfig
-from pagoda.loading.gguf_index import gguf_string_field, gguf_user_defined_tokens
+from pagoda.loading.gguf_index import (
+    gguf_string_field,
+    gguf_user_defined_tokens,
+    read_gguf_index,
+)
 from pagoda.loading.model_files import gguf_cache_dir, resolve_model, save_to_cache
 
 logger = logging.getLogger(__name__)
@@ -65,10 +69,8 @@ def load_tokenizer(folder: str, gguf_file: str | None, trust_remote_code: bool =
     tokenizer = _from_cache(cached)
     if tokenizer is not None:
         return tokenizer
-    from transformers import AutoTokenizer
-
     logger.info("converting the tokenizer of %s (once; cached in %s)", gguf_path, cached)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    tokenizer = _convert(folder, gguf_file)
     _match_user_defined_whole(tokenizer, gguf_path)
     if tokenizer.chat_template is None:
         template = gguf_string_field(gguf_path, "tokenizer.chat_template")
@@ -77,6 +79,22 @@ def load_tokenizer(folder: str, gguf_file: str | None, trust_remote_code: bool =
     save_to_cache(lambda tmp: _save_entry(tokenizer, tmp), cached)
     saved = _from_cache(cached)  # as every later start loads it
     return tokenizer if saved is None else saved
+
+
+def _convert(folder: str, gguf_file: str) -> Any:
+    """transformers' tokenizer of a GGUF file. AutoTokenizer picks its class by the config it
+    converts from the file, and refuses an architecture it does not read (a family whose config
+    pagoda builds, ModelFamily.gguf_model_type): there the vocabulary alone makes a fast
+    tokenizer (the conversion goes by tokenizer.ggml.model, whatever the architecture)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from pagoda.models import gguf_family
+
+    fields = read_gguf_index(os.path.join(folder, gguf_file)).fields
+    family = gguf_family(str(fields.get("general.architecture")), fields)
+    if family is not None and family.gguf_model_type is not None:
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=gguf_file)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
 
 
 def _match_user_defined_whole(tokenizer: Any, gguf_path: str) -> None:

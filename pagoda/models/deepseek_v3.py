@@ -16,12 +16,17 @@ on score + e_score_correction_bias within the `topk_group` groups (of `n_group`)
 biased scores sum highest; their weights are the unbiased scores, renormalized when
 norm_topk_prob, times routed_scaling_factor.
 
-Not yet: tensor parallelism (kv_b_proj's heads are not split: TP > 1 raises), GGUF files
-(llama.cpp's `deepseek2` tensors), the C++ / Triton kernels over a latent cache.
+GGUF files: llama.cpp's `deepseek2` (FAMILY), whose config pagoda builds itself (transformers
+reads none) and whose kv_b_proj comes cut per head (`attn_k_b` transposed, `attn_v_b`), joined
+back here; files routed otherwise than by V3's sigmoid (DeepSeek-V2's softmax) are refused.
+
+Not yet: tensor parallelism (kv_b_proj's heads are not split: TP > 1 raises), the C++ / Triton
+kernels over a latent cache.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers.forward_context import ForwardContext
+from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.latent_attention import LatentAttention
 from pagoda.layers.linear import Linear
 from pagoda.layers.moe import SparseMoE
@@ -38,9 +44,131 @@ from pagoda.layers.rotary import apply_rotary, get_rope, rope_parameters, yarn_f
 from pagoda.models.base import DecoderModel
 from pagoda.models.family import ModelFamily
 from pagoda.models.llama import LlamaMLP
-from pagoda.models.qwen3_moe import MoECausalLM
+from pagoda.models.qwen3_moe import MOE_GGUF_LAYER_NAMES, MoECausalLM
 
-FAMILY = ModelFamily(architectures=("DeepseekV3ForCausalLM",), model_types=("deepseek_v3",))
+# llama.cpp's names of the latent attention, the shared experts and the router's bias
+_GGUF_LAYER_NAMES = {
+    **MOE_GGUF_LAYER_NAMES,
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # files before llama.cpp cut it per head
+    "attn_k_b": "self_attn.k_b_proj",  # kv_b_proj's key half: _joined_kv_b
+    "attn_v_b": "self_attn.v_b_proj",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+# llama.cpp's expert_gating_func values; V3's sigmoid (2) is the only one DeepseekRouter runs.
+# A file stating none routes by softmax there (DeepSeek-V2 / V2.5 files).
+_SIGMOID = 2
+_GATING = {
+    0: "softmax (llama.cpp's default)",
+    1: "softmax",
+    3: "softmax_weight",
+    4: "sqrt_softplus",
+}
+
+
+def _gguf_config(fields: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """What llama.cpp derives from a deepseek2 file: the query/key split (key_length_mla is
+    nope + rope; older files state it as key_length), the value size, every head's own keys
+    (head_count_kv 1 is the shared latent) and the rope; ValueError for what pagoda does not run
+    (_check_gguf_file)."""
+
+    def get(key: str) -> Any:
+        return fields.get(f"{arch}.{key}")
+
+    _check_gguf_file(get)
+    rope = int(get("rope.dimension_count"))
+    key_length = int(get("attention.key_length_mla") or get("attention.key_length"))
+    return {
+        "num_key_value_heads": int(get("attention.head_count")),
+        "qk_nope_head_dim": key_length - rope,
+        "v_head_dim": int(get("attention.value_length_mla") or get("attention.value_length")),
+        "rope_parameters": _gguf_rope(get),
+    }
+
+
+def _check_gguf_file(get: Callable[[str], Any]) -> None:
+    """ValueError for a mixture routed otherwise than by V3's sigmoid (DeepSeek-V2's softmax,
+    which llama.cpp also assumes where a file states none) or with per-layer expert counts, and
+    for temperature-tuned attention."""
+    sparse = int(get("leading_dense_block_count") or 0) < int(get("block_count"))
+    if sparse and int(get("expert_count") or 0):
+        gating = int(get("expert_gating_func") or 0)
+        if gating != _SIGMOID:
+            raise ValueError(
+                f"this deepseek2 file routes its experts by {_GATING.get(gating, gating)} "
+                f"(expert_gating_func {gating}); pagoda runs DeepSeek-V3's router only "
+                "(sigmoid scores with a correction bias), not DeepSeek-V2's softmax"
+            )
+        if get("expert_used_count") is None:
+            raise ValueError("this deepseek2 file states no single expert_used_count")
+    if get("attention.temperature_scale"):
+        raise ValueError("deepseek2 attention temperature tuning is not supported")
+
+
+def _gguf_rope(get: Callable[[str], Any]) -> dict[str, Any]:
+    """The file's rope in HF's terms. YaRN's mscale_all_dim is kept times 0.1 (llama.cpp's
+    legacy yarn_log_multiplier) and mscale taken equal to it, as llama.cpp does (V2's and V3's
+    configs set both alike): cos and sin unscaled, the temperature in the softmax scale."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(get("rope.freq_base"))}
+    kind = get("rope.scaling.type")
+    if kind in (None, "none"):
+        return rope
+    if kind != "yarn":
+        raise ValueError(f"deepseek2 rope scaling {kind!r} is not supported (only yarn)")
+    rope |= {
+        "rope_type": "yarn",
+        "factor": float(get("rope.scaling.factor")),
+        "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+        "beta_fast": float(get("rope.scaling.yarn_beta_fast") or 32.0),
+        "beta_slow": float(get("rope.scaling.yarn_beta_slow") or 1.0),
+    }
+    if get("rope.scaling.yarn_log_multiplier"):
+        mscale = float(get("rope.scaling.yarn_log_multiplier")) / 0.1
+        rope |= {"mscale": mscale, "mscale_all_dim": mscale}
+    return rope
+
+
+FAMILY = ModelFamily(
+    architectures=("DeepseekV3ForCausalLM",),
+    model_types=("deepseek_v3",),
+    gguf_archs=("deepseek2",),
+    gguf_layer_names=_GGUF_LAYER_NAMES,
+    gguf_model_type="deepseek_v3",  # transformers' GGUF conversion reads no deepseek2 file
+    gguf_config_fields={
+        "leading_dense_block_count": "first_k_dense_replace",
+        "attention.q_lora_rank": "q_lora_rank",
+        "attention.kv_lora_rank": "kv_lora_rank",
+        "rope.dimension_count": "qk_rope_head_dim",
+        "expert_feed_forward_length": "moe_intermediate_size",
+        "expert_count": "n_routed_experts",
+        "expert_used_count": "num_experts_per_tok",
+        "expert_shared_count": "n_shared_experts",
+        "expert_group_count": "n_group",
+        "expert_group_used_count": "topk_group",
+        "expert_weights_scale": "routed_scaling_factor",
+        "expert_weights_norm": "norm_topk_prob",
+    },
+    # llama.cpp's reading of what a file leaves out (the config class's defaults are V3's):
+    # no q_lora_rank is a plain q_proj, no groups one group, no scale 1, no norm none
+    gguf_config_values={
+        "q_lora_rank": None,
+        "first_k_dense_replace": 0,
+        "n_shared_experts": 0,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": False,
+        "rope_interleave": True,  # llama.cpp's rope on deepseek2 pairs neighbours
+    },
+    gguf_config_rule=_gguf_config,
+)
 
 
 class KVUpProjection(nn.Module):
@@ -255,3 +383,28 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     def num_experts_of(self, index: int) -> int | None:
         dense = index < self.config.first_k_dense_replace
         return None if dense else int(self.config.n_routed_experts)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        return super().load_weights(_joined_kv_b(weights, self.config.num_attention_heads))
+
+
+def _joined_kv_b(weights: Iterable[tuple[str, Any]], heads: int) -> Iterator[tuple[str, Any]]:
+    """kv_b_proj's weight (H * (nope + v), rank), per head its nope key rows then its v value
+    rows (HF's layout), joined from a GGUF file's halves: attn_k_b (H, rank, nope), each head's
+    key rows transposed, and attn_v_b (H, v, rank). Quantized halves are decoded: kv_b_proj
+    stays float (KVUpProjection)."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        prefix, _, half = name.removesuffix(".weight").rpartition(".")
+        if half not in ("k_b_proj", "v_b_proj"):
+            yield name, tensor
+            continue
+        pair = halves.setdefault(prefix, {})
+        pair[half] = tensor.dequantize() if isinstance(tensor, GGUFWeight) else tensor
+        if len(pair) == 2:
+            del halves[prefix]
+            v_b = pair["v_b_proj"]
+            rank = v_b.shape[-1]
+            k = pair["k_b_proj"].reshape(heads, rank, -1).transpose(1, 2)  # (H, nope, rank)
+            joined = torch.cat((k, v_b.reshape(heads, -1, rank)), dim=1)
+            yield f"{prefix}.kv_b_proj.weight", joined.reshape(-1, rank)

@@ -19,7 +19,8 @@ GGUF_GLOBAL_NAMES: Mapping[str, str] = MappingProxyType(
     }
 )
 # GGUF per-layer tensor name (blk.N.<name>) -> HF name under model.layers.N, Llama's layout;
-# a family adds or overrides entries in its `gguf_layer_names`
+# a family adds or overrides entries in its `gguf_layer_names`, where a name with its suffix
+# (exp_probs_b.bias) maps to the whole HF parameter name
 GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
     {
         "attn_norm": "input_layernorm",
@@ -33,6 +34,19 @@ GGUF_LAYER_NAMES: Mapping[str, str] = MappingProxyType(
         "ffn_gate": "mlp.gate_proj",
         "ffn_up": "mlp.up_proj",
         "ffn_down": "mlp.down_proj",
+    }
+)
+# GGUF metadata (<arch>.<key>) every architecture states -> config attribute: what a config
+# pagoda builds itself (ModelFamily.gguf_model_type) reads besides the family's own fields
+GGUF_CONFIG_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "context_length": "max_position_embeddings",
+        "block_count": "num_hidden_layers",
+        "embedding_length": "hidden_size",
+        "feed_forward_length": "intermediate_size",
+        "attention.head_count": "num_attention_heads",
+        "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+        "vocab_size": "vocab_size",
     }
 )
 # GGUF tensors the models derive from the config instead (llama3 and longrope rope factors)
@@ -64,6 +78,11 @@ class ModelFamily:
     # config values llama.cpp derives from a file's metadata by the family's own rule:
     # (metadata, architecture) -> {attribute: value}
     gguf_config_rule: Callable[[Mapping[str, Any], str], dict[str, Any]] | None = None
+    # the transformers model_type a file's config is built as by pagoda alone (GGUF_CONFIG_NAMES
+    # and the fields, values and rule above), for an architecture transformers' GGUF conversion
+    # does not read (DeepSeek-V3's deepseek2); its tokenizer then comes from the file's
+    # vocabulary alone (loading/tokenizer.py)
+    gguf_model_type: str | None = None
 
     def layer_names(self) -> Mapping[str, str]:
         return {**GGUF_LAYER_NAMES, **self.gguf_layer_names}

