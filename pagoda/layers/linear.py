@@ -54,7 +54,10 @@ class Linear(nn.Module):
         dtype: torch.dtype | None = None,
         tp: TensorParallel = SINGLE,
         in_part: Part | None = None,
+        out_part: Part | None = None,
     ) -> None:
+        """in_part: row-parallel, the checkpoint's input columns this rank holds; out_part:
+        column-parallel, its output rows (sizes are the rank's own)."""
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
@@ -63,6 +66,9 @@ class Linear(nn.Module):
         self.tp = tp
         self.in_part = in_part if tp.size > 1 else None
         self.out_parts: dict[str | None, Part] | None = None
+        if out_part is not None and tp.size > 1:
+            assert out_part[1] == output_size
+            self.out_parts = {None: out_part}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, input_size) -> (num_tokens, output_size)

@@ -20,8 +20,8 @@ GGUF files: llama.cpp's `deepseek2` (FAMILY), whose config pagoda builds itself 
 reads none) and whose kv_b_proj comes cut per head (`attn_k_b` transposed, `attn_v_b`), joined
 back here; files routed otherwise than by V3's sigmoid (DeepSeek-V2's softmax) are refused.
 
-Not yet: tensor parallelism (kv_b_proj's heads are not split: TP > 1 raises), the C++ / Triton
-kernels over a latent cache.
+Tensor parallelism splits the heads (DeepseekV3Attention; the latent cache is whole on every
+rank) and the routed experts (expert parallelism), as vLLM does without data-parallel attention.
 """
 
 from __future__ import annotations
@@ -171,6 +171,12 @@ FAMILY = ModelFamily(
 )
 
 
+def head_share(config: Any, tp: TensorParallel) -> tuple[int, int]:
+    """(first head, heads) of this rank: an equal share; ValueError where the size does not
+    divide the heads."""
+    return tp.part(config.num_attention_heads, "the number of attention heads")
+
+
 class KVUpProjection(nn.Module):
     """kv_b_proj's weight (H * (nope + v), rank), kept whole and unquantized: its halves are
     multiplied into the queries and outputs per head, never applied as a layer."""
@@ -193,26 +199,38 @@ class KVUpProjection(nn.Module):
 
 
 class DeepseekV3Attention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype) -> None:
+    """Under tensor parallelism a rank holds an equal share of the heads: their rows of q_b_proj
+    (or q_proj) and kv_b_proj, their columns of o_proj (whose partial products are summed). The
+    latent projections (q_a_proj, kv_a_proj_with_mqa) and so the latent cache are whole on every
+    rank, as vLLM keeps them."""
+
+    def __init__(
+        self, config: Any, layer_idx: int, dtype: torch.dtype, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        self.first_head, self.num_heads = head_share(config, tp)
         self.num_kv_heads = 1  # one latent row per token, shared by every head
         self.nope = config.qk_nope_head_dim
         self.rope = config.qk_rope_head_dim
         self.rank = config.kv_lora_rank
         self.q_lora_rank = config.q_lora_rank
         hidden, heads, qk_dim = config.hidden_size, self.num_heads, self.nope + self.rope
+        v_dim = config.v_head_dim
         bias = bool(getattr(config, "attention_bias", False))
+        q_part = (self.first_head * qk_dim, heads * qk_dim)
         if self.q_lora_rank:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias, dtype)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, dtype)
-            self.q_b_proj = Linear(self.q_lora_rank, heads * qk_dim, False, dtype)
+            self.q_b_proj = Linear(
+                self.q_lora_rank, heads * qk_dim, False, dtype, tp, out_part=q_part
+            )
         else:
-            self.q_proj = Linear(hidden, heads * qk_dim, False, dtype)
+            self.q_proj = Linear(hidden, heads * qk_dim, False, dtype, tp, out_part=q_part)
         self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias, dtype)
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps, dtype)
-        self.kv_b_proj = KVUpProjection(heads, self.nope, config.v_head_dim, self.rank, dtype)
-        self.o_proj = Linear(heads * config.v_head_dim, hidden, bias, dtype)
+        self.kv_b_proj = KVUpProjection(heads, self.nope, v_dim, self.rank, dtype)
+        o_part = (self.first_head * v_dim, heads * v_dim)
+        self.o_proj = Linear(heads * v_dim, hidden, bias, dtype, tp, in_part=o_part)
         self.interleaved = bool(getattr(config, "rope_interleave", True))
         self.attn = LatentAttention(heads, self.rank, self.attention_scale(config), layer_idx)
 
@@ -298,9 +316,11 @@ class DeepseekRouter(nn.Module):
 
 
 class DeepseekMoE(SparseMoE):
-    """Routed experts (DeepseekRouter's choice) plus the shared experts every token runs."""
+    """Routed experts (DeepseekRouter's choice) plus the shared experts every token runs. Under
+    tensor parallelism a rank holds an equal share of the routed experts whole (expert
+    parallelism, layers/moe.py) and a slice of the shared experts' MLP, as a dense layer's."""
 
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, tp: TensorParallel) -> None:
         inter = config.moe_intermediate_size
 
         def make_expert(e: int) -> nn.Module:
@@ -308,11 +328,9 @@ class DeepseekMoE(SparseMoE):
 
         experts, top_k = config.n_routed_experts, config.num_experts_per_tok
         router = DeepseekRouter(config)
-        super().__init__(
-            config.hidden_size, experts, top_k, False, make_expert, dtype, SINGLE, router
-        )
+        super().__init__(config.hidden_size, experts, top_k, False, make_expert, dtype, tp, router)
         shared = inter * config.n_shared_experts
-        self.shared_experts = LlamaMLP(config, dtype, SINGLE, intermediate_size=shared)
+        self.shared_experts = LlamaMLP(config, dtype, tp, intermediate_size=shared)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids, weights = cast(DeepseekRouter, self.gate).route(x)
@@ -324,14 +342,16 @@ class DeepseekMoE(SparseMoE):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, index: int) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, dtype: torch.dtype, index: int, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.self_attn = DeepseekV3Attention(config, layer_idx, dtype)
+        self.self_attn = DeepseekV3Attention(config, layer_idx, dtype, tp)
         self.mlp: nn.Module
         if index >= config.first_k_dense_replace:
-            self.mlp = DeepseekMoE(config, dtype)
+            self.mlp = DeepseekMoE(config, dtype, tp)
         else:
-            self.mlp = LlamaMLP(config, dtype)
+            self.mlp = LlamaMLP(config, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -356,7 +376,7 @@ class DeepseekV3Model(DecoderModel):
         self, config: Any, dtype: torch.dtype, tp: TensorParallel, pp: PipelineStage
     ) -> None:
         def make_layer(index: int, cache_index: int) -> nn.Module:
-            return DeepseekV3DecoderLayer(config, cache_index, dtype, index)
+            return DeepseekV3DecoderLayer(config, cache_index, dtype, index, tp)
 
         super().__init__(config, dtype, tp, pp, make_layer)
         self.rotary_emb = get_rope(
@@ -373,11 +393,7 @@ class DeepseekV3ForCausalLM(MoECausalLM):
     def make_model(
         self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, pp: PipelineStage
     ) -> DecoderModel:
-        if tp.size > 1:
-            raise ValueError(
-                "tensor parallelism is not supported for DeepSeek's latent attention yet; run "
-                "with --tensor-parallel-size 1 (--pipeline-parallel-size splits the layers)"
-            )
+        head_share(hf_config, tp)  # a size that does not divide the heads: its ValueError here
         return DeepseekV3Model(hf_config, dtype, tp, pp)
 
     def num_experts_of(self, index: int) -> int | None:
@@ -385,7 +401,22 @@ class DeepseekV3ForCausalLM(MoECausalLM):
         return None if dense else int(self.config.n_routed_experts)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        return super().load_weights(_joined_kv_b(weights, self.config.num_attention_heads))
+        joined = _joined_kv_b(weights, self.config.num_attention_heads)
+        return super().load_weights(_rank_kv_b(joined, self.config, self.tp))
+
+
+def _rank_kv_b(
+    weights: Iterable[tuple[str, Any]], config: Any, tp: TensorParallel
+) -> Iterator[tuple[str, Any]]:
+    """kv_b_proj's rows of this rank's heads (head_share), the rest of the checkpoint as it is."""
+    first, heads = head_share(config, tp)
+    per_head = config.qk_nope_head_dim + config.v_head_dim
+    for name, tensor in weights:
+        if tp.size > 1 and name.endswith("self_attn.kv_b_proj.weight"):
+            if isinstance(tensor, GGUFWeight):
+                tensor = tensor.dequantize()
+            tensor = tensor[first * per_head : (first + heads) * per_head]
+        yield name, tensor
 
 
 def _joined_kv_b(weights: Iterable[tuple[str, Any]], heads: int) -> Iterator[tuple[str, Any]]:

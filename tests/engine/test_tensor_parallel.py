@@ -93,6 +93,35 @@ def test_tp2_splits_a_mixtures_experts(tiny_weights_dir: Callable[[str], str]) -
     llm.engine.shutdown()
 
 
+def test_tp2_splits_latent_attention_heads_and_experts(
+    tiny_weights_dir: Callable[[str], str],
+) -> None:
+    """DeepSeek-V3's multi-head latent attention on two ranks: each holds 2 of the 4 heads (their
+    rows of q_b_proj and kv_b_proj, their columns of o_proj), 4 of the 8 routed experts whole and
+    half of the dense and shared MLPs; the latent projections, the router and the latent cache
+    are whole on both. The same outputs as one rank."""
+    got, want, one, llm = _run_both(tiny_weights_dir("deepseek_v3"))
+    assert_same_outputs(got, want)
+    model: Any = one.engine.runner.model
+    latent = [
+        getattr(layer.self_attn, name)
+        for layer in model.model.layers
+        for name in ("q_a_proj", "kv_a_proj_with_mqa")
+    ]
+    whole = [m for m in model.modules() if isinstance(m, (RMSNorm, Router))] + latent
+    replicated = sum(stored_bytes(m) for m in whole + [model.model.rotary_emb])
+    for layer in model.model.layers:  # the router's correction bias: a parameter of its own
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and not isinstance(gate, Router):
+            replicated += sum(p.numel() * p.element_size() for p in gate.parameters())
+    rest = one.engine.model_config.weight_bytes - replicated
+    memory = llm.engine.runner.memory()  # type: ignore[union-attr]
+    for rank in memory:
+        assert rank["weight_bytes"] == rest // 2 + replicated
+        assert rank["kv_cache_bytes"] == _kv_bytes(one)  # one latent row a token on each
+    llm.engine.shutdown()
+
+
 def _assert_each_rank_holds_half(one: LLM, two: LLM) -> None:
     """Every matrix and the KV cache are halved; the norms and the rotary table are whole on
     each rank."""

@@ -138,7 +138,10 @@ def test_yarn_cos_sin_match_hf(config: Any, hf_rope: Any, rotary_dim: int) -> No
     torch.testing.assert_close(sin[:, 0], hf_sin[0, :, :half], rtol=0, atol=2e-6)
 
 
-def test_tensor_parallel_is_refused_with_the_way_out() -> None:
+def test_tensor_parallel_splits_the_heads_or_refuses_the_size() -> None:
+    """Rank 1 of 2 holds heads 2 and 3: their q_proj and kv_b_proj rows, their o_proj columns;
+    the latent projection is whole. 3 ranks do not divide 4 heads: a ValueError naming them.
+    (Two ranks against one, end to end: tests/engine/test_tensor_parallel.py.)"""
     tiny = DeepseekV3Config(
         hidden_size=64,
         intermediate_size=64,
@@ -155,5 +158,12 @@ def test_tensor_parallel_is_refused_with_the_way_out() -> None:
         topk_group=1,
         vocab_size=128,
     )
-    with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
-        DeepseekV3ForCausalLM(tiny, tp=TensorParallel(rank=0, size=2))
+    model = DeepseekV3ForCausalLM(tiny, tp=TensorParallel(rank=1, size=2))
+    attn: Any = model.model.layers[0].self_attn
+    assert (attn.first_head, attn.num_heads, attn.attn.num_heads) == (2, 2, 2)
+    assert attn.q_proj.out_parts == {None: (2 * 16, 2 * 16)}
+    assert attn.o_proj.in_part == (2 * 8, 2 * 8)
+    assert tuple(attn.kv_b_proj.weight.shape) == (2 * (8 + 8), 16)
+    assert tuple(attn.kv_a_proj_with_mqa.weight.shape) == (16 + 8, 64)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the number of"):
+        DeepseekV3ForCausalLM(tiny, tp=TensorParallel(rank=0, size=3))
