@@ -79,6 +79,7 @@ TEST_GROUPS = {
         "tests/unit/test_triton_quant_matmul.py",
         "tests/unit/test_triton_kernels.py",
         "tests/unit/test_triton_fused_linear.py",
+        "tests/unit/test_triton_latent_attention.py",
     ],
 }
 TEST_PATHS = [p for group in TEST_GROUPS.values() for p in group]

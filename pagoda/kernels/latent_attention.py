@@ -1,6 +1,6 @@
 """Triton multi-head latent attention (MLA, DeepSeek-V2/V3) over a latent paged cache, in the
 absorbed form of pagoda/layers/latent_attention.py (its torch path is the reference; tests:
-tests/unit/test_latent_attention_kernels.py).
+tests/unit/test_triton_latent_attention.py).
 
 The cache holds one row per token, [latent (RANK values), rotary key (ROPE values)], shared by
 every head (KVCache.k (num_blocks, block_size, 1, RANK + ROPE); KVCache.v is empty). A query row
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 _DECODE_BLOCK_H = 16
 _DECODE_BLOCK_N = 32
-_PREFILL_BLOCK_M = 32
-_PREFILL_BLOCK_N = 32
+_PREFILL_BLOCK_M = 16  # a 512-wide float32 tile of queries and one of rows: 64 KB of operands
+_PREFILL_BLOCK_N = 16
 
 
 @triton.jit
