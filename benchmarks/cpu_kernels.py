@@ -159,8 +159,8 @@ def decode_attention(ops: Any, repeats: int) -> list[dict[str, Any]]:
     (layers/attention.py: decode_attention_reductions), 30 layers' float32 caches of SmolLM2's
     shape, requests of 32-300 positions on scattered blocks, a 64 MB write between timings so
     the caches come from memory as in a step."""
+    from pagoda.kernels.paged_cache import KVCache
     from pagoda.layers.attention import decode_attention_reductions
-    from pagoda.layers.kv_cache import KVCache
 
     gen = torch.Generator().manual_seed(2)
     blocks, width = 1200, 19

@@ -39,7 +39,7 @@ def main() -> int:
     from ray import serve
 
     from pagoda.config import EngineConfig
-    from pagoda.distributed.ray_serve import RayServeOptions, build_application
+    from pagoda.scaleout.ray_serve import RayServeOptions, build_application
     from pagoda.server.state import ServerConfig
 
     began = time.monotonic()

@@ -76,7 +76,7 @@ def ray_app(
     from ray import serve
 
     from pagoda.config import EngineConfig
-    from pagoda.distributed.ray_serve import RayServeOptions, build_application
+    from pagoda.scaleout.ray_serve import RayServeOptions, build_application
     from pagoda.server.state import ServerConfig
 
     options = RayServeOptions(min_replicas=2, max_replicas=2, router=router)

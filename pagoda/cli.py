@@ -120,7 +120,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
     engine_config = EngineConfig.from_kwargs(args.model_tag or args.model, **engine_kwargs(args))
     if args.ray:
-        from pagoda.distributed.ray_serve import run_on_ray
+        from pagoda.scaleout.ray_serve import run_on_ray
 
         return run_on_ray(engine_config, server_config(args), ray_options(args), args.ray_address)
     # The engine process starts loading the model (and a thread the tokenizer) now, while this
@@ -157,8 +157,8 @@ def server_config(args: argparse.Namespace) -> Any:
 
 def ray_options(args: argparse.Namespace) -> Any:
     """RayServeOptions from `pagoda serve --ray`'s flags."""
-    from pagoda.distributed.autoscaling import SLOPolicyConfig
-    from pagoda.distributed.ray_serve import RayServeOptions
+    from pagoda.scaleout.autoscaling import SLOPolicyConfig
+    from pagoda.scaleout.ray_serve import RayServeOptions
 
     if args.num_replicas is not None and (args.min_replicas or args.max_replicas):
         raise ValueError("give --num-replicas, or --min-replicas and --max-replicas, not both")

@@ -16,8 +16,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.forward_context import AttentionMetadata
-from pagoda.layers.kv_cache import KVCache, read_kv, write_kv_cache
+from pagoda.layers.kv_cache import read_kv, write_kv_cache
 from pagoda.runner.step_inputs import build_attention_metadata
 
 JUNK_BLOCKS = 3

@@ -1,2 +1,3 @@
-"""Scale: tensor- and pipeline-parallel worker processes (workers.py, worker.py), the KV
-connector between prefill and decode instances (kv_transfer.py); later the Ray Serve app."""
+"""The ranks below the engine: tensor-, pipeline- and context-parallel worker processes
+(workers.py, the engine's side; worker.py, a rank's loop) and the KV connector between prefill and
+decode instances (kv_transfer.py). Scale-out past one machine is pagoda/scaleout/."""

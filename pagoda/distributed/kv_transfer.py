@@ -32,8 +32,8 @@ import msgspec
 import torch
 import zmq
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.kv_transfer_config import KVTransferConfig
-from pagoda.layers.kv_cache import KVCache
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.config import EngineConfig
-from pagoda.layers.kv_cache import kv_cache_bytes
+from pagoda.kernels.paged_cache import kv_cache_bytes
 from pagoda.layers.parallel import (
     NO_CONTEXT_PARALLEL,
     SINGLE,

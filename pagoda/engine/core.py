@@ -15,8 +15,8 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.workers import RemoteOutput, WorkerGroup
+from pagoda.kernels.paged_cache import prefault_in_background
 from pagoda.kv_transfer_config import remote_prefill_source
-from pagoda.layers.kv_cache import prefault_in_background
 from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig

@@ -33,8 +33,8 @@ from pagoda.distributed.kv_transfer import (
     make_connector,
     scatter_blocks,
 )
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.kv_transfer_config import KVTransferConfig
-from pagoda.layers.kv_cache import KVCache
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
 from pagoda.scheduling.messages import EngineCoreOutput
 from pagoda.scheduling.request import Request, RequestStatus

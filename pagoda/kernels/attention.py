@@ -55,7 +55,7 @@ import triton.language as tl
 from pagoda.kernels.paged_kv import _MIN_DOT, _block_d, _cache_args, _load_kv_tile
 
 if TYPE_CHECKING:
-    from pagoda.layers.kv_cache import KVCache
+    from pagoda.kernels.paged_cache import KVCache
 
 _LOG2E = 1.4426950408889634
 

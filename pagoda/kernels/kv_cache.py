@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.paged_cache import KV_SCALE_DTYPE
 from pagoda.kernels.rotary import _rotate_pair
-from pagoda.layers.kv_cache import KV_SCALE_DTYPE
 
 if TYPE_CHECKING:
-    from pagoda.layers.kv_cache import KVCache
+    from pagoda.kernels.paged_cache import KVCache
 
 _MIN_SCALE = torch.finfo(KV_SCALE_DTYPE).tiny
 # Adding then subtracting 1.5 * 2**23 rounds a float32 |y| < 2**22 to an integer, half to even

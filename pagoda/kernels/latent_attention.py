@@ -27,7 +27,7 @@ from pagoda.kernels.attention import _LOG2E, _decode_stage2_kernel, decode_launc
 from pagoda.kernels.paged_kv import _MIN_DOT, _block_d, _load_kv_tile
 
 if TYPE_CHECKING:
-    from pagoda.layers.kv_cache import KVCache
+    from pagoda.kernels.paged_cache import KVCache
 
 _DECODE_BLOCK_H = 16
 _DECODE_BLOCK_N = 32

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from pagoda.layers.kv_cache import KVCache
+    from pagoda.kernels.paged_cache import KVCache
 
 # tl.dot needs every side >= 16 on the GPU: query heads of a group, tile positions, head_dim.
 _MIN_DOT = 16

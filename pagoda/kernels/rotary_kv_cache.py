@@ -27,7 +27,7 @@ from pagoda.kernels.kv_cache import (
 from pagoda.kernels.rotary import _load_angles, _rotate_pair
 
 if TYPE_CHECKING:
-    from pagoda.layers.kv_cache import KVCache
+    from pagoda.kernels.paged_cache import KVCache
 
 
 @triton.jit

@@ -33,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.context_parallel import context_parallel_attention
 from pagoda.layers.forward_context import AttentionMetadata, ForwardContext, get_forward_context
-from pagoda.layers.kv_cache import KVCache, read_kv, write_kv_cache
+from pagoda.layers.kv_cache import read_kv, write_kv_cache
 
 
 class Attention(nn.Module):

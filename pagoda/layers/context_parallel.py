@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagoda.layers.kv_cache import KVCache, read_kv, write_kv_cache
+from pagoda.kernels.paged_cache import KVCache
+from pagoda.layers.kv_cache import read_kv, write_kv_cache
 from pagoda.layers.parallel import ContextParallel
 
 # A rank's prefill queries are attended in runs of this many rows, each over the keys up to its

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from pagoda.kernels.paged_cache import KVCache
     from pagoda.layers.context_parallel import ContextParallelMetadata
-    from pagoda.layers.kv_cache import KVCache
 
 # One KVCache per layer.
 KVCaches = Sequence["KVCache"]

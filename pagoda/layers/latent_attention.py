@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.attention import decode_mask
 from pagoda.layers.forward_context import AttentionMetadata, ForwardContext, get_forward_context
-from pagoda.layers.kv_cache import KVCache, read_kv, write_kv_cache
+from pagoda.layers.kv_cache import read_kv, write_kv_cache
 
 
 class LatentAttention(nn.Module):

@@ -14,9 +14,9 @@ from bisect import bisect_left
 
 import torch
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.context_parallel import ContextParallelMetadata, ContextPrefill
 from pagoda.layers.forward_context import AttentionMetadata, forward_context
-from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.parallel import ContextParallel
 from pagoda.models.interface import CausalLM
 

@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import torch
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.forward_context import forward_context
-from pagoda.layers.kv_cache import KVCache
 from pagoda.runner.step_inputs import InputBuffers
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.forward_context import forward_context
-from pagoda.layers.kv_cache import KVCache, allocate_kv_caches
+from pagoda.layers.kv_cache import allocate_kv_caches
 from pagoda.loading.draft import DraftModel
 from pagoda.runner.input_batch import InputBatch
 from pagoda.runner.speculative import one_token_rows

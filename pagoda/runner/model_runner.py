@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.forward_context import AttentionMetadata, forward_context
-from pagoda.layers.kv_cache import KVCache, allocate_kv_caches
+from pagoda.layers.kv_cache import allocate_kv_caches
 from pagoda.layers.parallel import NO_CONTEXT_PARALLEL, WHOLE_MODEL, ContextParallel, PipelineStage
 from pagoda.layers.quant_forms import triton_weights
 from pagoda.loading.draft import DraftModel

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.forward_context import forward_context
-from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.parallel import PipelineStage
 from pagoda.model_config import ModelConfig
 from pagoda.models.interface import CausalLM

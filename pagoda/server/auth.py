@@ -1,5 +1,5 @@
 """The API key check (--api-key), shared by the server's routes and the Ray Serve ingress's own
-routes (distributed/ray_serve.py). Light on imports: the ingress does not load the server."""
+routes (scaleout/ray_serve.py). Light on imports: the ingress does not load the server."""
 
 from __future__ import annotations
 

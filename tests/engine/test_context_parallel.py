@@ -23,8 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagoda import LLM, SamplingParams
+from pagoda.kernels.paged_cache import kv_cache_bytes
 from pagoda.layers.context_parallel import combine_partials
-from pagoda.layers.kv_cache import kv_cache_bytes
 from pagoda.layers.parallel import ContextParallel
 from pagoda.model_config import ModelConfig
 from pagoda.runner.context_parallel import context_metadata, rank_rows

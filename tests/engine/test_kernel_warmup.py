@@ -73,7 +73,7 @@ def test_quant_matmul_rows_reuse_the_warm_up_variants(monkeypatch: pytest.Monkey
 
 
 def test_decode_attention_reuses_the_warm_up_variants(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pagoda.layers.kv_cache import KVCache
+    from pagoda.kernels.paged_cache import KVCache
 
     monkeypatch.setattr(attention, "_TARGET_PROGRAMS", 16)  # 8, 4, 3, 2, 2, 2, 2, 1 splits
     num_kv_heads, max_blocks, block_size = 2, 40, 4

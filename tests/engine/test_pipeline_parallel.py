@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from pagoda import LLM, SamplingParams
-from pagoda.layers.kv_cache import kv_cache_bytes
+from pagoda.kernels.paged_cache import kv_cache_bytes
 from pagoda.layers.parallel import PipelineStage
 from pagoda.layers.quant_forms import stored_bytes
 from pagoda.outputs import RequestOutput

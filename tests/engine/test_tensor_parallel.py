@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagoda import LLM, SamplingParams
 from pagoda.distributed.workers import UNGUARDED_MESSAGE
-from pagoda.layers.kv_cache import kv_cache_bytes
+from pagoda.kernels.paged_cache import kv_cache_bytes
 from pagoda.layers.moe import Router, SparseMoE
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.parallel import TensorParallel

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import write_kv_cache
-from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
 

@@ -18,7 +18,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 
 from pagoda import LLM
-from pagoda.layers.kv_cache import kv_cache_bytes
+from pagoda.kernels.paged_cache import kv_cache_bytes
 from pagoda.layers.parallel import TensorParallel
 from pagoda.layers.rotary import get_rope
 from pagoda.model_config import ModelConfig, kv_cache_dims_of

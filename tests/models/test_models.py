@@ -21,8 +21,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from pagoda.config import EngineConfig
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.forward_context import forward_context
-from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.rotary import compute_inv_freq, get_rope, rope_parameters
 from pagoda.loading.gguf import gguf_to_hf_name, unpermute_qk
 from pagoda.loading.hf_config import GGUFConfig, _family_fields, load_hf_config, max_positions

@@ -48,8 +48,8 @@ from safetensors.torch import load_file, save_file
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import EngineConfig
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.forward_context import forward_context
-from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.linear import Linear
 from pagoda.layers.quant import GPTQMethod
 from pagoda.layers.quant_forms import stored_bytes

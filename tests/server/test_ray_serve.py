@@ -1,4 +1,4 @@
-"""pagoda on Ray Serve (pagoda/distributed/ray_serve.py) on a local Ray cluster started and
+"""pagoda on Ray Serve (pagoda/scaleout/ray_serve.py) on a local Ray cluster started and
 stopped here (loopback only): two replicas of the tiny Llama behind one route.
 
 - The OpenAI client's completions, streaming and errors come back as from `pagoda serve`, and
@@ -32,9 +32,9 @@ import ray
 from ray import serve
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.autoscaling import SLOPolicyConfig
-from pagoda.distributed.ray_serve import RayServeOptions, build_application, engine_replica_ids
-from pagoda.distributed.routing import prefix_key, rendezvous_order
+from pagoda.scaleout.autoscaling import SLOPolicyConfig
+from pagoda.scaleout.ray_serve import RayServeOptions, build_application, engine_replica_ids
+from pagoda.scaleout.routing import prefix_key, rendezvous_order
 from pagoda.server.state import ServerConfig
 from tests.server.browser import Page
 from tests.server.conftest import SMALL_POOL, ServerProcess, free_port

@@ -2,14 +2,15 @@
 
 Parts, highest first; a part imports only parts below it, its own modules and the ground:
 
-    cli.py, __init__.py (face) -> server/, bench/ -> client/ -> engine/ -> distributed/ -> runner/
-    -> spec_decode/
-    -> loading/
-    -> models/, layers/, kernels/ (the network)
+    cli.py, __init__.py (face) -> scaleout/ -> server/, bench/ -> client/ -> engine/
+    -> distributed/ -> runner/ -> spec_decode/ -> loading/ -> models/ -> layers/ -> kernels/
 
-One module sits apart from its folder: distributed/ray_serve.py, the Ray Serve app, runs pagoda's
-server in each replica, so it ranks above the server (shared/architecture.json's Scale -> Server
-arrow); only the face imports it.
+scaleout/ (the Ray Serve app, its routing and autoscaling) runs pagoda's server in each replica,
+so it ranks above the server; distributed/ (the parallel ranks and the KV connector) sits below
+the engine, which starts them. Within the network a model builds on layers and a layer on
+kernels, never the other way: the paged cache's tensors (KVCache, kernels/paged_cache.py) are
+what the kernels read, below the layers that write them. No module is an exception to its
+folder.
 
 The ground is plain data that every part may read: config.py, sampling_params.py, outputs.py,
 engine_args.py, version.py and scheduling/messages.py (the contract). Besides the direction:
@@ -22,6 +23,7 @@ engine_args.py, version.py and scheduling/messages.py (the contract). Besides th
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2] / "pagoda"
 
 RANKS = {
     "face": 7,
-    "scale_out": 6.5,  # the Ray Serve app (SCALE_OUT): replicas of the server
+    "scaleout": 6.5,  # the Ray Serve app: replicas of the server
     "server": 6,
     "bench": 6,
     "client": 5,
@@ -39,7 +41,9 @@ RANKS = {
     "runner": 3,
     "spec_decode": 2.5,  # the proposers, which the runner calls; a draft model is a network
     "loading": 2,
-    "network": 1,
+    "models": 1.3,  # the network: models, then layers, then kernels
+    "layers": 1.2,
+    "kernels": 1.1,
     "scheduling": 0,
     "ground": 0,
 }
@@ -54,7 +58,6 @@ PLAIN_ROOT = {
     "pagoda.engine_args",
     "pagoda.version",
 }
-SCALE_OUT = {"pagoda.distributed.ray_serve"}
 CONTRACT = "pagoda.scheduling.messages"
 TENSOR_LIBS = {"torch", "triton", "numpy"}
 
@@ -65,11 +68,7 @@ def part_of(module: str) -> str:
         return "ground"
     if module in ("pagoda", "pagoda.cli"):
         return "face"
-    if module in SCALE_OUT:
-        return "scale_out"
     top = parts[1]
-    if top in ("models", "layers", "kernels"):
-        return "network"
     if top not in RANKS:
         raise AssertionError(f"{module} belongs to no part: add its folder to RANKS")
     return top
@@ -223,6 +222,11 @@ def test_the_rules_catch_what_they_forbid() -> None:
     """The checker itself: each forbidden arrow is reported, an allowed one is not."""
     assert allowed("pagoda.runner.model_runner", "pagoda.engine.core") is not None
     assert allowed("pagoda.layers.attention", "pagoda.runner.step_inputs") is not None
+    assert allowed("pagoda.kernels.kv_cache", "pagoda.layers.kv_cache") is not None
+    assert allowed("pagoda.layers.linear", "pagoda.models.base") is not None
+    assert allowed("pagoda.server.app", "pagoda.scaleout.ray_serve") is not None
+    assert allowed("pagoda.scaleout.ray_serve", "pagoda.server.auth") is None
+    assert allowed("pagoda.engine.core", "pagoda.distributed.workers") is None
     assert allowed("pagoda.scheduling.scheduler", "pagoda.runner.sampler") is not None
     assert allowed("pagoda.client.llm", "pagoda.server.app") is not None
     assert allowed("pagoda.server.app", "pagoda.scheduling.scheduler") is not None
@@ -248,3 +252,35 @@ def test_small_files_stay_small() -> None:
         if (n := len(p.read_text().splitlines())) > 500
     }
     assert not big, f"modules over 500 lines: {big}"
+
+
+def _tree_blocks(doc: str) -> dict[str, str]:
+    """docs/architecture.md's tree: each top-level entry (`cli.py`, `server/`, ...) and its text."""
+    tree = doc.split("## The tree", 1)[1].split("```")[1]
+    blocks: dict[str, str] = {}
+    name = ""
+    for line in tree.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            name = line.split()[0]
+            blocks[name] = line[len(name) + 2 :]
+        elif name:
+            blocks[name] += "\n" + line
+    return blocks
+
+
+def test_the_architecture_page_names_every_module() -> None:
+    """Every module of pagoda/ is named (its file name) in docs/architecture.md's tree, under its
+    top folder."""
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    blocks = _tree_blocks(doc)
+    missing = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if path.name in ("__init__.py", "__main__.py") and len(rel.parts) > 1:
+            continue
+        top = rel.parts[0] if len(rel.parts) == 1 else rel.parts[0] + "/"
+        text = blocks.get(top)
+        named = re.search(rf"\b{re.escape(path.name)}", text or "")
+        if text is None or (len(rel.parts) > 1 and named is None):
+            missing.append(str(rel))
+    assert not missing, f"docs/architecture.md's tree does not name: {missing}"

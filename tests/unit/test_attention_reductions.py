@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.attention import (
     decode_attention_reductions,
     paged_attention_torch,
     write_kv_cache,
 )
-from pagoda.layers.kv_cache import KVCache
 from pagoda.runner.step_inputs import build_attention_metadata
 
 BLOCK = 4

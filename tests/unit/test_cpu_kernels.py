@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagoda.kernels.cpu import built
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers import gguf
 from pagoda.layers.attention import paged_attention_torch
 from pagoda.layers.cpu_forms import (
@@ -36,7 +37,6 @@ from pagoda.layers.cpu_forms import (
 )
 from pagoda.layers.embedding import LMHead, VocabEmbedding
 from pagoda.layers.forward_context import AttentionMetadata
-from pagoda.layers.kv_cache import KVCache
 from pagoda.layers.linear import MergedLinear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.quant import GGUFMethod, gguf_cpu_form

@@ -17,15 +17,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from ray.exceptions import ActorDiedError
 
-from pagoda.distributed.forwarding import (
+from pagoda.scaleout.forwarding import (
     ForwardedRequest,
     ResponseStart,
     lifespan,
     routing_key,
     run_asgi,
 )
-from pagoda.distributed.ray_serve import PagodaIngress, RayServeOptions
-from pagoda.distributed.routing import prefix_key
+from pagoda.scaleout.ray_serve import PagodaIngress, RayServeOptions
+from pagoda.scaleout.routing import prefix_key
 
 
 def body(payload: Any) -> bytes:

@@ -9,7 +9,7 @@ import mmap
 import numpy as np
 import torch
 
-from pagoda.layers.kv_cache import KVCache, prefault_in_background
+from pagoda.kernels.paged_cache import KVCache, prefault_in_background
 
 
 def _resident_pages(t: torch.Tensor) -> tuple[int, int]:

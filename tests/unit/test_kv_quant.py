@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.attention import paged_attention_torch, write_kv_cache
-from pagoda.layers.kv_cache import KVCache, dequantize_kv, quantize_kv
+from pagoda.layers.kv_cache import dequantize_kv, quantize_kv
 from pagoda.model_config import ModelConfig
 from pagoda.runner.model_runner import ModelRunner
 from pagoda.runner.step_inputs import build_attention_metadata

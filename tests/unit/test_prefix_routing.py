@@ -1,4 +1,4 @@
-"""Prefix-aware routing (pagoda/distributed/routing.py): prompts that share their first blocks go
+"""Prefix-aware routing (pagoda/scaleout/routing.py): prompts that share their first blocks go
 to one replica, spread evenly over replicas, move little when a replica is added, and leave a
 preferred replica that is too busy for the next in their order."""
 
@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from pagoda.distributed.routing import (
+from pagoda.scaleout.routing import (
     CHARS_PER_TOKEN,
     choose_replica,
     prefix_key,

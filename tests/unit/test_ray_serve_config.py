@@ -12,8 +12,8 @@ from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from pagoda.cli import build_parser, ray_options
-from pagoda.distributed.autoscaling import SLOPolicyConfig
-from pagoda.distributed.ray_serve import RayServeOptions, _scaling, app_builder
+from pagoda.scaleout.autoscaling import SLOPolicyConfig
+from pagoda.scaleout.ray_serve import RayServeOptions, _scaling, app_builder
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray-serve.yaml"
 
@@ -21,7 +21,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray-serve.yaml"
 def test_the_serve_config_file_validates_and_builds() -> None:
     config = ServeDeploySchema.model_validate(yaml.safe_load(CONFIG.read_text()))
     (app,) = config.applications
-    assert app.import_path == "pagoda.distributed.ray_serve:app_builder"
+    assert app.import_path == "pagoda.scaleout.ray_serve:app_builder"
     assert isinstance(app_builder(app.args), serve.Application)
     scaling = _scaling(
         RayServeOptions(
@@ -31,7 +31,7 @@ def test_the_serve_config_file_validates_and_builds() -> None:
         )
     )["autoscaling_config"]
     assert (scaling.min_replicas, scaling.max_replicas) == (1, 4)
-    assert scaling.policy.policy_function == ("pagoda.distributed.autoscaling:SLOAutoscalingPolicy")
+    assert scaling.policy.policy_function == ("pagoda.scaleout.autoscaling:SLOAutoscalingPolicy")
     assert scaling.policy.policy_kwargs["ttft_slo_s"] == 1.0
 
 

@@ -31,13 +31,14 @@ import pytest
 import torch
 
 from pagoda.kernels.cpu import built
+from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.attention import (
     Attention,
     decode_attention_reductions,
     paged_attention_torch,
 )
 from pagoda.layers.forward_context import AttentionMetadata, ForwardContext
-from pagoda.layers.kv_cache import KVCache, read_kv, write_kv_cache
+from pagoda.layers.kv_cache import read_kv, write_kv_cache
 from pagoda.runner.step_inputs import build_attention_metadata
 from tests.triton_interpreter import interpreter_as_gpu  # noqa: F401 (a fixture, by name)
 

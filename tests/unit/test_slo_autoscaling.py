@@ -1,4 +1,4 @@
-"""The SLO autoscaling policy (pagoda/distributed/autoscaling.py) driven with synthetic metrics:
+"""The SLO autoscaling policy (pagoda/scaleout/autoscaling.py) driven with synthetic metrics:
 every decision of a load ramp is asserted, with Ray Serve's AutoscalingContext field names."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pagoda.distributed.autoscaling import (
+from pagoda.scaleout.autoscaling import (
     SLOAutoscalingPolicy,
     SLOPolicyConfig,
     SLOSnapshot,

@@ -32,9 +32,9 @@ from pagoda.kernels.attention import (  # noqa: E402
     paged_decode_attention,
     paged_prefill_attention,
 )
+from pagoda.kernels.paged_cache import KVCache  # noqa: E402
 from pagoda.layers.attention import paged_attention_torch, write_kv_cache  # noqa: E402
 from pagoda.layers.forward_context import AttentionMetadata  # noqa: E402
-from pagoda.layers.kv_cache import KVCache  # noqa: E402
 from pagoda.runner.step_inputs import build_attention_metadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

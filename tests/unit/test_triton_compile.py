@@ -184,6 +184,7 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
     from pagoda.kernels.fused_linear import fused_linear
     from pagoda.kernels.kv_cache import write_kv_cache
     from pagoda.kernels.norm import fused_add_rms_norm, rms_norm
+    from pagoda.kernels.paged_cache import KVCache
     from pagoda.kernels.quant_matmul import (
         w4a16_dequantize,
         w4a16_matmul,
@@ -192,7 +193,6 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
     )
     from pagoda.kernels.rotary import rotary_qk
     from pagoda.kernels.rotary_kv_cache import rotary_write_kv_cache
-    from pagoda.layers.kv_cache import KVCache
 
     heads, kv_heads, head_dim, hidden, inter = MODELS[model]
     quant = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}

@@ -43,11 +43,12 @@ pytestmark = pytest.mark.usefixtures("interpreter_as_gpu")
 from pagoda.kernels.activation import silu_and_mul  # noqa: E402
 from pagoda.kernels.kv_cache import write_kv_cache  # noqa: E402
 from pagoda.kernels.norm import fused_add_rms_norm, rms_norm  # noqa: E402
+from pagoda.kernels.paged_cache import KVCache  # noqa: E402
 from pagoda.kernels.rotary import rotary_qk  # noqa: E402
 from pagoda.kernels.rotary_kv_cache import rotary_write_kv_cache  # noqa: E402
 from pagoda.layers.activation import SiluAndMul  # noqa: E402
 from pagoda.layers.attention import write_kv_cache as write_kv_cache_torch  # noqa: E402
-from pagoda.layers.kv_cache import KVCache, quantize_kv  # noqa: E402
+from pagoda.layers.kv_cache import quantize_kv  # noqa: E402
 from pagoda.layers.norm import RMSNorm  # noqa: E402
 from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq  # noqa: E402
 

@@ -17,8 +17,8 @@ from tests.triton_interpreter import interpreter_as_gpu  # noqa: E402, F401 (a f
 pytestmark = pytest.mark.usefixtures("interpreter_as_gpu")
 
 from pagoda.kernels.latent_attention import latent_decode_attention  # noqa: E402
+from pagoda.kernels.paged_cache import KVCache  # noqa: E402
 from pagoda.layers.forward_context import ForwardContext  # noqa: E402
-from pagoda.layers.kv_cache import KVCache  # noqa: E402
 from pagoda.layers.latent_attention import LatentAttention  # noqa: E402
 from pagoda.runner.step_inputs import build_attention_metadata  # noqa: E402
 from tests.latent_cases import DECODES, MIXED, close, make_step  # noqa: E402

@@ -36,8 +36,8 @@ from ray.serve.deployment import Deployment
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.autoscaling import SLOPolicyConfig, SLOWindow
-from pagoda.distributed.forwarding import (
+from pagoda.scaleout.autoscaling import SLOPolicyConfig, SLOWindow
+from pagoda.scaleout.forwarding import (
     REPLICA_HEADER,
     ASGIApp,
     ForwardedRequest,
@@ -54,7 +54,7 @@ from pagoda.server.state import ServerConfig
 logger = logging.getLogger("pagoda.ray_serve")
 
 ROUTERS = {
-    "prefix": "pagoda.distributed.ray_router:PrefixAwareRouter",
+    "prefix": "pagoda.scaleout.ray_router:PrefixAwareRouter",
     "power-of-two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
 }
 # A replica whose actor died or cannot be reached: the request may go to another one.
@@ -353,7 +353,7 @@ def _scaling(options: RayServeOptions) -> dict[str, Any]:
         downscale_delay_s=options.downscale_delay_s,
         look_back_period_s=options.look_back_period_s,
         policy=AutoscalingPolicy(
-            policy_function="pagoda.distributed.autoscaling:SLOAutoscalingPolicy",
+            policy_function="pagoda.scaleout.autoscaling:SLOAutoscalingPolicy",
             policy_kwargs=asdict(options.slo),
         ),
     )
@@ -361,7 +361,7 @@ def _scaling(options: RayServeOptions) -> dict[str, Any]:
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
-    """`serve run pagoda.distributed.ray_serve:app_builder model=...` and the `import_path` of
+    """`serve run pagoda.scaleout.ray_serve:app_builder model=...` and the `import_path` of
     deploy/ray-serve.yaml: args are `model`, `engine` (LLM(...) keyword arguments), `server`
     (ServerConfig's fields), `slo` (SLOPolicyConfig's) and RayServeOptions' other fields."""
     args = dict(args)

@@ -101,7 +101,7 @@ def snapshot_of(aggregated: Mapping[str, Mapping[Any, float]] | None) -> SLOSnap
 
 class SLOAutoscalingPolicy:
     """Ray Serve's policy_function (`AutoscalingPolicy(policy_function=
-    "pagoda.distributed.autoscaling:SLOAutoscalingPolicy", policy_kwargs={...})`): Ray builds
+    "pagoda.scaleout.autoscaling:SLOAutoscalingPolicy", policy_kwargs={...})`): Ray builds
     it once with policy_kwargs (SLOPolicyConfig's fields), then calls it every control period
     with its AutoscalingContext (target_num_replicas, capacity_adjusted_min_replicas / _max_
     replicas, aggregated_metrics) for (replicas, policy state)."""

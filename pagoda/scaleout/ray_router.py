@@ -2,7 +2,7 @@
 view of each replica's queue (its requests in flight), so prefix caching survives scale-out.
 
 Configured on the engine deployment as `RequestRouterConfig(request_router_class=
-"pagoda.distributed.ray_router:PrefixAwareRouter", request_router_kwargs={"max_imbalance": 4})`.
+"pagoda.scaleout.ray_router:PrefixAwareRouter", request_router_kwargs={"max_imbalance": 4})`.
 The request's routing key is the `prefix_key` of its first argument (a ForwardedRequest); a
 request that names a replica (its `replica`, from the x-pagoda-replica header) goes to that one
 while it is a candidate, and is routed by its key when it is not (the response names the replica
@@ -20,7 +20,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from pagoda.distributed.routing import choose_replica
+from pagoda.scaleout.routing import choose_replica
 
 
 class PrefixAwareRouter(FIFOMixin, RequestRouter):

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.distributed.routing import prefix_key
+from pagoda.scaleout.routing import prefix_key
 
 Message = MutableMapping[str, Any]
 ASGIApp = Callable[

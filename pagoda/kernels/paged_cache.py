@@ -1,0 +1,122 @@
+"""One layer's paged KV cache as tensors (KVCache), the dtype of its quantized rows' scales, and
+how the cache's memory is allocated and counted. What every kernel and layer reads the cache as:
+plain torch, below the layers (layers/kv_cache.py writes and reads it by slot and block) and
+the Triton kernels (kernels/kv_cache.py, attention.py, latent_attention.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import mmap
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Quantized K/V rows are stored with one scale of this dtype per (token, kv head); model_config.py
+# names it (KV_SCALE_DTYPE) for sizing.
+KV_SCALE_DTYPE = torch.float32
+
+
+@dataclass
+class KVCache:
+    """One layer's paged KV cache.
+
+    k, v: (num_blocks, block_size, num_kv_heads, head_dim) in the model dtype, or quantized
+    (int8, float8_e4m3fn) with k_scale, v_scale: (num_blocks, block_size, num_kv_heads) float32
+    such that a stored row dequantizes to values * scale. Scales are None when not quantized.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @classmethod
+    def allocate(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        quant_dtype: torch.dtype | None,
+        device: torch.device | str,
+        v_head_dim: int | None = None,
+    ) -> KVCache:
+        """Zeroed cache in `dtype`, or in `quant_dtype` with scales when that is not None;
+        values of v_head_dim (head_dim when None; 0 for a latent cache, whose v is empty)."""
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        v_shape = shape[:3] + (head_dim if v_head_dim is None else v_head_dim,)
+        if quant_dtype is None:
+            return cls(_zeros(shape, dtype, device), _zeros(v_shape, dtype, device))
+        k = _zeros(shape, quant_dtype, device)
+        v = _zeros(v_shape, quant_dtype, device)
+        k_scale = _zeros(shape[:3], KV_SCALE_DTYPE, device)
+        v_scale = _zeros(shape[:3], KV_SCALE_DTYPE, device)
+        return cls(k, v, k_scale, v_scale)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block id first: k, v and, when quantized, their scales."""
+        tensors = [self.k, self.v]
+        if self.k_scale is not None and self.v_scale is not None:
+            tensors += [self.k_scale, self.v_scale]
+        return tensors
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Block dst[i] becomes a copy of block src[i] (copy-on-write), scales included."""
+        for t in self.tensors():
+            t[dst] = t[src]
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (not in Python's mmap module before 3.13)
+
+
+def prefault_in_background(caches: Sequence[KVCache]) -> threading.Thread | None:
+    """Fault in the pages of CPU caches made by _zeros, in a daemon thread, without changing
+    their contents (MADV_POPULATE_WRITE), so it may run while steps write them. The cache's
+    memory is then resident from the start, as a torch.zeros cache was (an out-of-memory shows
+    at once, not hours later, and RSS stays flat), while the server is ready as soon as the map
+    exists. None on another device or where the kernel lacks it."""
+    tensors = [t for c in caches for t in c.tensors() if t.device.type == "cpu" and t.numel()]
+    if not tensors:
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def run() -> None:
+        page = mmap.PAGESIZE
+        for t in tensors:  # ctypes releases the GIL for the call
+            start = t.data_ptr() // page * page
+            nbytes = t.data_ptr() + t.numel() * t.element_size() - start
+            if madvise(start, nbytes, _MADV_POPULATE_WRITE) != 0:
+                logging.getLogger(__name__).debug(
+                    "MADV_POPULATE_WRITE: errno %d", ctypes.get_errno()
+                )
+                return
+
+    thread = threading.Thread(target=run, name="pagoda-kv-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros; on CPU over an anonymous memory map, whose pages the OS hands out zeroed on
+    first touch: a cache of gigabytes is allocated at once (torch.zeros writes every byte, about
+    a second for the default 2 GiB), and blocks never used take no memory."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # The tensor holds a reference to the map, which lives as long as the tensor.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
+def kv_cache_bytes(caches: list[KVCache]) -> int:
+    """Bytes of every tensor of the caches (k, v and any scales)."""
+    return sum(t.numel() * t.element_size() for c in caches for t in c.tensors())
