@@ -122,7 +122,7 @@ def count_model(folder: Path) -> dict[str, Any]:
         block_size=16,
         async_scheduling=False,
     )
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     runner.decode_sizes = capture_sizes(1)  # decode steps run the graph's body, eagerly
     model = runner.model
     counter = LaunchCounter()

@@ -63,7 +63,7 @@ def make_llm(folder: str, args: argparse.Namespace, max_num_seqs: int) -> LLM:
         async_scheduling=args.async_scheduling,
         enforce_eager=True,  # graphs would be captured around the real forward
     )
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     device = llm.engine.device
 
     def forward(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -127,8 +127,8 @@ def main() -> None:
     phases: dict[str, list[float]] = {}
     for obj, name in (
         (engine.scheduler, "schedule"),
-        (engine.runner, "execute"),
-        (engine.runner.buffers, "prepare"),
+        (engine.executor.runner, "execute"),
+        (engine.executor.runner.buffers, "prepare"),
         (engine.scheduler, "update"),
         (engine, "step"),
     ):

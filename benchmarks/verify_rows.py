@@ -67,7 +67,7 @@ def main() -> int:
     llm = LLM(
         None, optimization_level=2, seed=0, num_gpu_blocks_override=256, speculative_config=spec
     )
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.proposer is not None
     proposer = Continuation(PROMPT, output)
     runner.proposer.proposer = proposer  # type: ignore[assignment]

@@ -427,7 +427,7 @@ def teacher_forcing(llm: LLM, forced_tokens: Sequence[Sequence[int]]) -> Iterato
     """Within the block, the i-th request added to `llm` (n = 1) samples forced_tokens[i][s] at
     its step s: its output tokens, and the inputs of its next steps, are the forced ones.
     Afterwards the engine's add_request and runner's execute and sampler are as before."""
-    engine, runner = llm.engine, llm.engine.runner
+    engine, runner = llm.engine, llm.engine.executor.runner
     forcing = _ForcedSampler({})
     add_request, execute = engine.add_request, runner.execute
 

@@ -377,13 +377,11 @@ def parallel_stats(engine: Any) -> dict[str, Any] | None:
     pipeline's sends and receives per step (a receive's time includes the wait for the previous
     stage), the context-parallel all-gathers per step, and weight / KV-cache bytes. None on one
     rank."""
-    from pagoda.distributed.workers import WorkerGroup
-
-    runner = engine.runner
-    if not isinstance(runner, WorkerGroup):
+    stats = engine.executor.rank_stats()
+    if stats is None:
         return None
     ranks = []
-    for rank, (s, memory) in enumerate(zip(runner.stats(), runner.memory())):
+    for rank, s in enumerate(stats):
         steps = max(1, int(s["steps"]))
         ranks.append(
             {
@@ -402,7 +400,8 @@ def parallel_stats(engine: Any) -> dict[str, Any] | None:
                 "context_gathers_per_step": round(s["context_calls"] / steps, 2),
                 "context_bytes_per_step": round(s["context_bytes"] / steps),
                 "context_ms_per_step": round(1000 * s["context_seconds"] / steps, 3),
-                **memory,
+                "weight_bytes": s["weight_bytes"],
+                "kv_cache_bytes": s["kv_cache_bytes"],
             }
         )
     config = engine.config

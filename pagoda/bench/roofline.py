@@ -52,7 +52,7 @@ def roofline(
     llm: Any, input_len: int, output_len: int, decode_ms_per_token: float
 ) -> dict[str, Any]:
     """The line for the bench JSON: bytes a decode step reads and at what share of bandwidth."""
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     weights = decode_weight_bytes(model)
     kv_per_token = llm.engine.model_config.kv_bytes_per_token(
         llm.engine.config.cache.kv_quant_dtype

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,37 +32,10 @@ import msgspec
 import torch
 import zmq
 
-from pagoda.kernels.paged_cache import KVCache
+from pagoda.kernels.paged_cache import Layout
 from pagoda.kv_transfer_config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
-
-# [dtype name, per-block shape] of each cache tensor, layer after layer
-Layout = list[tuple[str, list[int]]]
-
-
-def cache_layout(caches: Sequence[KVCache]) -> Layout:
-    return [
-        (str(t.dtype).removeprefix("torch."), list(t.shape[1:]))
-        for cache in caches
-        for t in cache.tensors()
-    ]
-
-
-def gather_blocks(caches: Sequence[KVCache], block_ids: list[int]) -> list[torch.Tensor]:
-    """Host copies of the blocks, one tensor (len(block_ids), ...) per cache tensor."""
-    index = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].k.device)
-    return [t.index_select(0, index).cpu() for cache in caches for t in cache.tensors()]
-
-
-def scatter_blocks(
-    caches: Sequence[KVCache], block_ids: list[int], data: Sequence[torch.Tensor]
-) -> None:
-    """Write gather_blocks' tensors (their first len(block_ids) blocks) into these blocks."""
-    tensors = [t for cache in caches for t in cache.tensors()]
-    index = torch.tensor(block_ids, dtype=torch.int64, device=tensors[0].device)
-    for t, d in zip(tensors, data, strict=True):
-        t.index_copy_(0, index, d[: len(block_ids)].to(t.device))
 
 
 @dataclass

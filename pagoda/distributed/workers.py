@@ -1,5 +1,5 @@
-"""WorkerGroup: the engine's runner under tensor and pipeline parallelism. It starts one process
-per rank (distributed/worker.py), sends each of them every call the engine makes of its runner
+"""WorkerGroup: the engine's executor (runner/executor.py) under tensor, pipeline and context
+parallelism. It starts one process per rank (distributed/worker.py), sends each of them every call the engine makes of its runner
 (the scheduler's output for each step: the same deltas a single runner gets) and returns the
 reply rank's results (the last pipeline stage's first rank: rank 0 without pipeline stages).
 
@@ -17,6 +17,7 @@ import os
 import socket
 import time
 import weakref
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -25,6 +26,9 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.worker import reply_rank, run_worker
+from pagoda.kernels.paged_cache import Layout
+from pagoda.loading.draft import DraftModel
+from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
 
@@ -47,11 +51,18 @@ UNGUARDED_MESSAGE = (
 
 
 class WorkerGroup:
-    def __init__(self, config: EngineConfig) -> None:
+    draft: DraftModel | None = None  # EngineConfig refuses a draft model with parallel ranks
+
+    def __init__(self, config: EngineConfig, load_tokenizer: bool = True) -> None:
         if getattr(mp.current_process(), "_inheriting", False):
             # this process is a rank being spawned, still importing the parent's main module,
             # which is creating an engine: the script has no main guard
             os._exit(UNGUARDED_EXIT)
+        if config.optimization_level:
+            logger.warning("parallel ranks run every step eagerly: -O is ignored")
+        self.tokenizer: Any = None  # the ranks run token ids; the engine's may detokenize
+        if load_tokenizer and not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer_for(config)
         size = config.world_size
         self.tp_size = config.tensor_parallel_size
         self.cp_size = config.prefill_context_parallel_size
@@ -97,7 +108,7 @@ class WorkerGroup:
         self._totals: tuple[list[int], list[float]] = ([], [])
         self._totals_time = -STATS_REFRESH_S
 
-    # ---- the runner's interface, as EngineCore uses it ---------------------------------
+    # ---- the executor's interface, as EngineCore uses it -------------------------------
     def execute(self, out: SchedulerOutput) -> RemoteOutput:
         self._send("execute", out)
         return RemoteOutput(self)
@@ -121,6 +132,21 @@ class WorkerGroup:
     def memory(self) -> list[dict[str, int]]:
         """Each rank's weight and KV-cache bytes."""
         return self.call_all("memory")
+
+    def rank_stats(self) -> list[dict[str, Any]]:
+        """Each rank's stats() with its memory() beside them."""
+        return [s | m for s, m in zip(self.stats(), self.memory(), strict=True)]
+
+    # The KV connector's worker side: EngineConfig refuses --kv-transfer-config with parallel
+    # ranks, so the engine never asks a WorkerGroup for blocks.
+    def kv_layout(self) -> Layout:
+        raise ValueError("KV transfer is not supported with parallel ranks")
+
+    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        raise ValueError("KV transfer is not supported with parallel ranks")
+
+    def write_blocks(self, block_ids: list[int], data: Sequence[torch.Tensor]) -> None:
+        raise ValueError("KV transfer is not supported with parallel ranks")
 
     def step_totals(self) -> tuple[list[int], list[float]]:
         """Each rank's steps and step seconds since start, asked of the ranks at most once a

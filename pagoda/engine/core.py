@@ -14,16 +14,13 @@ import msgspec
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.distributed.workers import RemoteOutput, WorkerGroup
-from pagoda.kernels.paged_cache import prefault_in_background
+from pagoda.distributed.executor import make_executor
 from pagoda.kv_transfer_config import remote_prefill_source
 from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
-from pagoda.runner.builder import build_runner, profiled_kv_budget
 from pagoda.runner.device import resolve_device
-from pagoda.runner.model_runner import ModelRunner
-from pagoda.runner.pending_output import PendingOutput
+from pagoda.runner.executor import Executor, StepOutput
 from pagoda.scheduling.block_pool import BlockPool
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
 from pagoda.scheduling.messages import (
@@ -56,27 +53,15 @@ class EngineCore:
         self.block_size = config.cache.block_size
         kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
         spec = config.speculative_config
-        self.draft: DraftModel | None = None
-        # One rank in this process, or a worker process per tensor-parallel rank and stage.
-        self.runner: ModelRunner | WorkerGroup
-        if config.world_size > 1:
-            if config.optimization_level:
-                logger.warning("parallel ranks run every step eagerly: -O is ignored")
-            tokenizer = None
-            if load_tokenizer and not config.skip_tokenizer_init:
-                tokenizer = load_tokenizer_for(config)
-            self.runner = WorkerGroup(config)
-            model_config, self.eos_token_ids = self.runner.model_config, self.runner.eos_token_ids
-        else:
-            setup = build_runner(config, load_tokenizer=load_tokenizer)
-            self.runner, model_config, tokenizer = setup.runner, setup.model_config, setup.tokenizer
-            self.eos_token_ids, self.draft = setup.eos_token_ids, setup.draft
-        self.model_config: ModelConfig = model_config
-        self.tokenizer: Any = tokenizer
+        # One rank in this process, or a worker process per parallel rank (runner/executor.py).
+        self.executor: Executor = make_executor(config, load_tokenizer)
+        self.draft: DraftModel | None = self.executor.draft
+        self.eos_token_ids = self.executor.eos_token_ids
+        self.model_config: ModelConfig = self.executor.model_config
+        model_config = self.model_config
+        self.tokenizer: Any = self.executor.tokenizer
         self.num_blocks = self._num_blocks()
-        self.runner.allocate_kv_cache(self.num_blocks)
-        if isinstance(self.runner, ModelRunner):
-            prefault_in_background(self.runner.kv_caches)  # CPU: resident from the start
+        self.executor.allocate_kv_cache(self.num_blocks)
         pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(pool, self.block_size)
         # A draft model writes its KV up to k positions past a step's tokens (draft_model.py).
@@ -93,14 +78,13 @@ class EngineCore:
             # machine's benchmarks run the engine without it).
             from pagoda.engine.remote_prefill import RemotePrefill
 
-            assert isinstance(self.runner, ModelRunner)  # EngineConfig refuses parallel ranks
             self.remote_prefill = RemotePrefill(
-                config.kv_transfer_config, self.runner.kv_caches, self.kv_cache_manager, self.lock
+                config.kv_transfer_config, self.executor, self.kv_cache_manager, self.lock
             )
         # Requests with structured outputs (engine/grammar.py), made on the first one.
         self.structured: StructuredOutputs | None = None
         # Async scheduling: the step launched by the last step() call, not yet updated.
-        self.in_flight: tuple[SchedulerOutput, PendingOutput | RemoteOutput] | None = None
+        self.in_flight: tuple[SchedulerOutput, StepOutput] | None = None
         num_tokens = self.num_blocks * self.block_size
         blocks_per_seq = -(-model_config.max_model_len // self.block_size)
         logger.info(
@@ -128,9 +112,9 @@ class EngineCore:
                 model_config.num_layers,
                 model_config.hf_config.sliding_window,
             )
-        self.runner.warm_up_kernels()
-        self.runner.capture_cuda_graphs()
-        self.runner.compile_decode_step()
+        self.executor.warm_up_kernels()
+        self.executor.capture_cuda_graphs()
+        self.executor.compile_decode_step()
         logger.info(
             "kernels: %s; optimization level %d: decode CUDA graphs %s, compiled decode %s; "
             "async scheduling %s",
@@ -159,11 +143,7 @@ class EngineCore:
         budget = cache.kv_cache_memory_bytes
         if budget is None:
             if self.device.type == "cuda":
-                runner = self.runner
-                if isinstance(runner, WorkerGroup):
-                    budget = runner.profiled_kv_budget()
-                else:
-                    budget = profiled_kv_budget(runner, self.config)
+                budget = self.executor.profiled_kv_budget()
             else:
                 budget = CPU_DEFAULT_KV_CACHE_BYTES
         num = budget // block_bytes
@@ -206,7 +186,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if structured is not None and structured.matchers:
             scheduler_output.grammar_bitmask = structured.bitmasks(scheduler_output.scheduled)
-        pending: PendingOutput | RemoteOutput = self.runner.execute(scheduler_output)
+        pending = self.executor.execute(scheduler_output)
         if scheduler_output.is_empty and self.scheduler.waiting and not self.scheduler.running:
             # add_request admits only requests that fit the whole pool, so this is a bug.
             raise RuntimeError("the scheduler made no progress with an idle KV cache")
@@ -286,8 +266,7 @@ class EngineCore:
 
     def check_health(self) -> None:
         """RuntimeError if a worker rank has died (the engine cannot step on)."""
-        if isinstance(self.runner, WorkerGroup):
-            self.runner.check_health()
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         """Stop the worker ranks, if any (they also stop when this process exits), and the KV
@@ -296,8 +275,7 @@ class EngineCore:
             self.remote_prefill.close()
         if self.structured is not None:
             self.structured.compiler.shutdown()
-        if isinstance(self.runner, WorkerGroup):
-            self.runner.shutdown()
+        self.executor.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         waiting = 0 if self.remote_prefill is None else self.remote_prefill.num_waiting
@@ -327,8 +305,9 @@ class EngineCore:
         stats = self.scheduler.stats()
         if self.remote_prefill is not None:
             stats = msgspec.structs.replace(stats, kv_transfer=self.remote_prefill.stats_dict())
-        if isinstance(self.runner, WorkerGroup):
-            steps, seconds = self.runner.step_totals()
+        totals = self.executor.step_totals()
+        if totals is not None:
+            steps, seconds = totals
             stats = msgspec.structs.replace(stats, rank_steps=steps, rank_step_seconds=seconds)
         return stats
 

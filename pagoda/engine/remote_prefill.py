@@ -25,16 +25,9 @@ from dataclasses import asdict
 
 import torch
 
-from pagoda.distributed.kv_transfer import (
-    FetchResult,
-    KVTransferStats,
-    cache_layout,
-    gather_blocks,
-    make_connector,
-    scatter_blocks,
-)
-from pagoda.kernels.paged_cache import KVCache
+from pagoda.distributed.kv_transfer import FetchResult, KVTransferStats, make_connector
 from pagoda.kv_transfer_config import KVTransferConfig
+from pagoda.runner.executor import Executor
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
 from pagoda.scheduling.messages import EngineCoreOutput
 from pagoda.scheduling.request import Request, RequestStatus
@@ -51,18 +44,18 @@ class RemotePrefill:
     def __init__(
         self,
         config: KVTransferConfig,
-        kv_caches: list[KVCache],
+        executor: Executor,
         manager: KVCacheManager,
         lock: threading.Lock,
     ) -> None:
+        """executor: the worker side, which copies blocks out of and into its caches; this
+        side decides which blocks (the prefix cache's) and holds only host copies."""
         self.config = config
-        self.kv_caches = kv_caches
+        self.executor = executor
         self.manager = manager
         self.lock = lock
         self.stats = KVTransferStats()
-        self.connector = make_connector(
-            config, cache_layout(kv_caches), self._read_blocks, self.stats
-        )
+        self.connector = make_connector(config, executor.kv_layout(), self._read_blocks, self.stats)
         self.waiting: dict[str, Request] = {}  # fetching, by request id
         self.ready: list[Request] = []  # nothing to fetch: enter the scheduler next step
         # producer: the prompt block hashes of requests that asked for remote decode, until
@@ -129,7 +122,7 @@ class RemotePrefill:
         if count == 0:
             return
         blocks = pool.get_new_blocks(count)
-        scatter_blocks(self.kv_caches, [b.block_id for b in blocks], result.data)
+        self.executor.write_blocks([b.block_id for b in blocks], result.data)
         for block, block_hash in zip(blocks, result.hashes):
             pool.cache_full_block(block, block_hash)
         pool.free_blocks(reversed(blocks))  # the chain's tail is evicted first
@@ -155,7 +148,7 @@ class RemotePrefill:
                 continue
             # one copy per request; each block's entries are views into it (a request's blocks
             # are staged, and so dropped, together)
-            data = gather_blocks(self.kv_caches, ids)
+            data = self.executor.read_blocks(ids)
             with self.stage_lock:
                 for i, block_hash in enumerate(held):
                     blocks = [t[i] for t in data]
@@ -191,7 +184,7 @@ class RemotePrefill:
             return [torch.stack(parts) for parts in zip(*run)]
         with self.lock:
             ids, _ = self._cached_run(hashes)
-            return gather_blocks(self.kv_caches, ids) if ids else []
+            return self.executor.read_blocks(ids) if ids else []
 
     # ---- both ----------------------------------------------------------------------------------
     @property

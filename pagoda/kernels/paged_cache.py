@@ -1,5 +1,6 @@
-"""One layer's paged KV cache as tensors (KVCache), the dtype of its quantized rows' scales, and
-how the cache's memory is allocated and counted. What every kernel and layer reads the cache as:
+"""One layer's paged KV cache as tensors (KVCache), the dtype of its quantized rows' scales, how
+the cache's memory is allocated and counted, and whole blocks copied out and in (the KV
+connector's worker side: runner/executor.py). What every kernel and layer reads the cache as:
 plain torch, below the layers (layers/kv_cache.py writes and reads it by slot and block) and
 the Triton kernels (kernels/kv_cache.py, attention.py, latent_attention.py).
 """
@@ -120,3 +121,31 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 def kv_cache_bytes(caches: list[KVCache]) -> int:
     """Bytes of every tensor of the caches (k, v and any scales)."""
     return sum(t.numel() * t.element_size() for c in caches for t in c.tensors())
+
+
+# [dtype name, per-block shape] of each cache tensor, layer after layer
+Layout = list[tuple[str, list[int]]]
+
+
+def cache_layout(caches: Sequence[KVCache]) -> Layout:
+    return [
+        (str(t.dtype).removeprefix("torch."), list(t.shape[1:]))
+        for cache in caches
+        for t in cache.tensors()
+    ]
+
+
+def gather_blocks(caches: Sequence[KVCache], block_ids: list[int]) -> list[torch.Tensor]:
+    """Host copies of the blocks, one tensor (len(block_ids), ...) per cache tensor."""
+    index = torch.tensor(block_ids, dtype=torch.int64, device=caches[0].k.device)
+    return [t.index_select(0, index).cpu() for cache in caches for t in cache.tensors()]
+
+
+def scatter_blocks(
+    caches: Sequence[KVCache], block_ids: list[int], data: Sequence[torch.Tensor]
+) -> None:
+    """Write gather_blocks' tensors (their first len(block_ids) blocks) into these blocks."""
+    tensors = [t for cache in caches for t in cache.tensors()]
+    index = torch.tensor(block_ids, dtype=torch.int64, device=tensors[0].device)
+    for t, d in zip(tensors, data, strict=True):
+        t.index_copy_(0, index, d[: len(block_ids)].to(t.device))

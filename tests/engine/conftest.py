@@ -18,5 +18,5 @@ def smollm2_o2_llm(smollm2_path: str) -> LLM:
     """SmolLM2's GGUF (kept quantized) with compiled decode steps (-O2): compiling takes most of
     a minute on 2 cores, so the tests that need this engine plainly share one."""
     llm = LLM(smollm2_path, optimization_level=2, max_model_len=512, num_gpu_blocks_override=256)
-    assert llm.engine.runner.compiled is not None
+    assert llm.engine.executor.runner.compiled is not None
     return llm

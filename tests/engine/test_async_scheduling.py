@@ -157,13 +157,13 @@ def test_no_extra_token_is_computed_for_length_capped_requests(tiny_llama: str) 
     def scheduled_tokens(async_scheduling: bool) -> int:
         llm = _llm(tiny_llama, async_scheduling, max_num_seqs=4)
         counts: list[int] = []
-        execute = llm.engine.runner.execute
+        execute = llm.engine.executor.runner.execute
 
         def spy(out: Any) -> Any:
             counts.append(out.num_scheduled_tokens)
             return execute(out)
 
-        llm.engine.runner.execute = spy  # type: ignore[method-assign]
+        llm.engine.executor.runner.execute = spy  # type: ignore[method-assign]
         _outputs(llm, PROMPTS, GREEDY)
         return sum(counts)
 

@@ -46,7 +46,7 @@ def test_compiled_decode_greedy_matches_hf(
         tiny_model_dir(arch), kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling
     )
     assert llm.engine.async_scheduling == async_scheduling
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.compiled is not None
     compiled_batches: list[int] = []
     execute = runner.execute
@@ -76,7 +76,7 @@ def test_compiled_decode_greedy_matches_hf(
             max_num_batched_tokens=16,
             max_model_len=64,
         )
-        assert eager.engine.runner.compiled is None
+        assert eager.engine.executor.runner.compiled is None
         ref = eager.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
         for out, r in zip(outs, ref):
             assert out.outputs[0].token_ids == r.outputs[0].token_ids
@@ -174,7 +174,7 @@ def test_compiled_draft_model_steps(tiny_weights_dir: Any) -> None:
     folder = tiny_weights_dir("llama")
     spec = {"model": folder, "num_speculative_tokens": 3}
     llm = _compiled_llm(folder, skip_tokenizer_init=True, speculative_config=spec)
-    draft_step = llm.engine.runner.draft_step
+    draft_step = llm.engine.executor.runner.draft_step
     assert draft_step is not None and draft_step.compiled is not None
     inner, draft_batches = draft_step.compiled, []
 

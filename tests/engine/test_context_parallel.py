@@ -47,7 +47,7 @@ def _run(llm: LLM) -> Any:
 
 
 def _kv_bytes(llm: LLM) -> int:
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert isinstance(runner, ModelRunner)
     return kv_cache_bytes(runner.kv_caches)
 
@@ -62,9 +62,9 @@ def test_pcp2_equals_one_process(tiny_weights_dir: Callable[[str], str], arch: s
     got = _run(two)
     assert_same_outputs(got, want)
     assert two.engine.stats().num_preemptions > 0  # the pool is small enough to preempt
-    memory = two.engine.runner.memory()  # type: ignore[union-attr]
+    memory = two.engine.executor.memory()  # type: ignore[union-attr]
     assert [m["kv_cache_bytes"] for m in memory] == [_kv_bytes(one) // 2] * 2
-    stats = two.engine.runner.stats()  # type: ignore[union-attr]
+    stats = two.engine.executor.stats()  # type: ignore[union-attr]
     assert all(s["context_calls"] > 0 for s in stats)
     two.engine.shutdown()
 
@@ -111,8 +111,8 @@ def test_a_4k_token_prompt_equals_one_process(tmp_path: Path) -> None:
     got = run(two)
     assert_same_outputs(got, want)
     assert len(got[0].prompt_logprobs) == LONG_PROMPT
-    memory = two.engine.runner.memory()  # type: ignore[union-attr]
-    runner = one.engine.runner
+    memory = two.engine.executor.memory()  # type: ignore[union-attr]
+    runner = one.engine.executor.runner
     assert isinstance(runner, ModelRunner)
     assert [m["kv_cache_bytes"] for m in memory] == [_kv_bytes(one) // 2] * 2
     assert [m["weight_bytes"] for m in memory] == [runner.model_config.weight_bytes] * 2

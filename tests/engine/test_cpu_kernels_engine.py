@@ -23,10 +23,10 @@ def test_decode_on_the_cpu_kernels_matches_the_torch_path(monkeypatch: pytest.Mo
     for enabled in ("0", "1"):
         monkeypatch.setenv("PAGODA_CPU_KERNELS", enabled)
         llm = LLM(None, num_gpu_blocks_override=64, max_model_len=512)
-        modules = list(llm.engine.runner.model.modules())
+        modules = list(llm.engine.executor.runner.model.modules())
         forms = {getattr(m, "kernel", None) for m in modules} - {None, "float"}
         assert forms == ({"cpu_q4", "cpu_q8"} if enabled == "1" else {"int4", "int8"}), forms
-        weight_bytes[enabled] = stored_bytes(llm.engine.runner.model)
+        weight_bytes[enabled] = stored_bytes(llm.engine.executor.runner.model)
         attention = {m.cpu_kernel for m in modules if isinstance(m, Attention)}
         assert attention == {enabled == "1"}
         tokens[enabled] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids

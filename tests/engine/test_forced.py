@@ -82,7 +82,7 @@ def test_forced_tokens_are_output_and_cached(llm: LLM) -> None:
                 assert top_k[t] == pytest.approx(lp, abs=ATOL), (i, k, t)
 
     # Restored: the runner's own sampler and methods, and greedy tokens as before.
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert type(runner.sampler) is Sampler
     assert "execute" not in vars(runner) and "add_request" not in vars(llm.engine)
     again = llm.generate(batch, _greedy(STEPS), use_tqdm=False)
@@ -93,7 +93,7 @@ def test_forcing_is_undone_after_a_failure(llm: LLM) -> None:
     with pytest.raises(AssertionError, match="samples token 2 of 2"):
         with teacher_forcing(llm, [[5, 6]]):
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], _greedy(3), use_tqdm=False)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert type(runner.sampler) is Sampler and "execute" not in vars(runner)
 
 

@@ -98,7 +98,7 @@ def audited_steps(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> Iterator[StepAud
     for name in (*READS, *INDEXED, "to", "cuda"):
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, audit.wrap_method(name, original))
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     execute = runner.execute
 
     def audited(out: Any) -> Any:

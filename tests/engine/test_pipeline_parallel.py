@@ -45,7 +45,7 @@ def test_pp2_equals_one_process(tiny_weights_dir: Callable[[str], str], arch: st
     assert_same_outputs(got, want)
     assert two.engine.stats().num_preemptions > 0  # the pool is small enough to preempt
     _assert_stages_hold_their_layers(one, two)
-    stats = two.engine.runner.stats()  # type: ignore[union-attr]
+    stats = two.engine.executor.stats()  # type: ignore[union-attr]
     # every step of the first stage sent one stream per micro-batch; some steps had two
     assert stats[0]["pipeline_calls"] > stats[0]["steps"]
     assert stats[1]["pipeline_calls"] == stats[0]["pipeline_calls"]  # each received
@@ -75,7 +75,7 @@ def test_the_stages_compute_micro_batches_side_by_side(
     )
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    stats = llm.engine.runner.stats()  # type: ignore[union-attr]
+    stats = llm.engine.executor.stats()  # type: ignore[union-attr]
     llm.engine.shutdown()
     first, last = ({(s, k): (a, b) for s, k, a, b in r["micro_batch_spans"]} for r in stats)
     assert first.keys() == last.keys()
@@ -89,13 +89,13 @@ def _assert_stages_hold_their_layers(one: LLM, two: LLM) -> None:
     """Each stage's KV cache is its layers' share of the whole one; its weights are its layers',
     plus the embedding on the first stage and the final norm and LM head on the last; the
     rotary table is on both."""
-    runner = one.engine.runner
+    runner = one.engine.executor.runner
     assert isinstance(runner, ModelRunner)
     model: Any = runner.model
     num_layers = len(model.model.layers)
     per_layer_kv = kv_cache_bytes(runner.kv_caches) // num_layers
     stages = [PipelineStage(s, 2).layers(num_layers) for s in range(2)]
-    memory = two.engine.runner.memory()  # type: ignore[union-attr]
+    memory = two.engine.executor.memory()  # type: ignore[union-attr]
     for (start, end), rank in zip(stages, memory):
         assert rank["kv_cache_bytes"] == (end - start) * per_layer_kv
 

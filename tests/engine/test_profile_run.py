@@ -16,9 +16,9 @@ def test_profile_run_leaves_the_engine_unchanged(tiny_model_dir: Any) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5 + i, 7, 9, 11]} for i in range(3)]
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    caches = [[t.clone() for t in c.tensors()] for c in llm.engine.runner.kv_caches]
-    llm.engine.runner.profile_run()  # 48 tokens: max_model_len 1024 -> one 48-token sequence
-    for cache, saved in zip(llm.engine.runner.kv_caches, caches):
+    caches = [[t.clone() for t in c.tensors()] for c in llm.engine.executor.runner.kv_caches]
+    llm.engine.executor.runner.profile_run()  # 48 tokens: max_model_len 1024 -> one 48-token sequence
+    for cache, saved in zip(llm.engine.executor.runner.kv_caches, caches):
         assert all(torch.equal(t, s) for t, s in zip(cache.tensors(), saved))
     after = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert after == before

@@ -96,7 +96,7 @@ class OracleProposer(FixedDrafts):
 def _with_oracle(llm: LLM, plain: list[RequestOutput]) -> OracleProposer:
     truth = {(i, c.index): list(c.token_ids) for i, o in enumerate(plain) for c in o.outputs}
     oracle = OracleProposer(truth)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.proposer is not None
     runner.proposer.proposer = oracle  # type: ignore[assignment]
     return oracle
@@ -263,7 +263,7 @@ def test_ngram_on_the_smollm2_gguf_at_o2_keeps_the_plain_bits(
         num_gpu_blocks_override=256,
         speculative_config=NGRAM,
     )
-    assert ngram.engine.runner.compiled is not None
+    assert ngram.engine.executor.runner.compiled is not None
     # the copy benchmark's second passage: its log-probs parted from position 34 before
     prompt = [{"prompt_token_ids": copy_prompts(ngram.get_tokenizer(), 2)[1]}]
     got = ngram.generate(prompt, params)[0].outputs[0]
@@ -304,7 +304,7 @@ def test_self_draft_changes_nothing(case: str, plain: LLM, self_draft: LLM) -> N
     _check_logprobs(params, got, expected)
     assert drafted > 0
     # the draft runs on the target's KV cache: it never catches up on a prompt
-    runner = self_draft.engine.runner
+    runner = self_draft.engine.executor.runner
     assert runner.draft_step is not None and runner.draft_step.kv_caches is runner.kv_caches
     proposer = runner.proposer.proposer  # type: ignore[union-attr]
     assert proposer.num_catch_up_tokens == proposer.num_proposals > 0
@@ -325,7 +325,7 @@ def test_own_checkpoint_as_draft_is_always_accepted(folder: str, num_blocks: int
     got, drafted, accepted = _spec_counts(llm, lambda: _run(llm, params))
     assert _tokens(got) == _tokens(expected)
     assert drafted == accepted > MAX_TOKENS
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert runner.draft_step is not None and runner.draft_step.kv_caches is not runner.kv_caches
     stats = llm.engine.stats()
     assert (stats.num_preemptions > 0) == (num_blocks == 12)

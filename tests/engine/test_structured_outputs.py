@@ -351,7 +351,7 @@ def test_speculative_drafts_are_checked_against_the_grammar(
         num_gpu_blocks_override=512,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
     )
-    runner = spec.engine.runner
+    runner = spec.engine.executor.runner
     assert runner.proposer is not None
     for params in cases:
         plain = tiny_llm.generate(PROMPTS, params, use_tqdm=False)

@@ -61,7 +61,7 @@ def _run_both(
 
 
 def _kv_bytes(llm: LLM) -> int:
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert isinstance(runner, ModelRunner)
     return kv_cache_bytes(runner.kv_caches)
 
@@ -82,13 +82,13 @@ def test_tp2_splits_a_mixtures_experts(tiny_weights_dir: Callable[[str], str]) -
     each), the router on both; the same outputs as one rank."""
     got, want, one, llm = _run_both(tiny_weights_dir("qwen3_moe"))
     assert_same_outputs(got, want)
-    model: Any = one.engine.runner.model
+    model: Any = one.engine.executor.runner.model
     moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
     experts = sum(stored_bytes(e) for m in moes for e in m.experts)
     whole = [m for m in model.modules() if isinstance(m, (RMSNorm, Router))]
     replicated = sum(stored_bytes(m) for m in whole + [model.model.rotary_emb])
     rest = one.engine.model_config.weight_bytes - experts - replicated
-    for rank in llm.engine.runner.memory():  # type: ignore[union-attr]
+    for rank in llm.engine.executor.memory():  # type: ignore[union-attr]
         assert rank["weight_bytes"] == rest // 2 + experts // 2 + replicated
     llm.engine.shutdown()
 
@@ -102,7 +102,7 @@ def test_tp2_splits_latent_attention_heads_and_experts(
     are whole on both. The same outputs as one rank."""
     got, want, one, llm = _run_both(tiny_weights_dir("deepseek_v3"))
     assert_same_outputs(got, want)
-    model: Any = one.engine.runner.model
+    model: Any = one.engine.executor.runner.model
     latent = [
         getattr(layer.self_attn, name)
         for layer in model.model.layers
@@ -115,7 +115,7 @@ def test_tp2_splits_latent_attention_heads_and_experts(
         if gate is not None and not isinstance(gate, Router):
             replicated += sum(p.numel() * p.element_size() for p in gate.parameters())
     rest = one.engine.model_config.weight_bytes - replicated
-    memory = llm.engine.runner.memory()  # type: ignore[union-attr]
+    memory = llm.engine.executor.memory()  # type: ignore[union-attr]
     for rank in memory:
         assert rank["weight_bytes"] == rest // 2 + replicated
         assert rank["kv_cache_bytes"] == _kv_bytes(one)  # one latent row a token on each
@@ -125,9 +125,9 @@ def test_tp2_splits_latent_attention_heads_and_experts(
 def _assert_each_rank_holds_half(one: LLM, two: LLM) -> None:
     """Every matrix and the KV cache are halved; the norms and the rotary table are whole on
     each rank."""
-    memory = two.engine.runner.memory()  # type: ignore[union-attr]
+    memory = two.engine.executor.memory()  # type: ignore[union-attr]
     one_kv = _kv_bytes(one)
-    model: Any = one.engine.runner.model
+    model: Any = one.engine.executor.runner.model
     whole = [m for m in model.modules() if isinstance(m, RMSNorm)] + [model.model.rotary_emb]
     replicated = sum(stored_bytes(m) for m in whole)
     one_weights = one.engine.model_config.weight_bytes
@@ -156,7 +156,7 @@ def test_tp2_small_configs(tmp_path: Path, heads: int, kv_heads: int) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     got, want, one, llm = _run_both(str(tmp_path))
     assert_same_outputs(got, want)
-    memory = llm.engine.runner.memory()  # type: ignore[union-attr]
+    memory = llm.engine.executor.memory()  # type: ignore[union-attr]
     one_kv = _kv_bytes(one)
     want_kv = [one_kv, one_kv] if kv_heads == 1 else [one_kv * 2 // 3, one_kv // 3]
     assert [m["kv_cache_bytes"] for m in memory] == want_kv
@@ -212,7 +212,7 @@ def test_a_draft_model_with_tp_is_refused() -> None:
 def kill_rank_1_mid_run(llm: LLM, match: str) -> None:
     """SIGKILL worker rank 1 two seconds into a long run: generate() must raise RuntimeError
     matching `match` within a minute (no hang)."""
-    rank1 = llm.engine.runner.procs[1]  # type: ignore[union-attr]
+    rank1 = llm.engine.executor.procs[1]  # type: ignore[union-attr]
     params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0)
     prompts = [{"prompt_token_ids": [5 + i] * 20} for i in range(4)]
     killer = threading.Timer(2.0, os.kill, (rank1.pid, signal.SIGKILL))

@@ -51,7 +51,7 @@ def _triton_llm(path: str, budget: int = 16, **kwargs: Any) -> LLM:
 
 def _step_sizes(llm: LLM) -> list[int]:
     """The number of tokens of every step the runner executes from now on."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     sizes: list[int] = []
     execute = runner.execute
 
@@ -70,8 +70,8 @@ def test_triton_backend_greedy_matches_hf(arch: str, tiny_model_dir: Any, tiny_h
     # A 32-token budget: the first steps run the unfused layers (cuBLAS-sized), the later ones
     # (<= fused_linear.MAX_ROWS tokens) the fused layers.
     llm = _triton_llm(tiny_model_dir(arch), budget=32)
-    assert llm.engine.runner.kernel_backend == "triton"
-    assert llm.engine.runner.model.model.fused_max_rows == MAX_ROWS
+    assert llm.engine.executor.runner.kernel_backend == "triton"
+    assert llm.engine.executor.runner.model.model.fused_max_rows == MAX_ROWS
     sizes = _step_sizes(llm)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS], _greedy())
     assert max(sizes) > MAX_ROWS and min(sizes) <= MAX_ROWS, sizes
@@ -88,7 +88,7 @@ def test_padded_decode_batches_match_hf(
     prompts = PROMPTS[:num_prompts]
     llm = _triton_llm(tiny_model_dir("llama"), max_num_seqs=8, async_scheduling=True)
     assert llm.engine.async_scheduling
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     runner.decode_sizes = capture_sizes(8)  # 1, 2, 4, 8
     seen: list[int] = []
     execute = runner.execute
@@ -118,7 +118,7 @@ def test_verification_steps_as_padded_decode_batches(
     folder = tiny_model_dir("llama")
     spec = {"model": folder, "num_speculative_tokens": 2}  # 3 rows a request: 3 and 6 padded
     llm = _triton_llm(folder, max_num_seqs=8, speculative_config=spec)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     runner.decode_sizes = capture_sizes(8)  # 1, 2, 4, 8
     verify_rows: list[int] = []
     execute = runner.execute
@@ -187,7 +187,7 @@ def test_latent_attention_on_the_triton_backend_matches_hf(
     chunked prompts beside decodes, then decode batches padded to the CUDA-graph sizes (their
     padding rows' slot -1 written nowhere), under async scheduling."""
     llm = _triton_llm(tiny_model_dir("deepseek_v3"), max_num_seqs=8, async_scheduling=True)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     runner.decode_sizes = capture_sizes(8)  # 1, 2, 4, 8
     sizes = _step_sizes(llm)
     prompts = PROMPTS[:3]  # 3 decode rows: padded to 4

@@ -132,7 +132,7 @@ def runs(prompt_ids: list[list[int]]) -> Iterator[Runs]:
     vocab_size = 0
     for name, kwargs in configs.items():
         llm = _llm(**kwargs)
-        assert (llm.engine.runner.graphs is not None) == name.startswith("graphs")
+        assert (llm.engine.executor.runner.graphs is not None) == name.startswith("graphs")
         assert llm.engine.async_scheduling == (name != "graphs_sync")
         vocab_size = llm.engine.model_config.vocab_size
         for size, ids in (("", prompt_ids), ("_5", prompt_ids[:5])):  # 5: replays size 8

@@ -160,7 +160,7 @@ def test_tiny_model_int4_int8_against_none(
     results = {}
     for quantization in ("none", "int8", "int4"):
         llm = _llm(folder, quantization)
-        model = llm.engine.runner.model
+        model = llm.engine.executor.runner.model
         kernels = {m.kernel for m in model.modules() if isinstance(m, Linear) and m.quant_method}
         assert kernels == {"none": set(), "int8": {"w8a16"}, "int4": {"w4a16"}}[quantization]
         if quantization == "int4":

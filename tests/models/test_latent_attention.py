@@ -62,7 +62,7 @@ def test_the_engine_allocates_latent_rows_only(
         num_gpu_blocks_override=32,
         block_size=4,
     )
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert isinstance(runner, ModelRunner)
     caches = runner.kv_caches
     assert len(caches) == 3

@@ -250,15 +250,17 @@ def pair(
         variant,
         quantized_llm,
         reference_llm,
-        _prompt_logits(quantized_llm.engine.runner.model, PROMPT),
-        _prompt_logits(reference_llm.engine.runner.model, PROMPT),
+        _prompt_logits(quantized_llm.engine.executor.runner.model, PROMPT),
+        _prompt_logits(reference_llm.engine.executor.runner.model, PROMPT),
     )
 
 
 def test_checkpoint_method_is_detected(pair: Pair) -> None:
     assert pair.quantized.engine.model_config.quantization == pair.variant.method
     assert pair.reference.engine.model_config.quantization == "none"
-    linears = [m for m in pair.quantized.engine.runner.model.modules() if isinstance(m, Linear)]
+    linears = [
+        m for m in pair.quantized.engine.executor.runner.model.modules() if isinstance(m, Linear)
+    ]
     assert linears and all(
         m.quant_method is not None and m.quant_method.name == pair.variant.method for m in linears
     )
@@ -336,7 +338,7 @@ def test_tensor_parallel_shards_match_one_rank(variant: Variant, tmp_path: Path)
     partial products instead of one, so the comparison is the quantized-vs-float one above."""
     _write_checkpoint(tmp_path, variant)
     one = _llm(tmp_path)
-    scale = float(_prompt_logits(one.engine.runner.model, PROMPT).abs().max())
+    scale = float(_prompt_logits(one.engine.executor.runner.model, PROMPT).abs().max())
     two = _llm(tmp_path, tensor_parallel_size=2)
     _assert_greedy_close(_greedy(two), _greedy(one), scale)
     two.engine.shutdown()

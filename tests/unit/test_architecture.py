@@ -284,3 +284,19 @@ def test_the_architecture_page_names_every_module() -> None:
         if text is None or (len(rel.parts) > 1 and named is None):
             missing.append(str(rel))
     assert not missing, f"docs/architecture.md's tree does not name: {missing}"
+
+
+EXECUTORS = {"WorkerGroup", "LocalExecutor", "ModelRunner"}
+
+
+def test_no_code_asks_which_executor_it_has() -> None:
+    """The engine (and everything above it) steps on runner/executor.py's Executor without an
+    isinstance on WorkerGroup, LocalExecutor or ModelRunner: 0 sites in pagoda/."""
+    sites = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+                if names & EXECUTORS:
+                    sites.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not sites, f"isinstance on an executor: {sites}"
