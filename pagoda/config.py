@@ -169,7 +169,7 @@ class EngineConfig:
         self._check_pipeline(spec)
         self._check_context_parallel(spec)
         self._check_kv_transfer()
-        if spec is not None and not spec.use_ngram and self.tensor_parallel_size > 1:
+        if spec is not None and spec.model is not None and self.tensor_parallel_size > 1:
             raise ValueError(
                 "a draft model with tensor_parallel_size > 1 is not supported yet; use "
                 '{"method": "ngram"} or run on one rank'

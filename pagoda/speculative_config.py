@@ -138,10 +138,6 @@ class SpeculativeConfig:
         return self.num_speculative_tokens
 
     @property
-    def use_ngram(self) -> bool:
-        return self.method == "ngram"
-
-    @property
     def is_self_draft(self) -> bool:
         """A draft_model whose weights are the target's checkpoint, quantized."""
         return self.method == "draft_model" and self.model == SELF_DRAFT

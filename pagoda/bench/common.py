@@ -241,7 +241,7 @@ def weights_record(llm: Any, gguf_type: str | None) -> dict[str, Any]:
     if gguf_file is not None:
         size = os.path.getsize(os.path.join(folder, gguf_file))
         record["gguf_file_mib"] = round(size / 2**20, 2)
-    draft = getattr(llm.engine, "draft", None)
+    draft = llm.engine.executor.draft
     if draft is not None:  # speculative decoding's draft model
         record["draft_model"] = {
             "architecture": draft.config.architecture,
@@ -362,7 +362,7 @@ def prompt_lookup_args(spec: Any) -> dict[str, int] | None:
     from pagoda.speculative_config import SpeculativeConfig
 
     config = SpeculativeConfig.parse(spec)
-    if config is None or not config.use_ngram:
+    if config is None or config.method != "ngram":
         return None
     assert config.prompt_lookup_max is not None
     return {

@@ -31,6 +31,7 @@ from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
+from pagoda.spec_decode.methods import spec_method
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class WorkerGroup:
         self.tokenizer: Any = None  # the ranks run token ids; the engine's may detokenize
         if load_tokenizer and not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer_for(config)
+        self.config = config
         size = config.world_size
         self.tp_size = config.tensor_parallel_size
         self.cp_size = config.prefill_context_parallel_size
@@ -112,6 +114,13 @@ class WorkerGroup:
     def execute(self, out: SchedulerOutput) -> RemoteOutput:
         self._send("execute", out)
         return RemoteOutput(self)
+
+    def kv_lookahead(self) -> int:
+        spec = self.config.speculative_config
+        return 0 if spec is None else spec_method(spec).kv_lookahead(spec)
+
+    def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
+        return 0  # no draft model on parallel ranks (EngineConfig refuses one)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.call_all("allocate_kv_cache", num_blocks)

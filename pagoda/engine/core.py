@@ -16,7 +16,6 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.distributed.executor import make_executor
 from pagoda.kv_transfer_config import remote_prefill_source
-from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
 from pagoda.runner.device import resolve_device
@@ -52,10 +51,8 @@ class EngineCore:
         self.device = torch.device(config.device_type)
         self.block_size = config.cache.block_size
         kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
-        spec = config.speculative_config
         # One rank in this process, or a worker process per parallel rank (runner/executor.py).
         self.executor: Executor = make_executor(config, load_tokenizer)
-        self.draft: DraftModel | None = self.executor.draft
         self.eos_token_ids = self.executor.eos_token_ids
         self.model_config: ModelConfig = self.executor.model_config
         model_config = self.model_config
@@ -64,8 +61,7 @@ class EngineCore:
         self.executor.allocate_kv_cache(self.num_blocks)
         pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(pool, self.block_size)
-        # A draft model writes its KV up to k positions past a step's tokens (draft_model.py).
-        lookahead = 0 if self.draft is None or spec is None else spec.num_speculative_tokens
+        lookahead = self.executor.kv_lookahead()  # past a step's tokens, speculative decoding's
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, model_config.max_model_len, lookahead
         )
@@ -136,9 +132,7 @@ class EngineCore:
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
         per_token = self.model_config.kv_bytes_per_token(cache.kv_quant_dtype)
-        if self.draft is not None and not self.draft.shares_target_kv:
-            # the draft's own cache has as many blocks (draft_step.py)
-            per_token += self.draft.config.kv_bytes_per_token(cache.kv_quant_dtype)
+        per_token += self.executor.draft_kv_bytes_per_token(cache.kv_quant_dtype)
         block_bytes = self.block_size * per_token
         budget = cache.kv_cache_memory_bytes
         if budget is None:

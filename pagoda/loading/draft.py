@@ -42,7 +42,7 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, tokenizer: Any) 
     """The draft of config.speculative_config (method draft_model), on the target's device;
     `target` and `tokenizer` (None without one) are the target's."""
     spec = config.speculative_config
-    assert spec is not None and not spec.use_ngram and spec.model is not None
+    assert spec is not None and spec.model is not None
     own = spec.is_self_draft
     draft_config = dataclasses.replace(
         config,

@@ -25,6 +25,7 @@ from pagoda.loading.tokenizer import tokenizer_eos_token_id
 from pagoda.model_config import ModelConfig
 from pagoda.runner.device import torch_dtype
 from pagoda.runner.model_runner import ModelRunner
+from pagoda.spec_decode.methods import spec_method
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def build_runner(
     tokenizer) only the tokenizer's EOS id is read, unless a draft model's vocabulary must be
     checked against it."""
     spec = config.speculative_config
-    uses_draft = spec is not None and not spec.use_ngram
+    uses_draft = spec is not None and spec_method(spec).uses_draft_model
     load_tokenizer = load_tokenizer or uses_draft
     tokenizer_eos = None
     if not load_tokenizer and not config.skip_tokenizer_init:

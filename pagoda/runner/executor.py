@@ -28,6 +28,7 @@ from pagoda.model_config import ModelConfig
 from pagoda.runner.builder import build_runner, profiled_kv_budget
 from pagoda.runner.model_runner import ModelRunner
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
+from pagoda.spec_decode.methods import spec_method
 
 
 class StepOutput(Protocol):
@@ -41,6 +42,15 @@ class Executor(Protocol):
     eos_token_ids: frozenset[int]
     tokenizer: Any  # None where the engine's client tokenizes, or skip_tokenizer_init
     draft: DraftModel | None  # speculative decoding's draft model, beside the target
+
+    def kv_lookahead(self) -> int:
+        """KV positions speculative decoding writes past a step's tokens (the scheduler
+        reserves them; spec_decode/methods.py)."""
+        ...
+
+    def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
+        """Bytes per token of a draft model's own KV cache, sized beside the target's."""
+        ...
 
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
 
@@ -95,6 +105,16 @@ class LocalExecutor:
         self.eos_token_ids = setup.eos_token_ids
         self.tokenizer: Any = setup.tokenizer
         self.draft = setup.draft
+
+    def kv_lookahead(self) -> int:
+        spec = self.config.speculative_config
+        return 0 if spec is None else spec_method(spec).kv_lookahead(spec)
+
+    def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
+        spec = self.config.speculative_config
+        if spec is None:
+            return 0
+        return spec_method(spec).draft_kv_bytes_per_token(self.draft, kv_quant)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)

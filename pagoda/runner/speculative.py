@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, overload
+from typing import overload
 
 import torch
 
@@ -37,8 +37,8 @@ from pagoda.runner.rejection_sampler import (
     snapshot_generators,
 )
 from pagoda.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata
-from pagoda.spec_decode.draft_model import DraftModelProposer, DraftStepFn
-from pagoda.spec_decode.ngram import NgramProposer
+from pagoda.spec_decode.draft_model import DraftStepFn
+from pagoda.spec_decode.methods import Proposer, ProposerContext, spec_method
 from pagoda.speculative_config import SpeculativeConfig
 
 
@@ -156,17 +156,10 @@ class _RowTokens(Sequence[int]):
         return self.prompt[i] if i < n else self.outputs[i - n]
 
 
-class Proposer(Protocol):
-    """What spec_decode's proposers share (NgramProposer, DraftModelProposer)."""
-
-    def propose(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]: ...
-    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None: ...
-    def remove(self, request_id: str) -> None: ...
-
-
 class DraftProposer:
-    """The runner's proposer: drafts for each request that just sampled, from its own tokens
-    (ngram) or a draft model's continuation of them (draft_model)."""
+    """The runner's proposer: drafts for each request that just sampled, from the proposer of
+    the config's method (spec_decode/methods.py: its own tokens for ngram, a draft model's
+    continuation of them for draft_model)."""
 
     def __init__(
         self,
@@ -179,19 +172,12 @@ class DraftProposer:
         """draft_step: the draft model's forward (method draft_model); max_step_tokens: the
         most tokens one of its catch-up forwards takes; shares_target_kv: the draft runs on
         the target's KV cache (a self-draft, loading/draft.py)."""
-        self.proposer: Proposer
-        if config.use_ngram:
-            self.proposer = NgramProposer.from_config(config)
-        else:
-            assert draft_step is not None, "method draft_model needs the draft's step"
-            self.proposer = DraftModelProposer(
-                config, draft_step, max_step_tokens, shares_target_kv
-            )
+        method = spec_method(config)
+        context = ProposerContext(draft_step, max_step_tokens, shares_target_kv)
+        self.proposer: Proposer = method.build(config, context)
         self.max_model_len = max_model_len
         self.max_batch = config.disable_by_batch_size
-        # A draft with a cache of its own catches up on the prompt at its first proposal; that
-        # waits for the step after the first token, so the draft's prefill is not in the TTFT.
-        self.wait_first_token = not config.use_ngram and not shares_target_kv
+        self.wait_first_token = method.waits_for_first_token(shares_target_kv)
 
     def propose(self, batch: InputBatch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         """Drafts for the next step of each request in `sampled` still in the batch (its new

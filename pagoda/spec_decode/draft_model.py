@@ -54,7 +54,7 @@ class DraftModelProposer:
         catch-up pass feeds (the engine's max_num_batched_tokens). shares_target_kv: the draft
         runs on the target's KV cache, valid below each request's last token: only that token
         is ever fed to catch up."""
-        assert not config.use_ngram and max_step_tokens >= 1
+        assert config.model is not None and max_step_tokens >= 1
         self.shares_target_kv = shares_target_kv
         self.k = config.num_speculative_tokens
         self.step = step

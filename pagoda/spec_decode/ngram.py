@@ -96,7 +96,7 @@ class NgramProposer:
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig) -> NgramProposer:
-        assert config.use_ngram
+        assert config.method == "ngram"
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
         return cls(
             config.num_speculative_tokens,

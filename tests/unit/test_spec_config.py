@@ -12,6 +12,7 @@ from pagoda.speculative_config import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
     DEFAULT_MAX_BACKOFF_STEPS,
     DEFAULT_PROMPT_LOOKUP,
+    SPEC_METHODS,
     SpeculativeConfig,
 )
 
@@ -31,7 +32,7 @@ def test_ngram_fields_as_given() -> None:
     assert (c.method, c.num_speculative_tokens) == ("ngram", 4)
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 3)
     assert (c.model, c.quantization, c.max_backoff_steps) == (None, None, DEFAULT_MAX_BACKOFF_STEPS)
-    assert c.use_ngram and not c.is_self_draft and c.num_lookahead_slots == 4
+    assert c.method == "ngram" and not c.is_self_draft and c.num_lookahead_slots == 4
 
 
 @pytest.mark.parametrize(
@@ -67,7 +68,7 @@ def test_model_without_method_is_a_draft_model() -> None:
     assert c is not None
     assert (c.method, c.model, c.quantization) == ("draft_model", "/models/draft", None)
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (None, None)
-    assert not c.use_ngram and not c.is_self_draft
+    assert c.method == "draft_model" and not c.is_self_draft
 
 
 @pytest.mark.parametrize("quantization", ["gguf", "int4", "int8"])
@@ -164,3 +165,14 @@ def test_frozen_and_serializable() -> None:
     }
     assert parse(c.to_dict()) == c
     assert hash(c) == hash(parse(json.dumps(c.to_dict())))
+
+
+def test_every_method_a_config_takes_is_registered() -> None:
+    """SpeculativeConfig validates method names without importing the proposers; each names a
+    registered method (spec_decode/methods.py), and a draft model is what a `model` names."""
+    from pagoda.spec_decode.methods import METHODS
+
+    assert set(METHODS) == set(SPEC_METHODS)
+    for name, method in METHODS.items():
+        assert method.name == name
+    assert METHODS["draft_model"].uses_draft_model and not METHODS["ngram"].uses_draft_model
