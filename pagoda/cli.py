@@ -210,71 +210,98 @@ def _add_proxy_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# `pagoda serve`'s own flags, as ENGINE_FLAGS: (their names, argparse's options).
+Flags = tuple[tuple[tuple[str, ...], dict[str, Any]], ...]
+
+SERVER_FLAGS: Flags = (
+    (("--host",), dict(default="127.0.0.1")),
+    (("--port",), dict(type=int, default=8000)),
+    (("--api-key",), dict(default=None, help="require 'Authorization: Bearer KEY' on /v1")),
+    (("--served-model-name",), dict(default=None, help="model name in the API")),
+    (
+        ("--max-waiting-requests",),
+        dict(
+            type=int,
+            default=None,
+            help="answer 429 while this many requests wait in the queue (default: no limit)",
+        ),
+    ),
+    (
+        ("--shutdown-timeout",),
+        dict(
+            type=float,
+            default=30.0,
+            help="on SIGTERM, seconds to let in-flight requests finish",
+        ),
+    ),
+    (
+        ("--enable-auto-tool-choice",),
+        dict(
+            action="store_true",
+            help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser',
+        ),
+    ),
+    (
+        ("--tool-call-parser",),
+        dict(
+            default=None,
+            choices=["hermes"],
+            help="how tool calls are read from the output: hermes (<tool_call> JSON, Qwen2.5's "
+            "format; a template without tools gets it in its system prompt)",
+        ),
+    ),
+    (("--disable-log-requests",), dict(action="store_true")),
+    (("--disable-log-stats",), dict(action="store_true")),
+    (("--log-stats-interval",), dict(type=float, default=10.0)),
+    (
+        ("--uvicorn-log-level",),
+        dict(default="info", choices=["critical", "error", "warning", "info", "debug", "trace"]),
+    ),
+)
+
+RAY_FLAGS: Flags = (
+    (
+        ("--ray",),
+        dict(
+            action="store_true",
+            help="serve replicas of the engine on Ray Serve behind this host and port",
+        ),
+    ),
+    (("--ray-address",), dict(default=None, help="Ray cluster (default: RAY_ADDRESS or local)")),
+    (("--num-replicas",), dict(type=int, default=None, help="fixed replica count")),
+    (("--min-replicas",), dict(type=int, default=None, help="autoscaling: warm minimum")),
+    (("--max-replicas",), dict(type=int, default=None, help="autoscaling: maximum")),
+    (("--ttft-slo",), dict(type=float, default=1.0, help="autoscaling: TTFT SLO, seconds")),
+    (("--tpot-slo",), dict(type=float, default=0.1, help="autoscaling: TPOT SLO, seconds")),
+    (
+        ("--ray-router",),
+        dict(
+            default="prefix",
+            choices=["prefix", "power-of-two"],
+            help="replica choice: prompt-prefix affinity (default) or Ray's power of two choices",
+        ),
+    ),
+    (
+        ("--replica-num-cpus",),
+        dict(type=float, default=1.0, help="CPUs Ray reserves per replica"),
+    ),
+    (
+        ("--replica-num-gpus",),
+        dict(type=float, default=0.0, help="GPUs Ray reserves per replica"),
+    ),
+)
+
+
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL")
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    g.add_argument("--served-model-name", default=None, help="model name in the API")
-    g.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=None,
-        help="answer 429 while this many requests wait in the queue (default: no limit)",
+    groups = (
+        ("server", SERVER_FLAGS),
+        ("Ray Serve (scale-out; needs the `ray` extra)", RAY_FLAGS),
     )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds to let in-flight requests finish",
-    )
-    g.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='let the model call tools on its own (tool_choice "auto"); needs --tool-call-parser',
-    )
-    g.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=["hermes"],
-        help="how tool calls are read from the output: hermes (<tool_call> JSON, Qwen2.5's "
-        "format; a template without tools gets it in its system prompt)",
-    )
-    g.add_argument("--disable-log-requests", action="store_true")
-    g.add_argument("--disable-log-stats", action="store_true")
-    g.add_argument("--log-stats-interval", type=float, default=10.0)
-    g.add_argument(
-        "--uvicorn-log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug", "trace"],
-    )
-    r = parser.add_argument_group("Ray Serve (scale-out; needs the `ray` extra)")
-    r.add_argument(
-        "--ray",
-        action="store_true",
-        help="serve replicas of the engine on Ray Serve behind this host and port",
-    )
-    r.add_argument(
-        "--ray-address", default=None, help="Ray cluster (default: RAY_ADDRESS or local)"
-    )
-    r.add_argument("--num-replicas", type=int, default=None, help="fixed replica count")
-    r.add_argument("--min-replicas", type=int, default=None, help="autoscaling: warm minimum")
-    r.add_argument("--max-replicas", type=int, default=None, help="autoscaling: maximum")
-    r.add_argument("--ttft-slo", type=float, default=1.0, help="autoscaling: TTFT SLO, seconds")
-    r.add_argument("--tpot-slo", type=float, default=0.1, help="autoscaling: TPOT SLO, seconds")
-    r.add_argument(
-        "--ray-router",
-        default="prefix",
-        choices=["prefix", "power-of-two"],
-        help="replica choice: prompt-prefix affinity (default) or Ray's power of two choices",
-    )
-    r.add_argument(
-        "--replica-num-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica"
-    )
-    r.add_argument(
-        "--replica-num-gpus", type=float, default=0.0, help="GPUs Ray reserves per replica"
-    )
+    for title, flags in groups:
+        group = parser.add_argument_group(title)
+        for names, options in flags:
+            group.add_argument(*names, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:

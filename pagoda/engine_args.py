@@ -8,151 +8,167 @@ from typing import Any
 
 from pagoda.config import ATTENTION_BACKENDS, KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
+# Every engine flag: (its names, argparse's options). vLLM's names; `dest` is the long name.
+ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (("--model",), dict(default=None, help="HF folder or .gguf file (default: SmolLM2)")),
+    (("--tokenizer",), dict(default=None)),
+    (
+        ("--skip-tokenizer-init",),
+        dict(
+            action="store_true",
+            default=None,
+            help="load no tokenizer: prompts are token ids, outputs have empty text",
+        ),
+    ),
+    (("--dtype",), dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"])),
+    (("--seed",), dict(type=int, default=0)),
+    (("--max-model-len",), dict(type=int, default=None)),
+    (("--max-num-seqs",), dict(type=int, default=None)),
+    (("--max-num-batched-tokens",), dict(type=int, default=None)),
+    (("--block-size",), dict(type=int, default=None)),
+    (("--enable-prefix-caching",), dict(action=argparse.BooleanOptionalAction, default=None)),
+    (("--kv-cache-memory-bytes",), dict(type=int, default=None)),
+    (("--num-gpu-blocks-override",), dict(type=int, default=None)),
+    (("--gpu-memory-utilization",), dict(type=float, default=None)),
+    (
+        ("--kv-cache-dtype",),
+        dict(
+            default=None,
+            choices=list(KV_CACHE_DTYPES),
+            help="auto (the model dtype), int8 or fp8 (alias fp8_e4m3): a scale per token and head",
+        ),
+    ),
+    (("--scheduling-policy",), dict(default=None, choices=["fcfs", "priority"])),
+    (
+        ("--max-explained-requests",),
+        dict(
+            type=int,
+            default=None,
+            help="finished requests whose timelines GET /v1/requests/{id}/explain keeps (256)",
+        ),
+    ),
+    (("--device",), dict(default="auto", choices=["auto", "cpu", "cuda"])),
+    (("--load-format",), dict(default="auto", choices=["auto", "safetensors", "gguf", "dummy"])),
+    (
+        (
+            "--quantization",
+            "-q",
+        ),
+        dict(
+            default=None,
+            choices=list(QUANTIZATION_METHODS),
+            help="weight quantization (default: the checkpoint's own; gguf for a GGUF file on CPU)",
+        ),
+    ),
+    (
+        ("--attention-backend",),
+        dict(
+            default=None,
+            choices=list(ATTENTION_BACKENDS),
+            help="kernels: triton (the default on CUDA) or torch (the reference; the default on CPU)",
+        ),
+    ),
+    (
+        (
+            "-O",
+            "--optimization-level",
+        ),
+        dict(
+            type=int,
+            default=None,
+            choices=range(4),
+            help="0: every step eager; 1-3: decode steps replay CUDA graphs (CUDA) or run "
+            "through torch.compile (CPU; up to a minute of compiling at startup). Default: 2 on CUDA, "
+            "0 on CPU",
+        ),
+    ),
+    (
+        ("--enforce-eager",),
+        dict(
+            action="store_true",
+            default=None,
+            help="the same as -O0: no CUDA graphs, no torch.compile",
+        ),
+    ),
+    (
+        ("--async-scheduling",),
+        dict(
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="schedule and launch each step before the previous one's outputs are processed, "
+            "so host work overlaps the GPU's (default: on with CUDA, off on CPU)",
+        ),
+    ),
+    (
+        (
+            "--tensor-parallel-size",
+            "-tp",
+        ),
+        dict(
+            type=int,
+            default=None,
+            help="split every layer over N ranks, one worker process each (gloo on CPU, NCCL on "
+            "CUDA); --kv-cache-memory-bytes is then per rank",
+        ),
+    ),
+    (
+        (
+            "--pipeline-parallel-size",
+            "-pp",
+        ),
+        dict(
+            type=int,
+            default=None,
+            help="split the layers into N stages, one worker process each (times the tensor-parallel "
+            "size); each step runs as micro-batches that overlap across the stages",
+        ),
+    ),
+    (
+        (
+            "--prefill-context-parallel-size",
+            "-pcp",
+        ),
+        dict(
+            type=int,
+            default=None,
+            help="split each step's prompt tokens over N ranks, one worker process each with the "
+            "whole model; each rank holds 1/N of every request's KV cache (N must divide "
+            "--block-size)",
+        ),
+    ),
+    (
+        ("--kv-transfer-config",),
+        dict(
+            default=None,
+            help="prefill/decode disaggregation as a JSON object with vLLM's fields, e.g. "
+            '\'{"kv_connector": "PagodaConnector", "kv_role": "kv_producer", "kv_port": 14579}\' '
+            "(kv_producer | kv_consumer | kv_both; see `pagoda proxy`)",
+        ),
+    ),
+    (
+        ("--speculative-config",),
+        dict(
+            default=None,
+            help="speculative decoding as a JSON object with vLLM's fields, e.g. "
+            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+            "(turns async scheduling off)",
+        ),
+    ),
+)
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument(
-        "--skip-tokenizer-init",
-        action="store_true",
-        default=None,
-        help="load no tokenizer: prompts are token ids, outputs have empty text",
-    )
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=None)
-    g.add_argument(
-        "--kv-cache-dtype",
-        default=None,
-        choices=list(KV_CACHE_DTYPES),
-        help="auto (the model dtype), int8 or fp8 (alias fp8_e4m3): a scale per token and head",
-    )
-    g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
-    g.add_argument(
-        "--max-explained-requests",
-        type=int,
-        default=None,
-        help="finished requests whose timelines GET /v1/requests/{id}/explain keeps (256)",
-    )
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument(
-        "--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"]
-    )
-    g.add_argument(
-        "--quantization",
-        "-q",
-        default=None,
-        choices=list(QUANTIZATION_METHODS),
-        help="weight quantization (default: the checkpoint's own; gguf for a GGUF file on CPU)",
-    )
-    g.add_argument(
-        "--attention-backend",
-        default=None,
-        choices=list(ATTENTION_BACKENDS),
-        help="kernels: triton (the default on CUDA) or torch (the reference; the default on CPU)",
-    )
-    g.add_argument(
-        "-O",
-        "--optimization-level",
-        type=int,
-        default=None,
-        choices=range(4),
-        help="0: every step eager; 1-3: decode steps replay CUDA graphs (CUDA) or run "
-        "through torch.compile (CPU; up to a minute of compiling at startup). Default: 2 on CUDA, "
-        "0 on CPU",
-    )
-    g.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=None,
-        help="the same as -O0: no CUDA graphs, no torch.compile",
-    )
-
-    g.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule and launch each step before the previous one's outputs are processed, "
-        "so host work overlaps the GPU's (default: on with CUDA, off on CPU)",
-    )
-    g.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=None,
-        help="split every layer over N ranks, one worker process each (gloo on CPU, NCCL on "
-        "CUDA); --kv-cache-memory-bytes is then per rank",
-    )
-    g.add_argument(
-        "--pipeline-parallel-size",
-        "-pp",
-        type=int,
-        default=None,
-        help="split the layers into N stages, one worker process each (times the tensor-parallel "
-        "size); each step runs as micro-batches that overlap across the stages",
-    )
-    g.add_argument(
-        "--prefill-context-parallel-size",
-        "-pcp",
-        type=int,
-        default=None,
-        help="split each step's prompt tokens over N ranks, one worker process each with the "
-        "whole model; each rank holds 1/N of every request's KV cache (N must divide "
-        "--block-size)",
-    )
-    g.add_argument(
-        "--kv-transfer-config",
-        default=None,
-        help="prefill/decode disaggregation as a JSON object with vLLM's fields, e.g. "
-        '\'{"kv_connector": "PagodaConnector", "kv_role": "kv_producer", "kv_port": 14579}\' '
-        "(kv_producer | kv_consumer | kv_both; see `pagoda proxy`)",
-    )
-    g.add_argument(
-        "--speculative-config",
-        default=None,
-        help="speculative decoding as a JSON object with vLLM's fields, e.g. "
-        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
-        "(turns async scheduling off)",
-    )
+    group = parser.add_argument_group("engine")
+    for names, options in ENGINE_FLAGS:
+        group.add_argument(*names, **options)
 
 
-ENGINE_ARG_NAMES = (
-    "tokenizer",
-    "skip_tokenizer_init",
-    "dtype",
-    "seed",
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "block_size",
-    "enable_prefix_caching",
-    "kv_cache_memory_bytes",
-    "num_gpu_blocks_override",
-    "gpu_memory_utilization",
-    "kv_cache_dtype",
-    "scheduling_policy",
-    "max_explained_requests",
-    "device",
-    "load_format",
-    "quantization",
-    "attention_backend",
-    "optimization_level",
-    "enforce_eager",
-    "async_scheduling",
-    "speculative_config",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "prefill_context_parallel_size",
-    "kv_transfer_config",
-)
+def _dest(names: tuple[str, ...]) -> str:
+    return next(n for n in names if n.startswith("--"))[2:].replace("-", "_")
+
+
+# The engine flags EngineConfig takes as they are (--model is resolved first)
+ENGINE_ARG_NAMES = tuple(_dest(names) for names, _ in ENGINE_FLAGS if names != ("--model",))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

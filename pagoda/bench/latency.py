@@ -94,20 +94,51 @@ def main(args: argparse.Namespace) -> int:
     record: dict[str, Any] = {
         "bench": NAME,
         "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
-        "workload": {
-            "kind": args.workload,
-            "input_lens": sorted({len(p) for p in prompts}),
-            "input_len": args.input_len,
-            "output_len": args.output_len,
-            "num_iters": args.num_iters,
-            "num_iters_warmup": args.num_iters_warmup,
-            "seed": args.seed,
-            "greedy": True,
-            "ignore_eos": True,
-        },
+        "workload": _workload_record(args, prompts),
         "engine_args": kwargs,
     }
     gguf_type = gguf_weight_type(args.model)
+    weights, llm = _run_pagoda_into(record, args, kwargs, prompts, gguf_type)
+    decode_ms = record["pagoda"].get("decode_ms_per_token")
+    if spec is None and "parallel" not in record and decode_ms:
+        record["roofline"] = roofline(llm, args.input_len, args.output_len, decode_ms)
+        log(roofline_line(record["roofline"]))
+    if args.profile_steps > 0:
+        record["decode_step_profile"] = profile_decode_steps(
+            llm, random_prompt(args.input_len, args.seed + total), args.profile_steps
+        )
+    del llm
+    record["peer"], same = _run_peer(args, prompts, spec, gguf_type, weights)
+    _compare_with_peer(record, weights, same)
+    log(rates_line(record["pagoda"], args.output_len))
+    emit(record, args.output_json)
+    return 0
+
+
+def _workload_record(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    return {
+        "kind": args.workload,
+        "input_lens": sorted({len(p) for p in prompts}),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_iters": args.num_iters,
+        "num_iters_warmup": args.num_iters_warmup,
+        "seed": args.seed,
+        "greedy": True,
+        "ignore_eos": True,
+    }
+
+
+def _run_pagoda_into(
+    record: dict[str, Any],
+    args: argparse.Namespace,
+    kwargs: dict[str, Any],
+    prompts: list[list[int]],
+    gguf_type: str | None,
+) -> tuple[dict[str, Any], Any]:
+    """Runs pagoda (with a speculative config, pagoda without it too) into `record`; returns its
+    weights' description and the LLM, still up."""
+    spec = kwargs.get("speculative_config")
     outputs: list[list[int]] = []
     warm = args.num_iters_warmup
     if spec is None:
@@ -139,36 +170,41 @@ def main(args: argparse.Namespace) -> int:
             f"{record['spec_ratio_e2e_tok_s']}x pagoda without it; greedy outputs identical: "
             f"{record['spec_output_identical']}; {record['spec_decode']}"
         )
-    decode_ms = record["pagoda"].get("decode_ms_per_token")
-    if spec is None and "parallel" not in record and decode_ms:
-        record["roofline"] = roofline(llm, args.input_len, args.output_len, decode_ms)
-        log(roofline_line(record["roofline"]))
-    if args.profile_steps > 0:
-        record["decode_step_profile"] = profile_decode_steps(
-            llm, random_prompt(args.input_len, args.seed + total), args.profile_steps
-        )
-    del llm
-    record["peer"] = None
-    same = False
+    return weights, llm
+
+
+def _run_peer(
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    spec: Any,
+    gguf_type: str | None,
+    weights: dict[str, Any],
+) -> tuple[dict[str, Any] | None, bool]:
+    """The peer's summary (None with --peer none), and whether it runs the same weights as
+    pagoda."""
     if args.peer == "hf":
         lookup = prompt_lookup_args(spec)
         timings = run_hf(args.model, prompts, args.output_len, lookup)
-        record["peer"] = {
+        peer = {
             "name": "hf-transformers" + (f", prompt lookup {lookup}" if lookup else ""),
             "precision": hf_precision(gguf_type),
             **summarize(timings[args.num_iters_warmup :]),
         }
-        same = weights["quantization"] == "none" and weights["dtype"] == "float32"
-    elif args.peer == "llama.cpp":
+        return peer, weights["quantization"] == "none" and weights["dtype"] == "float32"
+    if args.peer == "llama.cpp":
         lookup = prompt_lookup_args(spec)
         timings = run_llama_cpp(args.model, prompts, args.output_len, lookup)
-        record["peer"] = {
+        peer = {
             "name": "llama-cpp-python, 2 threads"
             + (f", LlamaPromptLookupDecoding {lookup}" if lookup else ""),
             "precision": llama_cpp_precision(gguf_type),
             **summarize(timings[args.num_iters_warmup :]),
         }
-        same = weights["quantization"] == "gguf"
+        return peer, weights["quantization"] == "gguf"
+    return None, False
+
+
+def _compare_with_peer(record: dict[str, Any], weights: dict[str, Any], same: bool) -> None:
     peer = record["peer"] or {}
     # Every ratio is pagoda / peer: above 1 is better for tok/s, below 1 is better for ms.
     for key in ("ttft_ms", "decode_tok_s", "e2e_tok_s", "e2e_ms"):
@@ -185,9 +221,6 @@ def main(args: argparse.Namespace) -> int:
             )
         )
         log(record["ratio_line"])
-    log(rates_line(record["pagoda"], args.output_len))
-    emit(record, args.output_json)
-    return 0
 
 
 def summarize(timings: list[IterTiming]) -> dict[str, Any]:

@@ -244,27 +244,66 @@ def plan(args: argparse.Namespace, server: ServerAt) -> dict[str, Any]:
     batch_size = batch["max_concurrency"] if batch else None
     with server(batch_size) as url:
         cfg, _ = _connect(args, url, tokenizer, fresh(1))
-        rate_runs = [at_rate(rate, cfg) for rate in rates]
-        for _ in range(args.max_extra_rates):
-            extra = next_rate(rate_runs, planned)
-            if extra is None:
-                break
-            rate_runs.append(at_rate(extra, cfg))
+        rate_runs = _sweep_rates(
+            rates, lambda rate: at_rate(rate, cfg), args.max_extra_rates, planned
+        )
         best = largest_within(rate_runs, "request_rate", *planned)
-        checks = []
+        checks: list[dict[str, Any]] = []
         if best is not None and not args.no_check:
-            for factor in (1.0, CHECK_FACTOR):
-                run = at_rate(round(best["request_rate"] * factor, 4), cfg)
-                run["factor"] = factor
-                run["within_slo"] = within_slo(run, *slo)
-                checks.append(run)
+            checks = _check_runs(best["request_rate"], lambda rate: at_rate(rate, cfg), slo)
+    workload = serve.run_config(args, cfg, prompts(args.seed))
+    return {
+        **_decisions(args, model, workload, batch_size, best),
+        "batch_sweep": batch_runs,
+        "rate_sweep": rate_runs,
+        "check": checks,
+    }
+
+
+def _sweep_rates(
+    rates: Sequence[float],
+    run_at: Callable[[float], dict[str, Any]],
+    max_extra_rates: int,
+    planned: tuple[float, float],
+) -> list[dict[str, Any]]:
+    """A run at each rate, then at 1.25x steps while the highest is still within `planned`."""
+    runs = [run_at(rate) for rate in rates]
+    for _ in range(max_extra_rates):
+        extra = next_rate(runs, planned)
+        if extra is None:
+            break
+        runs.append(run_at(extra))
+    return runs
+
+
+def _check_runs(
+    rate: float, run_at: Callable[[float], dict[str, Any]], slo: tuple[float, float]
+) -> list[dict[str, Any]]:
+    """Fresh runs at the planned rate and at 1.5x it, each marked within the full SLOs or not."""
+    checks = []
+    for factor in (1.0, CHECK_FACTOR):
+        run = run_at(round(rate * factor, 4))
+        run["factor"] = factor
+        run["within_slo"] = within_slo(run, *slo)
+        checks.append(run)
+    return checks
+
+
+def _decisions(
+    args: argparse.Namespace,
+    model: str,
+    workload: dict[str, Any],
+    batch_size: int | None,
+    best: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The plan's record without its runs: the SLOs, the workload and the decisions."""
     result: dict[str, Any] = {
         "bench": NAME,
         "label": args.label,
         "model": model,
         "slo": {"p99_ttft_ms": args.slo_ttft_ms, "p99_tpot_ms": args.slo_tpot_ms},
         "slo_margin": args.slo_margin,
-        "workload": serve.run_config(args, cfg, prompts(args.seed)),
+        "workload": workload,
         "min_run_seconds": args.min_run_seconds,
         "rate_sweep_server": "restarted with --max-num-seqs max_num_seqs"
         if args.serve_args is not None
@@ -276,9 +315,6 @@ def plan(args: argparse.Namespace, server: ServerAt) -> dict[str, Any]:
         "cost_per_1k_output_tokens": None,
         "target_rate": args.target_rate,
         "replicas_for_target_rate": None,
-        "batch_sweep": batch_runs,
-        "rate_sweep": rate_runs,
-        "check": checks,
     }
     if best is not None:
         if args.price_per_hour is not None:

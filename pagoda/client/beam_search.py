@@ -40,14 +40,7 @@ def beam_search(
     """tokenizer: decodes the finished sequences' text; None leaves text None."""
     width = params.beam_width
     eos = eos_token_ids
-    per_beam = max(2, 1 + len(eos))
-    num_candidates = per_beam * width  # K: enough for width live beams if the best end in EOS
-    if num_candidates > MAX_LOGPROBS:
-        raise ValueError(
-            f"beam_width must be at most {MAX_LOGPROBS // per_beam} for this model: each step "
-            f"reads the top {per_beam} * beam_width logprobs of every beam and the engine "
-            f"returns at most {MAX_LOGPROBS}; got beam_width={width}"
-        )
+    num_candidates = _num_candidates(width, eos)
     step_params = SamplingParams(
         max_tokens=1, temperature=params.temperature, logprobs=num_candidates, detokenize=False
     )
@@ -58,18 +51,7 @@ def beam_search(
         if not flat:
             break
         outs = generate([beam.tokens for _, beam in flat], step_params)
-        candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for (i, beam), out in zip(flat, outs):
-            step_lps = out.outputs[0].logprobs
-            assert step_lps is not None
-            for token, lp in step_lps[0].items():
-                candidates[i].append(
-                    BeamSearchSequence(
-                        tokens=beam.tokens + [token],
-                        logprobs=beam.logprobs + [step_lps[0]],
-                        cum_logprob=beam.cum_logprob + lp.logprob,
-                    )
-                )
+        candidates = _continuations(flat, outs, len(prompts))
         is_last = step + 1 == params.max_tokens
         for i, cands in enumerate(candidates):
             if not cands:
@@ -90,13 +72,47 @@ def beam_search(
             )[:width]
             if _is_done(done[i], live[i], step + 1, prompt_len, params):
                 live[i] = []
-    results = []
-    for hypotheses in done:
-        for seq in hypotheses:
-            if tokenizer is not None:  # None with skip_tokenizer_init: text stays None
-                seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        results.append(BeamSearchOutput(sequences=hypotheses))
-    return results
+    return [_with_text(hypotheses, tokenizer) for hypotheses in done]
+
+
+def _num_candidates(width: int, eos: frozenset[int]) -> int:
+    """K, the continuations each step keeps per prompt: enough for width live beams if the
+    best end in EOS."""
+    per_beam = max(2, 1 + len(eos))
+    if per_beam * width > MAX_LOGPROBS:
+        raise ValueError(
+            f"beam_width must be at most {MAX_LOGPROBS // per_beam} for this model: each step "
+            f"reads the top {per_beam} * beam_width logprobs of every beam and the engine "
+            f"returns at most {MAX_LOGPROBS}; got beam_width={width}"
+        )
+    return per_beam * width
+
+
+def _continuations(
+    flat: list[tuple[int, BeamSearchSequence]], outs: list[RequestOutput], num_prompts: int
+) -> list[list[BeamSearchSequence]]:
+    """Each live beam (prompt index, beam) extended by every token of its step's logprobs,
+    grouped by prompt."""
+    candidates: list[list[BeamSearchSequence]] = [[] for _ in range(num_prompts)]
+    for (i, beam), out in zip(flat, outs):
+        step_lps = out.outputs[0].logprobs
+        assert step_lps is not None
+        for token, lp in step_lps[0].items():
+            candidates[i].append(
+                BeamSearchSequence(
+                    tokens=beam.tokens + [token],
+                    logprobs=beam.logprobs + [step_lps[0]],
+                    cum_logprob=beam.cum_logprob + lp.logprob,
+                )
+            )
+    return candidates
+
+
+def _with_text(hypotheses: list[BeamSearchSequence], tokenizer: Any) -> BeamSearchOutput:
+    for seq in hypotheses:
+        if tokenizer is not None:  # None with skip_tokenizer_init: text stays None
+            seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
+    return BeamSearchOutput(sequences=hypotheses)
 
 
 def _is_done(

@@ -50,7 +50,6 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device_type)
         self.block_size = config.cache.block_size
-        kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
         # One rank in this process, or a worker process per parallel rank (runner/executor.py).
         self.executor: Executor = make_executor(config, load_tokenizer)
         self.eos_token_ids = self.executor.eos_token_ids
@@ -81,6 +80,29 @@ class EngineCore:
         self.structured: StructuredOutputs | None = None
         # Async scheduling: the step launched by the last step() call, not yet updated.
         self.in_flight: tuple[SchedulerOutput, StepOutput] | None = None
+        self._log_kv_cache()
+        self.executor.warm_up_kernels()
+        self.executor.capture_cuda_graphs()
+        self.executor.compile_decode_step()
+        self._log_kernels()
+
+    def _log_kernels(self) -> None:
+        config = self.config
+        logger.info(
+            "kernels: %s; optimization level %d: decode CUDA graphs %s, compiled decode %s; "
+            "async scheduling %s",
+            config.kernel_backend,
+            config.level,
+            "on" if config.use_cuda_graphs else "off",
+            "on" if config.compile_decode else "off",
+            "on" if self.async_scheduling else "off",
+        )
+        if config.speculative_config is not None:
+            logger.info("speculative decoding: %s", config.speculative_config.to_dict())
+
+    def _log_kv_cache(self) -> None:
+        config, model_config = self.config, self.model_config
+        kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
         num_tokens = self.num_blocks * self.block_size
         blocks_per_seq = -(-model_config.max_model_len // self.block_size)
         logger.info(
@@ -108,20 +130,6 @@ class EngineCore:
                 model_config.num_layers,
                 model_config.hf_config.sliding_window,
             )
-        self.executor.warm_up_kernels()
-        self.executor.capture_cuda_graphs()
-        self.executor.compile_decode_step()
-        logger.info(
-            "kernels: %s; optimization level %d: decode CUDA graphs %s, compiled decode %s; "
-            "async scheduling %s",
-            config.kernel_backend,
-            config.level,
-            "on" if config.use_cuda_graphs else "off",
-            "on" if config.compile_decode else "off",
-            "on" if self.async_scheduling else "off",
-        )
-        if config.speculative_config is not None:
-            logger.info("speculative decoding: %s", config.speculative_config.to_dict())
 
     @property
     def max_model_len(self) -> int:
@@ -308,6 +316,38 @@ class EngineCore:
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
         """Validate and queue; a request that can never run raises ValueError here."""
+        self._check_request(req)
+        params = req.sampling_params
+        max_tokens = self._max_tokens(len(req.prompt_token_ids), params.max_tokens)
+        self._check_fits_pool(len(req.prompt_token_ids), max_tokens, params.n)
+        if params.n > self.config.scheduler.max_num_seqs:
+            raise ValueError(
+                f"n={params.n} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}"
+            )
+        first = self._samples(req, max_tokens)
+        if params.structured_outputs is not None:
+            if req.kv_transfer_params:
+                raise ValueError("structured outputs do not combine with kv_transfer_params")
+            # Queued once its grammar is compiled (a worker thread compiles it).
+            self._structured_outputs().add(first)
+            return
+        source = remote_prefill_source(req.kv_transfer_params)
+        kv = self.config.kv_transfer_config
+        if source is not None and self.remote_prefill is not None and kv and kv.is_consumer:
+            self.remote_prefill.add(first, source)
+            return
+        asked = req.kv_transfer_params or {}
+        if (
+            self.remote_prefill is not None
+            and kv
+            and kv.is_producer
+            and asked.get("do_remote_decode")
+        ):
+            self.remote_prefill.expect_remote_decode(first)
+        self.scheduler.add_request(first)
+
+    def _check_request(self, req: EngineRequest) -> None:
+        """ValueError for an id in use, an empty prompt, token ids outside the vocabulary."""
         params = req.sampling_params
         ids = req.prompt_token_ids
         held = self.remote_prefill is not None and self.remote_prefill.holds(req.request_id)
@@ -325,17 +365,14 @@ class EngineCore:
         bad = [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad}")
-        max_tokens = self._max_tokens(len(ids), params.max_tokens)
-        self._check_fits_pool(len(ids), max_tokens, params.n)
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(
-                f"n={params.n} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}"
-            )
+
+    def _samples(self, req: EngineRequest, max_tokens: int) -> Request:
+        """The request's first sample, its n - 1 siblings attached (they share its blocks)."""
         requests = [
             Request(
                 request_id=sample_request_id(req.request_id, i),
-                prompt_token_ids=list(ids),
-                sampling_params=params,
+                prompt_token_ids=list(req.prompt_token_ids),
+                sampling_params=req.sampling_params,
                 max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=req.arrival_time,
@@ -344,29 +381,10 @@ class EngineCore:
                 parent_id=req.request_id,
                 sample_index=i,
             )
-            for i in range(params.n)
+            for i in range(req.sampling_params.n)
         ]
         requests[0].siblings = requests[1:]
-        if params.structured_outputs is not None:
-            if req.kv_transfer_params:
-                raise ValueError("structured outputs do not combine with kv_transfer_params")
-            # Queued once its grammar is compiled (a worker thread compiles it).
-            self._structured_outputs().add(requests[0])
-            return
-        source = remote_prefill_source(req.kv_transfer_params)
-        kv = self.config.kv_transfer_config
-        if source is not None and self.remote_prefill is not None and kv and kv.is_consumer:
-            self.remote_prefill.add(requests[0], source)
-            return
-        asked = req.kv_transfer_params or {}
-        if (
-            self.remote_prefill is not None
-            and kv
-            and kv.is_producer
-            and asked.get("do_remote_decode")
-        ):
-            self.remote_prefill.expect_remote_decode(requests[0])
-        self.scheduler.add_request(requests[0])
+        return requests[0]
 
     def _max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
         limit = self.max_model_len

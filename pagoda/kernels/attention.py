@@ -337,6 +337,46 @@ def decode_launch_variant(num_splits: int) -> tuple[bool, int]:
     return num_splits == 1, triton.next_power_of_2(num_splits)
 
 
+def _split_scratch(
+    batch: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 split-K partials of a decode launch: mid_o (batch, num_heads, num_splits,
+    head_dim), the running max mid_m and sum mid_l (batch, num_heads, num_splits)."""
+    mid_o = torch.empty(
+        (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device
+    )
+    mid_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
+    mid_l = torch.empty_like(mid_m)
+    return mid_o, mid_m, mid_l
+
+
+def _launch_decode_stage2(
+    out: torch.Tensor,
+    token_idx: torch.Tensor,
+    mid_o: torch.Tensor,
+    mid_m: torch.Tensor,
+    mid_l: torch.Tensor,
+    num_splits: int,
+    block_s: int,
+) -> None:
+    """Merge the split-K partials of each (sequence, head) into its out row."""
+    batch, num_heads, _, head_dim = mid_o.shape
+    _decode_stage2_kernel[(batch, num_heads)](
+        out,
+        token_idx,
+        mid_o,
+        mid_m,
+        mid_l,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim),
+        BLOCK_S=block_s,
+        num_warps=1,
+    )
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     out: torch.Tensor,
@@ -371,11 +411,7 @@ def paged_decode_attention(
     if direct:
         mid_o = mid_m = mid_l = out  # never written
     else:
-        mid_o = torch.empty(
-            (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
-        mid_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        mid_l = torch.empty_like(mid_m)
+        mid_o, mid_m, mid_l = _split_scratch(batch, num_heads, num_splits, head_dim, q.device)
     _decode_stage1_kernel[(batch, num_kv_heads, num_splits)](
         q,
         out,
@@ -396,22 +432,8 @@ def paged_decode_attention(
         **constexprs,
         num_warps=4,
     )
-    if direct:
-        return
-    _decode_stage2_kernel[(batch, num_heads)](
-        out,
-        token_idx,
-        mid_o,
-        mid_m,
-        mid_l,
-        num_splits,
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim),
-        BLOCK_S=block_s,
-        num_warps=1,
-    )
+    if not direct:
+        _launch_decode_stage2(out, token_idx, mid_o, mid_m, mid_l, num_splits, block_s)
 
 
 def paged_prefill_attention(

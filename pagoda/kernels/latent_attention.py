@@ -23,7 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.attention import _LOG2E, _decode_stage2_kernel, decode_launch_variant
+from pagoda.kernels.attention import (
+    _LOG2E,
+    _launch_decode_stage2,
+    _split_scratch,
+    decode_launch_variant,
+)
 from pagoda.kernels.paged_kv import _MIN_DOT, _block_d, _load_kv_tile
 
 if TYPE_CHECKING:
@@ -296,11 +301,7 @@ def latent_decode_attention(
     if direct:
         mid_o = mid_m = mid_l = out  # never written
     else:
-        mid_o = torch.empty(
-            (batch, num_heads, num_splits, rank), dtype=torch.float32, device=q.device
-        )
-        mid_m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        mid_l = torch.empty_like(mid_m)
+        mid_o, mid_m, mid_l = _split_scratch(batch, num_heads, num_splits, rank, q.device)
     grid = (batch, triton.cdiv(num_heads, _DECODE_BLOCK_H), num_splits)
     _latent_decode_kernel[grid](
         q,
@@ -326,22 +327,8 @@ def latent_decode_attention(
         **constexprs,
         num_warps=4,
     )
-    if direct:
-        return
-    _decode_stage2_kernel[(batch, num_heads)](
-        out,
-        token_idx,
-        mid_o,
-        mid_m,
-        mid_l,
-        num_splits,
-        out.stride(0),
-        out.stride(1),
-        HEAD_DIM=rank,
-        BLOCK_D=_block_d(rank),
-        BLOCK_S=block_s,
-        num_warps=1,
-    )
+    if not direct:
+        _launch_decode_stage2(out, token_idx, mid_o, mid_m, mid_l, num_splits, block_s)
 
 
 def latent_prefill_attention(

@@ -268,6 +268,27 @@ def _check(
             assert t.is_floating_point()
 
 
+def _dequantize_then_gemm(
+    x2: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """x2 (M, K) @ w.T -> (M, N), w dequantized in row chunks of at most DEQUANT_CHUNK elements,
+    each multiplied by the library GEMM."""
+    k, n = x2.shape[1], qweight.shape[0]
+    chunk = max(1, DEQUANT_CHUNK // k)
+    parts = []
+    for n0 in range(0, n, chunk):
+        rows = slice(n0, n0 + chunk)
+        zero_rows = None if zero is None else zero[rows]
+        w = _dequantize(qweight[rows], scale[rows], zero_rows, k, group_size, bits, x2.dtype)
+        parts.append(F.linear(x2, w))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
 def _run(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -287,15 +308,7 @@ def _run(
     if m == 0 or n == 0:
         return x.new_zeros((*lead, n))
     if m > GEMM_MAX_M:
-        chunk = max(1, DEQUANT_CHUNK // k)
-        parts = []
-        for n0 in range(0, n, chunk):
-            rows = slice(n0, n0 + chunk)
-            zero_rows = None if zero is None else zero[rows]
-            w = _dequantize(qweight[rows], scale[rows], zero_rows, k, group_size, bits, x.dtype)
-            parts.append(F.linear(x2, w))
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return y.reshape(*lead, n)
+        return _dequantize_then_gemm(x2, qweight, scale, zero, group_size, bits).reshape(*lead, n)
     block_k, group_k = _k_tiles(group_size, k)
     block_m = _block_m(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -125,6 +125,68 @@ def _rotary_write_kv_kernel(
     )
 
 
+def _check_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    slot_mapping: torch.Tensor,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+) -> None:
+    """The shapes, dtypes and strides `rotary_write_kv_cache` requires."""
+    num_tokens, _, head_dim = q.shape
+    _, num_kv_heads, _ = k.shape
+    half = head_dim // 2
+    num_blocks, block_size = cache.k.shape[:2]
+    assert head_dim % 2 == 0 and k.shape == (num_tokens, num_kv_heads, head_dim)
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
+    assert k.dtype == q.dtype and v.dtype == q.dtype
+    assert cos.shape == (num_tokens, 1, half) and sin.shape == cos.shape
+    assert cos.dtype == q.dtype and sin.dtype == q.dtype
+    assert cache.k.shape == (num_blocks, block_size, num_kv_heads, head_dim)
+    assert cache.v.shape == cache.k.shape and cache.v.stride() == cache.k.stride()
+    assert all(x.stride(-1) == 1 for x in (q, k, v, cos, sin, cache.k))
+    if qk_norm is not None:
+        for w in qk_norm[:2]:
+            assert w.shape == (head_dim,) and w.dtype == q.dtype and w.is_contiguous()
+
+
+def _stride_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: KVCache,
+    scale_strides: tuple[int, ...],
+) -> list[int]:
+    """The kernel's stride arguments, in its order: q, k, v (token, head), cos, sin (token),
+    the cache (block, slot, head; v shares k's), its scales (block, slot, head)."""
+    return [
+        *q.stride()[:2],
+        *k.stride()[:2],
+        *v.stride()[:2],
+        cos.stride(0),
+        sin.stride(0),
+        *cache.k.stride()[:3],
+        *scale_strides[:3],
+    ]
+
+
+def _quant_launch_args(
+    cache: KVCache,
+) -> tuple[list[torch.Tensor], tuple[int, ...], dict[str, bool | float]]:
+    """The k and v scales, their strides and the quantization constexprs of the launch, from
+    `_quant_args` (an unquantized cache passes placeholders, never read)."""
+    quant, k_scale, v_scale, scale_strides, is_int8, qmax = _quant_args(cache)
+    constexprs = dict(
+        QUANT=quant, IS_INT8=is_int8, QMAX=qmax, MIN_SCALE=_MIN_SCALE, ROUND_MAGIC=_ROUND_MAGIC
+    )
+    return [k_scale, v_scale], scale_strides, constexprs
+
+
 def rotary_write_kv_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -148,24 +210,13 @@ def rotary_write_kv_cache(
     cos, sin: (num_tokens, 1, head_dim // 2) in q's dtype, last dims contiguous, as
     `RotaryEmbedding.cos_sin` returns them. slot_mapping as in `write_kv_cache`.
     """
+    _check_args(q, k, v, cos, sin, cache, slot_mapping, qk_norm)
     num_tokens, num_heads, head_dim = q.shape
-    _, num_kv_heads, _ = k.shape
+    num_kv_heads = k.shape[1]
     half = head_dim // 2
-    num_blocks, block_size = cache.k.shape[:2]
-    assert head_dim % 2 == 0 and k.shape == (num_tokens, num_kv_heads, head_dim)
-    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
-    assert k.dtype == q.dtype and v.dtype == q.dtype
-    assert cos.shape == (num_tokens, 1, half) and sin.shape == cos.shape
-    assert cos.dtype == q.dtype and sin.dtype == q.dtype
-    assert cache.k.shape == (num_blocks, block_size, num_kv_heads, head_dim)
-    assert cache.v.shape == cache.k.shape and cache.v.stride() == cache.k.stride()
-    assert all(x.stride(-1) == 1 for x in (q, k, v, cos, sin, cache.k))
-    if qk_norm is not None:
-        for w in qk_norm[:2]:
-            assert w.shape == (head_dim,) and w.dtype == q.dtype and w.is_contiguous()
     if num_tokens == 0:
         return
-    quant, k_scale, v_scale, scale_strides, is_int8, qmax = _quant_args(cache)
+    scales, scale_strides, quant_constexprs = _quant_launch_args(cache)
     q_norm, k_norm, eps = qk_norm if qk_norm is not None else (q, q, 0.0)  # placeholders
     block_half = triton.next_power_of_2(half)
     block_q = triton.next_power_of_2(num_heads)
@@ -178,39 +229,21 @@ def rotary_write_kv_cache(
         sin,
         cache.k,
         cache.v,
-        k_scale,
-        v_scale,
+        *scales,
         slot_mapping,
         q_norm,
         k_norm,
         eps,
-        block_size,
+        cache.k.shape[1],  # block_size
         num_heads,
         num_kv_heads,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        cos.stride(0),
-        sin.stride(0),
-        cache.k.stride(0),
-        cache.k.stride(1),
-        cache.k.stride(2),
-        scale_strides[0],
-        scale_strides[1],
-        scale_strides[2],
+        *_stride_args(q, k, v, cos, sin, cache, scale_strides),
         HALF=half,
         BLOCK_HALF=block_half,
         BLOCK_Q_HEADS=block_q,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         QK_NORM=qk_norm is not None,
-        QUANT=quant,
-        IS_INT8=is_int8,
-        QMAX=qmax,
-        MIN_SCALE=_MIN_SCALE,
-        ROUND_MAGIC=_ROUND_MAGIC,
+        **quant_constexprs,
         num_warps=_num_warps(block_q * block_half),
         enable_fp_fusion=False,  # the rotation's roundings, as in rotary_qk
     )

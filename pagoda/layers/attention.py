@@ -112,32 +112,39 @@ class Attention(nn.Module):
             )
         else:
             write_kv_cache(k, v, cache, meta.slot_mapping)
-            if not (self.cpu_kernel and cache.k.dtype == torch.float32):
+            if self.cpu_kernel and cache.k.dtype == torch.float32:
+                out = self._cpu_kernel_attention(q, cache, meta, window)
+            else:
                 out = paged_attention_torch(q, cache, meta, self.scale, window)
-            elif meta.num_decodes == num_tokens:
-                out = torch.ops.pagoda_cpu.paged_decode_attention(
-                    q,
-                    cache.k,
-                    cache.v,
-                    meta.decode_block_tables,
-                    meta.decode_seq_lens,
-                    self.scale,
-                    window,
-                    2,
-                )
-            else:  # the same per-row reduction over prefill chunks and decodes alike
-                out = torch.ops.pagoda_cpu.paged_attention(
-                    q,
-                    cache.k,
-                    cache.v,
-                    meta.req_block_tables,
-                    meta.query_start_loc,
-                    meta.req_seq_lens,
-                    self.scale,
-                    window,
-                    2,
-                )
         return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _cpu_kernel_attention(
+        self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, window: int
+    ) -> torch.Tensor:
+        """pagoda's C++ attention over the float32 cache, read in place (the module docstring)."""
+        if meta.num_decodes == q.shape[0]:
+            return torch.ops.pagoda_cpu.paged_decode_attention(
+                q,
+                cache.k,
+                cache.v,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+                window,
+                2,
+            )
+        # the same per-row reduction over prefill chunks and decodes alike
+        return torch.ops.pagoda_cpu.paged_attention(
+            q,
+            cache.k,
+            cache.v,
+            meta.req_block_tables,
+            meta.query_start_loc,
+            meta.req_seq_lens,
+            self.scale,
+            window,
+            2,
+        )
 
 
 def paged_attention_torch(

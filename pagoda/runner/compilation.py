@@ -36,16 +36,22 @@ import logging
 import time
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch._dynamo
 import torch.fx.experimental._config as fx_config
 
-from pagoda.layers.forward_context import ForwardContext
+from pagoda.kernels.paged_cache import KVCache
+from pagoda.layers.forward_context import ForwardContext, forward_context
 from pagoda.models.interface import Backbone, CausalLM
+from pagoda.runner.step_inputs import InputBuffers
 
 logger = logging.getLogger(__name__)
+
+
+# (batch, block-table width) of the warm-up decode steps: one per compiled graph.
+WARMUP_SHAPES = ((1, 2), (2, 2))
 
 
 # Two functions, so that each graph has a dynamo cache (keyed by code object) of its own.
@@ -154,3 +160,34 @@ class CompiledDecode:
             "1" if batch == 1 else ">= 2",
             time.perf_counter() - start,
         )
+
+    def compile_now(
+        self, caches: list[KVCache], buffers: InputBuffers, block_size: int, limits: StepLimits
+    ) -> None:
+        """Compile both graphs (a decode batch of one request and one of two, each request two
+        blocks long) over `caches` now, rather than in the first requests' steps. This writes
+        keys and values into blocks 0-3, which no request holds yet and every request
+        overwrites before reading."""
+        num_blocks = caches[0].k.shape[0]
+        for batch, width in WARMUP_SHAPES:
+            batch = min(batch, limits.max_num_seqs)
+            width = min(width, limits.max_blocks_per_seq)
+            seq_len = min(block_size * (width - 1) + 1, limits.max_model_len)
+            tables = [[(width * i + j) % num_blocks for j in range(width)] for i in range(batch)]
+            ids, pos, meta = buffers.prepare([[0]] * batch, [seq_len] * batch, tables, block_size)
+            with forward_context(meta, caches) as ctx:
+                try:
+                    self.warm_up(ids, pos, ctx)
+                except Exception as e:  # inductor needs a C++ compiler and Python headers
+                    raise RuntimeError(
+                        f"compiling the decode step failed ({type(e).__name__}: {e}); "
+                        "run with -O0 (optimization_level=0) to skip torch.compile"
+                    ) from e
+
+
+class StepLimits(NamedTuple):
+    """The runner's bounds on a decode step the warm-up may make."""
+
+    max_num_seqs: int
+    max_blocks_per_seq: int
+    max_model_len: int

@@ -62,9 +62,6 @@ from pagoda.speculative_config import SpeculativeConfig
 if TYPE_CHECKING:
     from pagoda.runner.compilation import CompiledDecode
 
-# (batch, block-table width) of the warm-up decode steps: one per compiled graph.
-WARMUP_SHAPES = ((1, 2), (2, 2))
-
 
 class ModelRunner:
     def __init__(
@@ -95,8 +92,6 @@ class ModelRunner:
         rows (runner/context_parallel.py)."""
         self.model = model
         self.pp, self.cp = pp, cp
-        self.num_micro_batches = max(2, pp.size)
-        self.stage_timeline = StageTimeline()
         self.model_config = model_config
         self.block_size = block_size
         self.device = device
@@ -109,42 +104,17 @@ class ModelRunner:
         if model is not None:
             model.set_kernel_backend(kernel_backend)
         self.max_blocks_per_seq = -(-model_config.max_model_len // block_size)
-        self.buffers = InputBuffers(
-            max(max_num_batched_tokens, max_num_seqs),
-            max_num_seqs,
-            self.max_blocks_per_seq,
-            device,
-        )
+        self._init_step_state()
         self.kv_caches: list[KVCache] = []  # one per layer, from allocate_kv_cache
         # Pure-decode batches are padded to these sizes (the graphs' sizes); setting them
         # without graphs runs the padded batches eagerly, the reference of a replay.
         self.decode_sizes = capture_sizes(max_num_seqs) if use_cuda_graphs else None
         self.graphs: DecodeGraphs | None = None
         self.compiled = _compiled_decode(model) if compile_decode else None
-        self.sampler = Sampler()
-        self.batch = InputBatch(
-            model_config.vocab_size, max(64, max_num_seqs), device, self.max_blocks_per_seq
-        )
-        self.generators: dict[str, torch.Generator] = {}
-        self._sampling_columns: tuple[tuple[int, tuple[str, ...]], BatchColumns] | None = None
-        # The last executed step's sampled ids (R,) on the device, and each sampling request's
-        # row in them: the inputs of the next step's placeholders.
-        self.prev_sampled: torch.Tensor | None = None
-        self.prev_rows: dict[str, int] = {}
-        self.grammar_bitmask: dict[str, list[bytes]] = {}  # this step's (runner/grammar_mask.py)
-        self.proposer: DraftProposer | None = None
         self.draft_step: DraftModelStep | None = None
         if draft is not None:
-            draft.model.set_kernel_backend(kernel_backend)
-            self.draft_step = DraftModelStep(
-                draft,
-                self.batch,
-                self.buffers,
-                block_size,
-                device,
-                kv_quant_dtype,
-                _compiled_decode(draft.model) if compile_decode else None,
-            )
+            self.draft_step = self._draft_step(draft, compile_decode)
+        self.proposer: DraftProposer | None = None
         if speculative_config is not None:
             self.proposer = DraftProposer(
                 speculative_config,
@@ -153,6 +123,41 @@ class ModelRunner:
                 self.buffers.max_tokens,
                 draft is not None and draft.shares_target_kv,
             )
+
+    def _init_step_state(self) -> None:
+        """The step buffers, the persistent rows and what steps hand on to the next."""
+        self.buffers = InputBuffers(
+            max(self.max_num_batched_tokens, self.max_num_seqs),
+            self.max_num_seqs,
+            self.max_blocks_per_seq,
+            self.device,
+        )
+        self.sampler = Sampler()
+        self.num_micro_batches = max(2, self.pp.size)  # a pipeline stage's step
+        self.stage_timeline = StageTimeline()
+        vocab = self.model_config.vocab_size
+        rows = max(64, self.max_num_seqs)
+        self.batch = InputBatch(vocab, rows, self.device, self.max_blocks_per_seq)
+        self.generators: dict[str, torch.Generator] = {}
+        self._sampling_columns: tuple[tuple[int, tuple[str, ...]], BatchColumns] | None = None
+        # The last executed step's sampled ids (R,) on the device, and each sampling request's
+        # row in them: the inputs of the next step's placeholders.
+        self.prev_sampled: torch.Tensor | None = None
+        self.prev_rows: dict[str, int] = {}
+        self.grammar_bitmask: dict[str, list[bytes]] = {}  # this step's (runner/grammar_mask.py)
+
+    def _draft_step(self, draft: DraftModel, compile_decode: bool) -> DraftModelStep:
+        """The draft model's forward over this runner's rows and buffers."""
+        draft.model.set_kernel_backend(self.kernel_backend)
+        return DraftModelStep(
+            draft,
+            self.batch,
+            self.buffers,
+            self.block_size,
+            self.device,
+            self.kv_quant_dtype,
+            _compiled_decode(draft.model) if compile_decode else None,
+        )
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
         block_size = self.block_size // self.cp.size  # a rank's share of each block
@@ -180,35 +185,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compile_decode_step(self) -> None:
-        """After allocate_kv_cache, when decode steps are compiled: compile both graphs now
-        (a decode batch of one request and one of two, each request two blocks long) rather
-        than in the first requests' steps. This writes keys and values into blocks 0-3, which
-        no request holds yet and every request overwrites before reading."""
+        """After allocate_kv_cache, when decode steps are compiled: compile the graphs now
+        (CompiledDecode.compile_now), the draft model's too."""
         compiled = [(self.compiled, self.kv_caches)]
         if self.draft_step is not None:
             compiled.append((self.draft_step.compiled, self.draft_step.kv_caches))
+        from pagoda.runner.compilation import StepLimits
+
+        max_len = self.model_config.max_model_len
+        limits = StepLimits(self.max_num_seqs, self.max_blocks_per_seq, max_len)
         for graphs, caches in compiled:
             if graphs is not None:
-                self._compile(graphs, caches)
-
-    def _compile(self, compiled: CompiledDecode, caches: list[KVCache]) -> None:
-        num_blocks = caches[0].k.shape[0]
-        for batch, width in WARMUP_SHAPES:
-            batch = min(batch, self.max_num_seqs)
-            width = min(width, self.max_blocks_per_seq)
-            seq_len = min(self.block_size * (width - 1) + 1, self.model_config.max_model_len)
-            tables = [[(width * i + j) % num_blocks for j in range(width)] for i in range(batch)]
-            ids, pos, meta = self.buffers.prepare(
-                [[0]] * batch, [seq_len] * batch, tables, self.block_size
-            )
-            with forward_context(meta, caches) as ctx:
-                try:
-                    compiled.warm_up(ids, pos, ctx)
-                except Exception as e:  # inductor needs a C++ compiler and Python headers
-                    raise RuntimeError(
-                        f"compiling the decode step failed ({type(e).__name__}: {e}); "
-                        "run with -O0 (optimization_level=0) to skip torch.compile"
-                    ) from e
+                graphs.compile_now(caches, self.buffers, self.block_size, limits)
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
@@ -287,14 +275,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> PendingOutput:
         """Launch one step: inputs, forward, sampling, and the copies of its results to the host
         (see PendingOutput)."""
-        for rid in out.finished_request_ids:
-            self.generators.pop(rid, None)
-        if self.proposer is not None:  # a preempted request's blocks are gone
-            for rid in out.finished_request_ids + out.preempted_request_ids:
-                self.proposer.remove(rid)
-        self.batch.apply(out)
-        self._copy_blocks(out.block_copies)
-        self.grammar_bitmask = out.grammar_bitmask
+        self._apply(out)
         if out.is_empty:
             self.prev_sampled, self.prev_rows = None, {}
             return PendingOutput([], [], None, None, {})
@@ -346,6 +327,17 @@ class ModelRunner:
         hidden = hidden[:num_tokens]
 
         return self._sample(out.scheduled, hidden, self._prompt_logprobs(out, hidden), decoded)
+
+    def _apply(self, out: SchedulerOutput) -> None:
+        """The step's deltas to the rows, the proposer, the generators and the blocks."""
+        for rid in out.finished_request_ids:
+            self.generators.pop(rid, None)
+        if self.proposer is not None:  # a preempted request's blocks are gone
+            for rid in out.finished_request_ids + out.preempted_request_ids:
+                self.proposer.remove(rid)
+        self.batch.apply(out)
+        self._copy_blocks(out.block_copies)
+        self.grammar_bitmask = out.grammar_bitmask
 
     def _prompt_logprobs(
         self, out: SchedulerOutput, hidden: torch.Tensor
@@ -400,17 +392,8 @@ class ModelRunner:
                 for _ in s.sample_ids
             ]
             return self._sample_drafts(rows, drafts, hidden, prompt_logprobs)
-        # One row per request in a pure-decode step: no gather (and no index upload) needed.
-        flat = rows.flat_rows
-        num_rows = len(flat)
-        in_order = flat == list(range(hidden.shape[0]))
-        last = hidden if in_order else hidden.index_select(0, self.buffers.row_index(flat))
-        greedy = None
-        if in_order and decoded is not None and decoded.logits is not None:
-            logits, greedy = decoded.logits[:num_rows], decoded.greedy
-        else:
-            # (num_rows, vocab) in the model's dtype: the sampler widens them in its first pass
-            logits = self.model.compute_logits(last, float32=False)
+        num_rows = len(rows.flat_rows)
+        logits, greedy = self._logits(rows, hidden, decoded)
         if apply_grammar_bitmask(logits, rows.row_ids, self.grammar_bitmask):
             greedy = None
         columns = self._columns(rows)
@@ -434,6 +417,19 @@ class ModelRunner:
             on_host=lambda tokens: self.batch.record_sampled(rows.own_rows, tokens),
             propose=self._propose_fn(),
         )
+
+    def _logits(
+        self, rows: SamplingRows, hidden: torch.Tensor, decoded: DecodeOutput | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampling rows' logits (num_rows, vocab) in the model's dtype (the sampler widens
+        them in its first pass), and their argmax where a graph's step computed it."""
+        # One row per request in a pure-decode step: no gather (and no index upload) needed.
+        flat = rows.flat_rows
+        in_order = flat == list(range(hidden.shape[0]))
+        if in_order and decoded is not None and decoded.logits is not None:
+            return decoded.logits[: len(flat)], decoded.greedy
+        last = hidden if in_order else hidden.index_select(0, self.buffers.row_index(flat))
+        return self.model.compute_logits(last, float32=False), None
 
     def _sample_drafts(
         self,

@@ -103,75 +103,99 @@ disable_created_metrics()  # no `_created` series, as in vLLM's exposition
 class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
         self.model_name = model_name
         # Called with every finished request (the Ray Serve replica's SLO window listens).
         self.finished_listeners: list[Callable[[RequestState], None]] = []
-        r = self.registry
+        # /metrics lists the metrics in the order they are declared.
+        self._declare_latencies()
+        self._declare_engine_gauges()
+        self._declare_token_counters()
+        self._declare_spec_decode()
+        self._declare_kv_transfer_and_ranks()
+        success = self._counter(
+            "request_success", "Finished requests (samples) by finish reason.", ("finished_reason",)
+        )
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self._last_stats: EngineStats = _NoStats()
+        self._prompt_total = 0  # mirrors of the token counters, for the log line
+        self._generation_total = 0
+        self._last_log = (time.monotonic(), 0, 0)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"pagoda:{name}", doc, labels, registry=r, buckets=buckets)
+    # ---- declarations: each metric has the model_name label first ----------------------------
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(
+            f"pagoda:{name}", doc, ["model_name"], registry=self.registry, buckets=buckets
+        )
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagoda:{name}", doc, labels, registry=r)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"pagoda:{name}", doc, ["model_name"], registry=self.registry)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"pagoda:{name}", doc, labels + list(extra), registry=r)
+    def _counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(f"pagoda:{name}", doc, ["model_name", *extra], registry=self.registry)
 
+    def _declare_latencies(self) -> None:
+        name, hist = self.model_name, self._histogram
         self.ttft = hist(
             "time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
-        ).labels(model_name)
+        ).labels(name)
         self.itl = hist(
             "inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
-        ).labels(model_name)
+        ).labels(name)
         self.e2e = hist(
             "e2e_request_latency_seconds", "End-to-end request latency.", _LATENCY_BUCKETS
-        ).labels(model_name)
+        ).labels(name)
         self.queue_time = hist(
             "request_queue_time_seconds", "Time from arrival to first scheduling.", _LATENCY_BUCKETS
-        ).labels(model_name)
-        self.running = gauge("num_requests_running", "Requests in the running batch.").labels(
-            model_name
+        ).labels(name)
+
+    def _declare_engine_gauges(self) -> None:
+        name = self.model_name
+        self.running = self._gauge("num_requests_running", "Requests in the running batch.").labels(
+            name
         )
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to run.").labels(model_name)
-        self.kv_usage = gauge(
+        self.waiting = self._gauge("num_requests_waiting", "Requests waiting to run.").labels(name)
+        self.kv_usage = self._gauge(
             "kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full)."
-        ).labels(model_name)
+        ).labels(name)
+
+    def _declare_token_counters(self) -> None:
+        name, counter = self.model_name, self._counter
         self.prefix_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        ).labels(model_name)
+        ).labels(name)
         self.prefix_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
-        ).labels(model_name)
-        self.preemptions = counter("num_preemptions", "Preemptions in the engine.").labels(
-            model_name
-        )
+        ).labels(name)
+        self.preemptions = counter("num_preemptions", "Preemptions in the engine.").labels(name)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.").labels(
-            model_name
+            name
         )
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(
-            model_name
-        )
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(name)
+
+    def _declare_spec_decode(self) -> None:
         # Speculative decoding (vLLM's names): verifications with drafts, draft tokens,
         # accepted drafts, and accepted drafts by position in the draft.
+        name, counter = self.model_name, self._counter
         self.spec_drafts = counter(
             "spec_decode_num_drafts", "Requests' steps that verified draft tokens."
-        ).labels(model_name)
+        ).labels(name)
         self.spec_draft_tokens = counter(
             "spec_decode_num_draft_tokens", "Draft tokens verified."
-        ).labels(model_name)
+        ).labels(name)
         self.spec_accepted = counter(
             "spec_decode_num_accepted_tokens", "Draft tokens accepted."
-        ).labels(model_name)
+        ).labels(name)
         self.spec_accepted_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft.",
             ("position",),
         )
+
+    def _declare_kv_transfer_and_ranks(self) -> None:
         # Disaggregation: what a decode instance received and a prefill instance sent (bytes,
         # blocks, seconds), and fetches asked / retried / failed (computed locally) / served.
         self.kv_transfer = {
-            name: counter(name, doc, (label,))
+            name: self._counter(name, doc, (label,))
             for name, doc, label in (
                 ("kv_transfer_bytes", "KV bytes transferred.", "direction"),
                 ("kv_transfer_blocks", "KV blocks transferred.", "direction"),
@@ -180,18 +204,10 @@ class Metrics:
             )
         }
         # Tensor/pipeline-parallel ranks: steps and seconds in them, per rank.
-        self.rank_steps = counter("rank_steps", "Steps a worker rank ran.", ("rank",))
-        self.rank_step_seconds = counter(
+        self.rank_steps = self._counter("rank_steps", "Steps a worker rank ran.", ("rank",))
+        self.rank_step_seconds = self._counter(
             "rank_step_seconds", "Seconds a worker rank spent in steps.", ("rank",)
         )
-        success = counter(
-            "request_success", "Finished requests (samples) by finish reason.", ("finished_reason",)
-        )
-        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        self._last_stats: EngineStats = _NoStats()
-        self._prompt_total = 0  # mirrors of the token counters, for the log line
-        self._generation_total = 0
-        self._last_log = (time.monotonic(), 0, 0)
 
     # ---- updates ---------------------------------------------------------------------------
     def set_engine_stats(self, stats: EngineStats) -> None:

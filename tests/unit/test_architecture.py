@@ -300,3 +300,24 @@ def test_no_code_asks_which_executor_it_has() -> None:
                 if names & EXECUTORS:
                     sites.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not sites, f"isinstance on an executor: {sites}"
+
+
+def _is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    def is_jit(d: ast.expr) -> bool:
+        target = d.func if isinstance(d, ast.Call) else d
+        return isinstance(target, ast.Attribute) and target.attr == "jit"
+
+    return any(is_jit(d) for d in node.decorator_list)
+
+
+def test_functions_stay_short() -> None:
+    """No function over 60 lines but Triton kernels (one body the compiler sees whole): split
+    by step, and flag lists become tables."""
+    long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > 60 and not _is_triton_kernel(node):
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} {lines}")
+    assert not long, "functions over 60 lines:\n" + "\n".join(long)

@@ -134,6 +134,14 @@ def _header_hash() -> str:
 
 def _register_fakes() -> None:
     """Output shapes for torch.compile's tracing."""
+    _register_matmul_fakes()
+    _register_fused_matmul_fakes()
+    _register_attention_fakes()
+    _register_row_op_fakes()
+
+
+def _register_matmul_fakes() -> None:
+    """The matmuls: y = x @ w^T in float32."""
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul")  # type: ignore[misc]
     def _q4(x: Any, packed: Any, n: int, isa_limit: int, form: int) -> Any:
@@ -147,19 +155,9 @@ def _register_fakes() -> None:
     def _q8(x: Any, packed: Any, scales: Any, n: int, isa_limit: int) -> Any:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
-    @torch.library.register_fake("pagoda_cpu::paged_decode_attention")  # type: ignore[misc]
-    def _attention(
-        q: Any,
-        k: Any,
-        v: Any,
-        tables: Any,
-        lens: Any,
-        scale: float,
-        window: int,
-        isa_limit: int,
-        value_dim: int = 0,
-    ) -> Any:
-        return q.new_empty((*q.shape[:2], value_dim or q.shape[2]))
+
+def _register_fused_matmul_fakes() -> None:
+    """The matmuls with the norm or the activation before them in one call."""
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul_norm")  # type: ignore[misc]
     def _q4_norm(
@@ -195,21 +193,23 @@ def _register_fakes() -> None:
     def _q8_silu(x: Any, packed: Any, scales: Any, n: int, isa_limit: int) -> Any:
         return x.new_empty((x.shape[0], n))
 
-    @torch.library.register_fake("pagoda_cpu::rms_norm")  # type: ignore[misc]
-    def _rms_norm(x: Any, weight: Any, eps: float, isa_limit: int) -> Any:
-        return x.new_empty(x.shape)
 
-    @torch.library.register_fake("pagoda_cpu::add_rms_norm")  # type: ignore[misc]
-    def _add_rms_norm(x: Any, residual: Any, weight: Any, eps: float, isa_limit: int) -> Any:
-        return x.new_empty(x.shape), x.new_empty(x.shape)
+def _register_attention_fakes() -> None:
+    """The paged attentions: (rows, heads, value_dim or head_dim)."""
 
-    @torch.library.register_fake("pagoda_cpu::silu_and_mul")  # type: ignore[misc]
-    def _silu_and_mul(x: Any, isa_limit: int) -> Any:
-        return x.new_empty((x.shape[0], x.shape[1] // 2))
-
-    @torch.library.register_fake("pagoda_cpu::rotary")  # type: ignore[misc]
-    def _rotary(x: Any, cos: Any, sin: Any, head_dim: int, isa_limit: int) -> Any:
-        return x.new_empty(x.shape)
+    @torch.library.register_fake("pagoda_cpu::paged_decode_attention")  # type: ignore[misc]
+    def _attention(
+        q: Any,
+        k: Any,
+        v: Any,
+        tables: Any,
+        lens: Any,
+        scale: float,
+        window: int,
+        isa_limit: int,
+        value_dim: int = 0,
+    ) -> Any:
+        return q.new_empty((*q.shape[:2], value_dim or q.shape[2]))
 
     @torch.library.register_fake("pagoda_cpu::paged_attention")  # type: ignore[misc]
     def _rows(
@@ -225,3 +225,23 @@ def _register_fakes() -> None:
         value_dim: int = 0,
     ) -> Any:
         return q.new_empty((*q.shape[:2], value_dim or q.shape[2]))
+
+
+def _register_row_op_fakes() -> None:
+    """The row ops of row_ops.cpp."""
+
+    @torch.library.register_fake("pagoda_cpu::rms_norm")  # type: ignore[misc]
+    def _rms_norm(x: Any, weight: Any, eps: float, isa_limit: int) -> Any:
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake("pagoda_cpu::add_rms_norm")  # type: ignore[misc]
+    def _add_rms_norm(x: Any, residual: Any, weight: Any, eps: float, isa_limit: int) -> Any:
+        return x.new_empty(x.shape), x.new_empty(x.shape)
+
+    @torch.library.register_fake("pagoda_cpu::silu_and_mul")  # type: ignore[misc]
+    def _silu_and_mul(x: Any, isa_limit: int) -> Any:
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @torch.library.register_fake("pagoda_cpu::rotary")  # type: ignore[misc]
+    def _rotary(x: Any, cos: Any, sin: Any, head_dim: int, isa_limit: int) -> Any:
+        return x.new_empty(x.shape)
