@@ -129,12 +129,6 @@ class DraftLayout:
             for i in range(self.num_draft_tokens[row] + 1)
         }
 
-    def emitted_target_rows(self, num_accepted: torch.Tensor) -> torch.Tensor:
-        """(N,) the target row of every emitted token, rows in order (N = sum(a_r + 1)): the
-        rows whose raw logits give the emitted tokens' logprobs. Reads the count (a sync)."""
-        cols = torch.arange(self.max_k + 1, device=num_accepted.device)
-        return self.target_index[cols <= num_accepted.unsqueeze(1)]
-
 
 class VerifyOutput(NamedTuple):
     """Row r emits token_ids[r, : num_accepted[r] + 1]; PLACEHOLDER_TOKEN_ID after."""

@@ -31,7 +31,7 @@ import torch
 
 from pagoda.runner.device import to_device
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
-from pagoda.sampling_params import SAMPLING_EPS, SamplingParams, SamplingType
+from pagoda.sampling_params import SAMPLING_EPS
 
 
 class LogprobsTensors(NamedTuple):
@@ -70,18 +70,12 @@ class SamplingMetadata:
     frequency_penalties: torch.Tensor | None
     repetition_penalties: torch.Tensor | None
     generators: dict[int, torch.Generator]  # row -> generator, random seeded rows only
-    output_token_ids: list[list[int]]
-    prompt_token_ids: list[list[int]]
     banned_token_ids: list[list[int]]  # masked to -inf (min_tokens not yet reached)
     max_num_logprobs: int | None
     logit_bias: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per row
     max_top_k: int = 0  # the largest enabled top_k (computed on the host: no device sync)
-    # Output tokens missing from output_token_ids because the step sampling them is still in
-    # flight (async scheduling): rows (K,) and token ids (K,) on the device. Penalties only.
-    pending_output_rows: torch.Tensor | None = None
-    pending_output_tokens: torch.Tensor | None = None
-    # The persistent batch's penalty state instead of the lists: (R, vocab) output token
-    # counts (float32) and prompt tokens seen (bool; repetition penalties only), on the device.
+    # The persistent batch's penalty state: (R, vocab) output token counts (float32) and prompt
+    # tokens seen (bool; repetition penalties only), on the device; None without penalties.
     output_counts: torch.Tensor | None = None
     prompt_seen: torch.Tensor | None = None
 
@@ -106,67 +100,6 @@ class SamplingMetadata:
         return self.min_p is None
 
     @classmethod
-    def from_rows(
-        cls,
-        params: list[SamplingParams],
-        output_token_ids: list[list[int]],
-        prompt_token_ids: list[list[int]],
-        generators: dict[int, torch.Generator],
-        banned_token_ids: list[list[int]],
-        vocab_size: int,
-        device: torch.device | str,
-    ) -> SamplingMetadata:
-        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
-        all_greedy, all_random = all(greedy), bool(params) and not any(greedy)
-        random_rows = [p for p, g in zip(params, greedy) if not g]
-
-        device = torch.device(device)
-
-        def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-            return to_device(values, dtype, device)
-
-        temperature = top_k = top_p = min_p = None
-        max_top_k = 0
-        if not all_greedy:
-            temperature = column([p.temperature for p in params], torch.float32)
-            if any(0 < p.top_k < vocab_size for p in random_rows):
-                ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-                top_k = column(ks, torch.int64)
-                max_top_k = max(k for k in ks if k < vocab_size)
-            if any(p.top_p < 1.0 for p in random_rows):
-                top_p = column([p.top_p for p in params], torch.float32)
-            if any(p.min_p > 0.0 for p in random_rows):
-                min_p = column([p.min_p for p in params], torch.float32)
-
-        presence = frequency = repetition = None
-        if any(p.presence_penalty != 0.0 for p in params):
-            presence = column([p.presence_penalty for p in params], torch.float32)
-        if any(p.frequency_penalty != 0.0 for p in params):
-            frequency = column([p.frequency_penalty for p in params], torch.float32)
-        if any(p.repetition_penalty != 1.0 for p in params):
-            repetition = column([p.repetition_penalty for p in params], torch.float32)
-
-        logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(
-            temperature=temperature,
-            all_greedy=all_greedy,
-            all_random=all_random,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            presence_penalties=presence,
-            frequency_penalties=frequency,
-            repetition_penalties=repetition,
-            generators={row: g for row, g in generators.items() if not greedy[row]},
-            output_token_ids=output_token_ids,
-            prompt_token_ids=prompt_token_ids,
-            banned_token_ids=banned_token_ids,
-            max_num_logprobs=max(logprobs) if logprobs else None,
-            logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else [],
-            max_top_k=max_top_k,
-        )
-
-    @classmethod
     def from_batch(
         cls,
         columns: BatchColumns,
@@ -176,8 +109,7 @@ class SamplingMetadata:
         eos_token_ids: Sequence[int],
     ) -> SamplingMetadata:
         """The step's metadata: the rows' columns (built once while the rows stay the same),
-        plus what changes every step: min_tokens bans, penalty counts, generators. The same
-        values as from_rows would build from the rows' SamplingParams and token lists."""
+        plus what changes every step: min_tokens bans, penalty counts, generators."""
         banned: list[list[int]] = [[] for _ in rows.row_ids]
         if columns.min_tokens is not None:
             outputs = np.asarray(rows.num_outputs, np.int64)
@@ -202,8 +134,6 @@ class SamplingMetadata:
             frequency_penalties=columns.frequency,
             repetition_penalties=columns.repetition,
             generators={row: g for row, g in generators.items() if not columns.greedy[row]},
-            output_token_ids=[],
-            prompt_token_ids=[],
             banned_token_ids=banned,
             max_num_logprobs=columns.max_num_logprobs,
             logit_bias=columns.logit_bias,
@@ -213,27 +143,7 @@ class SamplingMetadata:
         )
 
 
-def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    return to_device([r + [pad] * (width - len(r)) for r in rows], torch.int64, device)
-
-
-def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """(R, vocab) float32: how often each token occurs in each row."""
-    ids = _padded(rows, vocab_size, device)  # pad lands in an extra column, dropped below
-    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab_size]
-
-
-def apply_logit_bias(
-    logits: torch.Tensor, logit_bias: list[tuple[tuple[int, float], ...]]
-) -> torch.Tensor:
-    """Add each row's (token id, bias) pairs to its logits (out of place)."""
-    return _add_logit_bias_(logits.clone(), logit_bias)
-
-
-def _add_logit_bias_(
+def add_logit_bias_(
     logits: torch.Tensor, logit_bias: list[tuple[tuple[int, float], ...]]
 ) -> torch.Tensor:
     rows = [r for r, pairs in enumerate(logit_bias) for _ in pairs]
@@ -247,14 +157,7 @@ def _add_logit_bias_(
     return logits.index_put_(index, bias, accumulate=True)
 
 
-def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
-    """Set the banned tokens of each row to -inf (out of place)."""
-    if not any(banned_token_ids):
-        return logits
-    return _ban_tokens_(logits.clone(), banned_token_ids)
-
-
-def _ban_tokens_(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
+def ban_tokens_(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
     rows = [r for r, ids in enumerate(banned_token_ids) for _ in ids]
     cols = [t for ids in banned_token_ids for t in ids]
     index = (
@@ -262,41 +165,6 @@ def _ban_tokens_(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> tor
         to_device(cols, torch.int64, logits.device),
     )
     return logits.index_put_(index, logits.new_full((), float("-inf")))
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
-    presence_penalties: torch.Tensor | None,
-    frequency_penalties: torch.Tensor | None,
-    repetition_penalties: torch.Tensor | None,
-    pending_output_rows: torch.Tensor | None = None,
-    pending_output_tokens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Repetition (HF/vLLM), then frequency and presence (OpenAI/vLLM) penalties (out of place;
-    float32). A penalty given as None is neutral in every row (presence and frequency 0,
-    repetition 1), so its pass is skipped: it would leave every logit as it is.
-
-    repetition: a token seen in the prompt or the output has a positive logit divided by the
-        penalty and a negative one multiplied by it.
-    frequency, presence: logit -= frequency * count_in_output + presence * (count_in_output > 0).
-    The output of row pending_output_rows[j] also holds the device token pending_output_tokens[j].
-    """
-    num_rows, vocab_size = logits.shape
-    out_counts = _token_counts(output_token_ids, vocab_size, logits.device)
-    if pending_output_rows is not None and pending_output_tokens is not None:
-        index = (pending_output_rows, pending_output_tokens)
-        out_counts.index_put_(index, out_counts.new_ones(()), accumulate=True)
-    prompt_seen = _token_counts(prompt_token_ids, vocab_size, logits.device) > 0
-    return apply_penalty_counts(
-        logits,
-        prompt_seen,
-        out_counts,
-        presence_penalties,
-        frequency_penalties,
-        repetition_penalties,
-    )
 
 
 def apply_penalty_counts(
@@ -307,8 +175,15 @@ def apply_penalty_counts(
     frequency_penalties: torch.Tensor | None,
     repetition_penalties: torch.Tensor | None,
 ) -> torch.Tensor:
-    """apply_penalties over (R, vocab) prompt_seen (bool; read by repetition penalties only)
-    and out_counts (float32)."""
+    """Repetition (HF/vLLM), then frequency and presence (OpenAI/vLLM) penalties (out of place;
+    float32) over (R, vocab) prompt_seen (bool; read by repetition penalties only) and
+    out_counts (float32). A penalty given as None is neutral in every row (presence and
+    frequency 0, repetition 1), so its pass is skipped: it would leave every logit as it is.
+
+    repetition: a token seen in the prompt or the output has a positive logit divided by the
+        penalty and a negative one multiplied by it.
+    frequency, presence: logit -= frequency * count_in_output + presence * (count_in_output > 0).
+    """
     in_output = out_counts > 0
     if repetition_penalties is not None:
         assert prompt_seen is not None
@@ -435,23 +310,14 @@ class Sampler:
         if meta.logit_bias or any(meta.banned_token_ids):
             logits, own = logits.to(torch.float32, copy=True), True
             if meta.logit_bias:
-                _add_logit_bias_(logits, meta.logit_bias)
+                add_logit_bias_(logits, meta.logit_bias)
             if any(meta.banned_token_ids):
-                _ban_tokens_(logits, meta.banned_token_ids)
+                ban_tokens_(logits, meta.banned_token_ids)
         if meta.no_penalties:
             return logits, own
         penalties = (meta.presence_penalties, meta.frequency_penalties, meta.repetition_penalties)
-        if meta.output_counts is not None:
-            logits = apply_penalty_counts(logits, meta.prompt_seen, meta.output_counts, *penalties)
-        else:
-            logits = apply_penalties(
-                logits,
-                meta.prompt_token_ids,
-                meta.output_token_ids,
-                *penalties,
-                meta.pending_output_rows,
-                meta.pending_output_tokens,
-            )
+        assert meta.output_counts is not None, "penalties read the batch's counts"
+        logits = apply_penalty_counts(logits, meta.prompt_seen, meta.output_counts, *penalties)
         return logits, True
 
     @staticmethod

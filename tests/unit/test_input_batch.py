@@ -12,18 +12,14 @@ import torch
 
 from pagoda.config import SchedulerConfig
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
-from pagoda.runner.sampler import (
-    Sampler,
-    SamplingMetadata,
-    apply_penalties,
-    apply_penalty_counts,
-)
+from pagoda.runner.sampler import Sampler, SamplingMetadata, apply_penalty_counts
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduling.block_pool import BlockPool
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput, sample_request_id
 from pagoda.scheduling.request import Request, RequestStatus
 from pagoda.scheduling.scheduler import Scheduler
+from tests.sampling_reference import apply_penalties, metadata_from_rows
 
 BS = 4
 EOS = 2
@@ -196,8 +192,8 @@ def test_sampling_columns_follow_the_rows_params() -> None:
 
 
 def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:
-    """SamplingMetadata.from_batch (columns, device penalty counts) against from_rows (the
-    SamplingParams and token lists): the same penalized logits and the same sampled tokens."""
+    """SamplingMetadata.from_batch (columns, device penalty counts) against the reference built
+    from the SamplingParams and token lists (tests/sampling_reference.py): the same penalized logits and the same sampled tokens."""
     rng = random.Random(3)
     batch = InputBatch(VOCAB, capacity=2)
     sched = Scheduler(
@@ -234,10 +230,11 @@ def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:
             for p, n in zip(params, rows.num_outputs)
         ]
         gens_ref = [torch.Generator().manual_seed(i) for i in range(len(rows.row_ids))]
-        ref = SamplingMetadata.from_rows(
+        prompts = [r.prompt_token_ids for r in rows.leaders]
+        ref = metadata_from_rows(
             params,
             outputs,
-            [r.prompt_token_ids for r in rows.leaders],
+            prompts,
             dict(enumerate(gens_ref)),
             banned,
             VOCAB,
@@ -251,7 +248,7 @@ def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:
             args = (ref.presence_penalties, ref.frequency_penalties, ref.repetition_penalties)
             assert torch.equal(
                 apply_penalty_counts(logits, fast.prompt_seen, fast.output_counts, *args),
-                apply_penalties(logits, ref.prompt_token_ids, ref.output_token_ids, *args),
+                apply_penalties(logits, prompts, outputs, *args),
             )
         fast_out, ref_out = Sampler()(logits, fast), Sampler()(logits, ref)
         assert torch.equal(fast_out.sampled_token_ids, ref_out.sampled_token_ids)

@@ -94,7 +94,10 @@ def test_greedy_rows_with_different_k_and_plain_rows() -> None:
         [40, 41, P, P],
         [50, P, P, P],
     ]
-    assert lay.emitted_target_rows(out.num_accepted).tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]
+    # the target row of every emitted token, rows in order: whose logits give its logprobs
+    cols = torch.arange(lay.max_k + 1)
+    emitted = lay.target_index[cols <= out.num_accepted.unsqueeze(1)]
+    assert emitted.tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10]
 
 
 def test_greedy_accepts_a_prefix_only() -> None:

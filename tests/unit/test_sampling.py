@@ -13,15 +13,15 @@ import torch
 from pagoda.runner.sampler import (
     Sampler,
     SamplingMetadata,
-    apply_banned_tokens,
-    apply_logit_bias,
+    add_logit_bias_,
     apply_min_p,
-    apply_penalties,
     apply_top_k,
     apply_top_p,
+    ban_tokens_,
     compute_logprobs_for,
 )
 from pagoda.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, SamplingType
+from tests.sampling_reference import apply_penalties, metadata_from_rows
 
 NEG_INF = float("-inf")
 
@@ -190,7 +190,7 @@ def meta_for(
     banned: list[list[int]] | None = None,
 ) -> SamplingMetadata:
     r = len(params)
-    return SamplingMetadata.from_rows(
+    return metadata_from_rows(
         params,
         outputs if outputs is not None else [[] for _ in range(r)],
         prompts if prompts is not None else [[] for _ in range(r)],
@@ -220,7 +220,7 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 # ---------------------------------------------------------------- metadata fast paths
 
 
-def test_from_rows_fast_paths() -> None:
+def test_metadata_fast_paths() -> None:
     meta = meta_for([SamplingParams(temperature=0.0)] * 3)
     assert meta.all_greedy and not meta.all_random and meta.temperature is None
     assert meta.no_penalties and meta.no_top_k and meta.no_top_p and meta.no_min_p
@@ -333,9 +333,8 @@ def test_banned_tokens_are_never_sampled() -> None:
     logits = torch.zeros(3, V)
     logits[:, 5] = 50.0  # would always win
     banned = [[5], [5, 3], []]
-    out = apply_banned_tokens(logits, banned)
+    out = ban_tokens_(logits.clone(), banned)
     assert out[0, 5] == NEG_INF and out[1, 3] == NEG_INF and torch.isfinite(out[2]).all()
-    assert logits[0, 5] == 50.0  # input untouched
     greedy = sample(logits, [SamplingParams(temperature=0.0)] * 3, banned=banned)
     assert greedy[2] == 5 and greedy[0] != 5 and greedy[1] not in (3, 5)
     torch.manual_seed(0)
@@ -352,9 +351,8 @@ def test_logit_bias_adds_to_the_named_tokens_of_each_row() -> None:
         logit_bias={0: -100, 6: 1.0}
     )
     logits = LOGITS.expand(2, -1).clone()
-    out = apply_logit_bias(logits, [p.logit_bias, ()])
+    out = add_logit_bias_(logits.clone(), [p.logit_bias, ()])
     assert out[0, 6] == 3.5 and out[0, 0] == -98.0 and torch.equal(out[1], LOGITS)
-    assert torch.equal(logits[0], LOGITS)  # input untouched
     plain = SamplingParams(temperature=0.0)
     assert sample(logits, [p, plain]).tolist() == [6, 3]  # 2.5 + 1 beats 3.0 only in row 0
     assert meta_for([plain, plain]).logit_bias == []  # no bias, no work
@@ -369,9 +367,9 @@ def test_repetition_penalty_exact_values() -> None:
         logits,
         prompt_token_ids=[[0, 1]],
         output_token_ids=[[2, 3, 3]],
-        presence_penalties=torch.tensor([0.0]),
-        frequency_penalties=torch.tensor([0.0]),
-        repetition_penalties=torch.tensor([2.0]),
+        presence=torch.tensor([0.0]),
+        frequency=torch.tensor([0.0]),
+        repetition=torch.tensor([2.0]),
     )
     # seen tokens 0..3: positive divided, negative multiplied; 4 and 5 unseen
     assert out.tolist() == [[1.0, -4.0, 0.5, -2.0, 4.0, 0.0]]
@@ -383,9 +381,9 @@ def test_frequency_and_presence_penalties_exact_values() -> None:
         logits,
         prompt_token_ids=[[0, 1, 4]],  # prompt tokens are not penalized by these two
         output_token_ids=[[2, 3, 3, 3, 5]],
-        presence_penalties=torch.tensor([0.5]),
-        frequency_penalties=torch.tensor([0.25]),
-        repetition_penalties=torch.tensor([1.0]),
+        presence=torch.tensor([0.5]),
+        frequency=torch.tensor([0.25]),
+        repetition=torch.tensor([1.0]),
     )
     assert out.tolist() == [[2.0, -2.0, 1.0 - 0.25 - 0.5, -1.0 - 0.75 - 0.5, 4.0, -0.75]]
 
@@ -396,9 +394,9 @@ def test_penalties_per_row_and_order() -> None:
         logits,
         prompt_token_ids=[[0], [2]],
         output_token_ids=[[1, 1], []],
-        presence_penalties=torch.tensor([1.0, 1.0]),
-        frequency_penalties=torch.tensor([-0.5, 2.0]),
-        repetition_penalties=torch.tensor([4.0, 3.0]),
+        presence=torch.tensor([1.0, 1.0]),
+        frequency=torch.tensor([-0.5, 2.0]),
+        repetition=torch.tensor([4.0, 3.0]),
     )
     # row 0: token 0 seen in the prompt -> 2/4; token 1 in the output -> 1/4 + 2*0.5 - 1
     # row 1: token 2 seen in the prompt -> -1*3; no outputs, nothing else changes
