@@ -63,7 +63,7 @@ def make_llm(folder: str, args: argparse.Namespace, max_num_seqs: int) -> LLM:
         async_scheduling=args.async_scheduling,
         enforce_eager=True,  # graphs would be captured around the real forward
     )
-    model = llm.engine.executor.runner.model
+    model = runner_of(llm.engine).model
     device = llm.engine.device
 
     def forward(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -75,6 +75,13 @@ def make_llm(folder: str, args: argparse.Namespace, max_num_seqs: int) -> LLM:
     model.forward = forward  # type: ignore[method-assign]
     model.compute_logits = compute_logits  # type: ignore[method-assign]
     return llm
+
+
+def runner_of(engine: Any) -> Any:
+    """The engine's ModelRunner, in this tree and in trees before the executor (where the engine
+    held the runner itself), so that before_after.sh times both with this script."""
+    executor = getattr(engine, "executor", None)
+    return engine.runner if executor is None else executor.runner
 
 
 def timed(obj: Any, name: str, into: dict[str, list[float]]) -> None:
@@ -127,8 +134,8 @@ def main() -> None:
     phases: dict[str, list[float]] = {}
     for obj, name in (
         (engine.scheduler, "schedule"),
-        (engine.executor.runner, "execute"),
-        (engine.executor.runner.buffers, "prepare"),
+        (runner_of(engine), "execute"),
+        (runner_of(engine).buffers, "prepare"),
         (engine.scheduler, "update"),
         (engine, "step"),
     ):
