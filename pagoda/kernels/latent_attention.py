@@ -23,13 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.attention import (
-    _LOG2E,
+from pagoda.kernels.attention import _LOG2E
+from pagoda.kernels.paged_kv import _MIN_DOT, _block_d, _load_kv_tile
+from pagoda.kernels.split_k import (
     _launch_decode_stage2,
     _split_scratch,
+    _store_split,
     decode_launch_variant,
 )
-from pagoda.kernels.paged_kv import _MIN_DOT, _block_d, _load_kv_tile
 
 if TYPE_CHECKING:
     from pagoda.kernels.paged_cache import KVCache
@@ -149,24 +150,10 @@ def _latent_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=PRECISION)
         m = m_new
 
-    # A split without pages (or a padding row, seq_len 0) has sum_exp == 0: output 0, max -inf.
-    o = acc / tl.where(sum_exp > 0, sum_exp, 1.0)[:, None]
-    if DIRECT:
-        o_rows = token * stride_ot + heads * stride_oh
-        tl.store(
-            out_ptr + o_rows[:, None] + d[None, :],
-            o.to(out_ptr.dtype.element_ty),
-            mask=h_mask[:, None] & d_mask[None, :],
-        )
-    else:
-        ml_rows = (b.to(tl.int64) * num_heads + heads) * num_splits + split  # (BLOCK_H,)
-        tl.store(
-            mid_o_ptr + ml_rows[:, None] * RANK + d[None, :],
-            o,
-            mask=h_mask[:, None] & d_mask[None, :],
-        )
-        tl.store(mid_m_ptr + ml_rows, m, mask=h_mask)
-        tl.store(mid_l_ptr + ml_rows, sum_exp, mask=h_mask)
+    _store_split(
+        out_ptr, mid_o_ptr, mid_m_ptr, mid_l_ptr, acc, m, sum_exp, token, b, heads, h_mask, d,
+        d_mask, split, num_splits, num_heads, stride_ot, stride_oh, RANK, DIRECT,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["stride_bt"])

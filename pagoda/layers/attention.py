@@ -113,38 +113,34 @@ class Attention(nn.Module):
         else:
             write_kv_cache(k, v, cache, meta.slot_mapping)
             if self.cpu_kernel and cache.k.dtype == torch.float32:
-                out = self._cpu_kernel_attention(q, cache, meta, window)
+                out = cpu_paged_attention(q, cache, meta, self.scale, window)
             else:
                 out = paged_attention_torch(q, cache, meta, self.scale, window)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
-    def _cpu_kernel_attention(
-        self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, window: int
-    ) -> torch.Tensor:
-        """pagoda's C++ attention over the float32 cache, read in place (the module docstring)."""
-        if meta.num_decodes == q.shape[0]:
-            return torch.ops.pagoda_cpu.paged_decode_attention(
-                q,
-                cache.k,
-                cache.v,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                self.scale,
-                window,
-                2,
-            )
-        # the same per-row reduction over prefill chunks and decodes alike
-        return torch.ops.pagoda_cpu.paged_attention(
-            q,
-            cache.k,
-            cache.v,
-            meta.req_block_tables,
-            meta.query_start_loc,
-            meta.req_seq_lens,
-            self.scale,
-            window,
-            2,
+
+def cpu_paged_attention(
+    q: torch.Tensor,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int = 0,
+    value_dim: int = 0,
+) -> torch.Tensor:
+    """pagoda's C++ attention over a float32 cache, read in place (the module docstring): a pure
+    decode step by paged_decode_attention, any other by paged_attention, the same per-row
+    reduction over prefill chunks and decodes alike. value_dim > 0: a latent cache whose values
+    are each row's first value_dim (layers/latent_attention.py)."""
+    ops = torch.ops.pagoda_cpu
+    if meta.num_decodes == q.shape[0]:
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        return ops.paged_decode_attention(
+            q, cache.k, cache.v, tables, lens, scale, window, 2, value_dim
         )
+    tables, starts, lens = meta.req_block_tables, meta.query_start_loc, meta.req_seq_lens
+    return ops.paged_attention(
+        q, cache.k, cache.v, tables, starts, lens, scale, window, 2, value_dim
+    )
 
 
 def paged_attention_torch(

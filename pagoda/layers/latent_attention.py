@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels.paged_cache import KVCache
-from pagoda.layers.attention import decode_mask
+from pagoda.layers.attention import cpu_paged_attention, decode_mask
 from pagoda.layers.forward_context import AttentionMetadata, ForwardContext, get_forward_context
 from pagoda.layers.kv_cache import read_kv, write_kv_cache
 
@@ -61,7 +61,7 @@ class LatentAttention(nn.Module):
         write_kv_cache(rows.unsqueeze(1), rows[:, None, :0], cache, meta.slot_mapping)
         num_tokens = q.shape[0]
         if self.cpu_kernel and cache.k.dtype == torch.float32:
-            return self._cpu_kernel(q, cache, meta)
+            return cpu_paged_attention(q, cache, meta, self.scale, value_dim=self.kv_lora_rank)
         if meta.num_decodes == num_tokens:
             return self._decode(q, cache, meta)
         out = q.new_empty(num_tokens, self.num_heads, self.kv_lora_rank)
@@ -127,35 +127,6 @@ class LatentAttention(nn.Module):
                 self.scale,
             )
         return out
-
-    def _cpu_kernel(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """paged_attention.cpp over the rows in place, its values each row's latent part: every
-        query row reduced the same way whatever the rows beside it, as Attention's."""
-        ops = torch.ops.pagoda_cpu
-        if meta.num_decodes == q.shape[0]:
-            return ops.paged_decode_attention(
-                q,
-                cache.k,
-                cache.v,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                self.scale,
-                0,
-                2,
-                self.kv_lora_rank,
-            )
-        return ops.paged_attention(
-            q,
-            cache.k,
-            cache.v,
-            meta.req_block_tables,
-            meta.query_start_loc,
-            meta.req_seq_lens,
-            self.scale,
-            0,
-            2,
-            self.kv_lora_rank,
-        )
 
     def _decode(self, qd: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """The decode rows qd (num_decodes, H, rank + rope) -> (num_decodes, H, rank)."""

@@ -6,7 +6,7 @@ specialized integer. The kernels do not specialize the integers that change from
 size of the step, and the kernels' variants are independent of each other:
 
     decode attention   (DIRECT, BLOCK_S) of the split count, which the runner picks from the
-                       decode batch size (kernels/attention.py, decode_launch_variant)
+                       decode batch size (kernels/split_k.py, decode_launch_variant)
     quantized matmuls  BLOCK_M, or dequantize-then-GEMM, of the number of rows: the step's
                        tokens, or its sampled rows in the LM head (kernels/quant_matmul.py,
                        launch_variant)
@@ -33,7 +33,7 @@ def first_of_each(sizes: Iterable[int], variant: Callable[[int], Hashable]) -> l
 def decode_split_counts(max_num_seqs: int, num_splits: Callable[[int], int]) -> list[int]:
     """A split count of each decode attention variant that decode batches of 1 to max_num_seqs
     requests use; num_splits(batch): the runner's split count for a batch."""
-    from pagoda.kernels.attention import decode_launch_variant
+    from pagoda.kernels.split_k import decode_launch_variant
 
     counts = sorted({num_splits(b) for b in range(1, max_num_seqs + 1)})
     return first_of_each(counts, decode_launch_variant)

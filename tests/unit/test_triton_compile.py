@@ -52,6 +52,16 @@ MODELS: dict[str, tuple[int, int, int, int, int]] = {
     "qwen3-0.6b": (16, 8, 128, 1024, 3072),
     "llama3.2-1b": (32, 8, 64, 2048, 8192),
 }
+# DeepSeek-V3's latent attention (pagoda/kernels/latent_attention.py) at 8-way tensor
+# parallelism: 16 heads a rank over one latent row of 512 + 64 values per token
+LATENT_MODEL = "deepseek-v3"
+LATENT_SHAPE = (16, 512, 64)  # (heads, kv_lora_rank, rope dim)
+LATENT_CASES = [  # (mode, kernel) for every (block_size, kv dtype)
+    ("latent_decode_direct", "_latent_decode_kernel"),
+    ("latent_decode_split", "_latent_decode_kernel"),
+    ("latent_decode_split", "_decode_stage2_kernel"),
+    ("latent_prefill", "_latent_prefill_kernel"),
+]
 Config = dict[str, list[Any]]  # {"dtypes": [...], "block_sizes": [...]}
 # The default suite compiles what a GPU run uses first (bf16, block 16); the slow tests compile
 # the other model dtypes and block 32, so the three configs together cover every combination.
@@ -174,6 +184,9 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
         return kernel
 
     JITFunction.run = compile_only  # type: ignore[method-assign]
+    if model == LATENT_MODEL:
+        _compile_latent(case, dtypes, kv_dtypes, block_sizes)
+        return
 
     from pagoda.kernels.activation import silu_and_mul
     from pagoda.kernels.attention import (
@@ -287,6 +300,43 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
                 paged_prefill_attention(q3, out, cache, starts, ones, ones, tables[:2], n, scale)
 
 
+def _compile_latent(
+    case: dict[str, Any], dtypes: list[str], kv_dtypes: list[str], block_sizes: list[int]
+) -> None:
+    """The latent kernels' launches (subprocess side, JITFunction.run already compile-only)."""
+    import torch
+
+    from pagoda.kernels.latent_attention import latent_decode_attention, latent_prefill_attention
+    from pagoda.kernels.paged_cache import KVCache
+
+    heads, rank, rope = LATENT_SHAPE
+    quant = {"auto": None, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+    n, width = 8, 256
+    tables = torch.zeros(16, width + 8, dtype=torch.int32)[:, :width]
+    lens = torch.ones(16, dtype=torch.int32)
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        q = torch.empty(n, heads, rank + rope, dtype=dtype)
+        out = torch.empty(n, heads, rank, dtype=dtype)
+        for block_size in block_sizes:
+            for kv in kv_dtypes:
+                case.clear()
+                case.update(model=LATENT_MODEL, dtype=dtype_name, kv=kv, block_size=block_size)
+                cache = KVCache.allocate(
+                    4, block_size, 1, rank + rope, dtype, quant[kv], "cpu", v_head_dim=0
+                )
+                idx = torch.arange(4, dtype=torch.int64)
+                case.update(mode="latent_decode_direct", num_splits=1)
+                latent_decode_attention(q, out, cache, idx, tables[:4], lens[:4], 0.1, 1)
+                case.update(mode="latent_decode_split", num_splits=8)
+                latent_decode_attention(q, out, cache, idx, tables[:4], lens[:4], 0.1, 8)
+                del case["num_splits"]
+                case.update(mode="latent_prefill")
+                starts = torch.zeros(2, dtype=torch.int32)
+                ones = torch.ones(2, dtype=torch.int32)
+                latent_prefill_attention(q, out, cache, starts, ones, ones, tables[:2], n, 0.1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Test side.
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +373,12 @@ def compile_model(model: str, config: Config, cache_dir: str) -> list[dict[str, 
 
 def expected_cases(model: str, config: Config) -> set[tuple]:
     cases: set[tuple] = set()
+    if model == LATENT_MODEL:
+        for dtype in config["dtypes"]:
+            for block_size in config["block_sizes"]:
+                for kv in KV_DTYPES:
+                    cases |= {(dtype, kv, block_size, m, kernel) for m, kernel in LATENT_CASES}
+        return cases
     for dtype in config["dtypes"]:
         cases |= {(dtype, None, None, "layers", kernel) for kernel in LAYER_KERNELS}
         cases |= {(dtype, None, None, f"fused/{f}", "_fused_linear_kernel") for f in FUSED_FORMS}
@@ -405,7 +461,9 @@ def compiled(
 # and Qwen3-0.6B (head_dim 128) run with the slow tests, for the suite's time.
 @needs_ptxas
 @pytest.mark.parametrize(
-    "model", [m if m == "smollm2-135m" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS]
+    "model",
+    [m if m == "smollm2-135m" else pytest.param(m, marks=pytest.mark.slow) for m in MODELS]
+    + [LATENT_MODEL],
 )
 def test_kernels_compile_for_h100(
     model: str, compiled: dict[str, Future[list[dict[str, Any]]]]
@@ -436,7 +494,7 @@ if __name__ == "__main__":
         sys.exit(0)
     args = sys.argv[1:]
     slow = "--slow" in args
-    models = [a for a in args if a != "--slow"] or list(MODELS)
+    models = [a for a in args if a != "--slow"] or [*MODELS, LATENT_MODEL]
     configs = [FAST, SLOW, SLOW_BLOCK32] if slow else [FAST]
     with tempfile.TemporaryDirectory() as tmp:
         for i, (model, config) in enumerate((m, c) for m in models for c in configs):
