@@ -1,7 +1,8 @@
 """WorkerGroup: the engine's executor (runner/executor.py) under tensor, pipeline and context
-parallelism. It starts one process per rank (distributed/worker.py), sends each of them every call the engine makes of its runner
-(the scheduler's output for each step: the same deltas a single runner gets) and returns the
-reply rank's results (the last pipeline stage's first rank: rank 0 without pipeline stages).
+parallelism. It starts one process per rank (distributed/worker.py), sends each of them every
+call the engine makes of its executor (the scheduler's output for each step: the same deltas a
+single runner gets) and returns the reply rank's results (the last pipeline stage's first
+rank: rank 0 without pipeline stages).
 
 A rank that dies is never silent: every wait also watches the processes, so a rank killed in
 the middle of a step (or between steps: check_health) raises RuntimeError naming it, and the
