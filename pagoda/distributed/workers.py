@@ -32,7 +32,6 @@ from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
-from pagoda.spec_decode.methods import spec_method
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +114,6 @@ class WorkerGroup:
     def execute(self, out: SchedulerOutput) -> RemoteOutput:
         self._send("execute", out)
         return RemoteOutput(self)
-
-    def kv_lookahead(self) -> int:
-        spec = self.config.speculative_config
-        return 0 if spec is None else spec_method(spec).kv_lookahead(spec)
 
     def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
         return 0  # no draft model on parallel ranks (EngineConfig refuses one)

@@ -31,6 +31,7 @@ from pagoda.scheduling.messages import (
 )
 from pagoda.scheduling.request import Request, RequestStatus
 from pagoda.scheduling.scheduler import Scheduler
+from pagoda.spec_decode.methods import kv_lookahead
 
 if TYPE_CHECKING:
     from pagoda.engine.grammar import StructuredOutputs
@@ -60,7 +61,7 @@ class EngineCore:
         self.executor.allocate_kv_cache(self.num_blocks)
         pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(pool, self.block_size)
-        lookahead = self.executor.kv_lookahead()  # past a step's tokens, speculative decoding's
+        lookahead = kv_lookahead(config.speculative_config)  # past a step's tokens
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, model_config.max_model_len, lookahead
         )

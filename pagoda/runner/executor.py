@@ -43,11 +43,6 @@ class Executor(Protocol):
     tokenizer: Any  # None where the engine's client tokenizes, or skip_tokenizer_init
     draft: DraftModel | None  # speculative decoding's draft model, beside the target
 
-    def kv_lookahead(self) -> int:
-        """KV positions speculative decoding writes past a step's tokens (the scheduler
-        reserves them; spec_decode/methods.py)."""
-        ...
-
     def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
         """Bytes per token of a draft model's own KV cache, sized beside the target's."""
         ...
@@ -105,10 +100,6 @@ class LocalExecutor:
         self.eos_token_ids = setup.eos_token_ids
         self.tokenizer: Any = setup.tokenizer
         self.draft = setup.draft
-
-    def kv_lookahead(self) -> int:
-        spec = self.config.speculative_config
-        return 0 if spec is None else spec_method(spec).kv_lookahead(spec)
 
     def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
         spec = self.config.speculative_config

@@ -84,3 +84,9 @@ METHODS: dict[str, SpecMethod] = {
 
 def spec_method(config: SpeculativeConfig) -> SpecMethod:
     return METHODS[config.method]
+
+
+def kv_lookahead(config: SpeculativeConfig | None) -> int:
+    """KV positions past a step's tokens the scheduler reserves for the config's method (0
+    without speculative decoding)."""
+    return 0 if config is None else spec_method(config).kv_lookahead(config)
