@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pagoda-installed
 
-.PHONY: setup kernels serve demo test test-1.5b check lint typecheck browser unit bench clean lock
+.PHONY: setup kernels serve demo test test-1.5b check lint typecheck browser unit bench docs clean lock
 
 # The test install is pinned: requirements/test-constraints.txt holds every resolved version
 # (pyproject keeps ranges for users). No build isolation: the pinned setuptools builds pagoda.
@@ -70,6 +70,11 @@ check: $(STAMP) kernels
 
 bench: $(STAMP) kernels
 	$(BIN)/pagoda bench throughput --num-prompts 64 --input-len-range 16,256 --output-len-range 16,256 --peer hf
+
+# The documentation site (mkdocs.yml, docs/) at http://127.0.0.1:8001 (8000 is `make serve`'s),
+# rebuilt as pages change; `$(BIN)/mkdocs build` writes it to site/ instead.
+docs: $(STAMP)
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 # Re-resolve the test install from pyproject's ranges in a scratch venv and rewrite the pins.
 lock:
