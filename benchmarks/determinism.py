@@ -1,9 +1,9 @@
-"""How far pagoda's outputs move with the scheduling, on a model and path of your choice (README,
-"Determinism"): greedy chat answers of each prompt alone (no prefix caching, a roomy pool) against
-the same prompts all in one call, under chunked prefill, with prefix caching, async scheduling,
-preemption, n-gram speculation and tensor parallelism. For each variation: how many answers
-differ in any token, and the largest |logprob difference| of a chosen token before the first
-difference (0 where the runs agree bit for bit).
+"""How far pagoda's outputs move with the scheduling, on a model and path of your choice
+(docs/determinism.md): greedy chat answers of each prompt alone (no prefix caching, a roomy pool)
+against the same prompts all in one call, under chunked prefill, with prefix caching, async
+scheduling, preemption, n-gram speculation and tensor parallelism. For each variation: how many
+answers differ in any token, and the largest |logprob difference| of a chosen token before the
+first difference (0 where the runs agree bit for bit).
 
     python benchmarks/determinism.py --output-json benchmarks/results/issue39/determinism.json
     python benchmarks/determinism.py -q none          # the float path

@@ -1,4 +1,4 @@
-"""What two pagoda runs of the same requests must agree on, and nothing more (README, "Determinism").
+"""What two pagoda runs of the same requests must agree on, and nothing more (docs/determinism.md).
 
 Across batch composition, chunk size, prefix caching on / off, async scheduling and preemption on
 CPU, pagoda guarantees:

@@ -23,7 +23,7 @@ runner), every step over a float32 cache reads the keys and values in place with
 `paged_decode_attention` (pure decode) or `paged_attention` (with prefill chunks) instead, which
 reduce each query row the same way whatever the rows beside it: a position gets the same bits
 alone, batched, chunked, after a prefix-cache hit or as a verification row, so the int8
-rounding of the next matmul's input sees the same value (README, "Determinism").
+rounding of the next matmul's input sees the same value (docs/determinism.md).
 paged_attention_torch stays the reference they are tested against.
 """
 

@@ -230,7 +230,7 @@ def test_smollm2_gguf_pcp2_keeps_one_rank_s_quality(
 ) -> None:
     """Context parallelism merges each row's attention over the ranks' positions (torch's SDPA
     on each rank's keys, then the partials combined), another rounding than one rank's, and one
-    that follows the batch (README "Determinism"): held to one rank's quality
+    that follows the batch (docs/determinism.md): held to one rank's quality
     (tests/engine/test_tensor_parallel.py states the bounds)."""
     assert_gguf_keeps_one_rank_s_quality(
         smollm2_path, smollm2_tokenizer, own_bits=False, prefill_context_parallel_size=2

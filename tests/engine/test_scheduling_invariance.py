@@ -1,4 +1,4 @@
-"""The determinism pagoda states (README, "Determinism"; tests/equivalence.py): whatever the
+"""The determinism pagoda states (docs/determinism.md; tests/equivalence.py): whatever the
 scheduling (batch composition, chunk size, prefix caching on / off, preemption, n-gram
 speculation), greedy and seeded sampling give identical tokens and finish reasons, and every
 logprob is within LOGPROB_ATOL. Each test runs on the tiny float32 Llama and on the default path:

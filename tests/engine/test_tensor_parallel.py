@@ -259,7 +259,7 @@ def assert_gguf_keeps_one_rank_s_quality(
 
     - Its own bits: greedy outputs with logprobs, each prompt alone, all in one call, and in
       8-token chunks on a second engine: equal bit for bit (every row's arithmetic on a rank is
-      its own, README "Determinism").
+      its own, docs/determinism.md).
     - One rank's quality: scoring the first 512 positions of tests/data/eval_text.txt (prompt
       logprobs), the next-token choice agrees with one rank's at >= 95% of positions and the
       perplexity is within 1%. The reason for the bound: a rank sums its share of a

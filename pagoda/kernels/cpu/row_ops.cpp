@@ -2,7 +2,7 @@
 // SiLU-and-mul and rotary. Eager steps and compiled decode steps (-O1 and up, where inductor
 // keeps them as calls) run these same functions, so a position's activations are the same bits
 // whichever kind of step computes it; each row's arithmetic depends on that row alone, never on
-// the rows beside it or the threads (README, "Determinism").
+// the rows beside it or the threads (docs/determinism.md).
 //
 //   rms_norm(x, weight, eps, isa_limit): x (T, n) -> weight * (x * r), r = 1 / sqrt(mean(x^2) +
 //     eps), the sum of squares in a fixed order (16 or 8 lanes, then a fixed tree).
