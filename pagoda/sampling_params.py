@@ -139,7 +139,7 @@ class SamplingParams:
         for name, value in values.items():
             object.__setattr__(self, name, value)
         self._validate()
-        if self.temperature < SAMPLING_EPS:
+        if self.greedy:
             object.__setattr__(self, "top_p", 1.0)
             object.__setattr__(self, "top_k", 0)
             object.__setattr__(self, "min_p", 0.0)
@@ -190,12 +190,24 @@ class SamplingParams:
             raise ValueError("stop strings need detokenize=True; set detokenize=True or drop stop")
 
     @property
+    def greedy(self) -> bool:
+        """Whether the request takes the argmax (the one place this is decided)."""
+        return self.temperature < SAMPLING_EPS
+
+    @property
     def sampling_type(self) -> SamplingType:
-        if self.temperature < SAMPLING_EPS:
+        if self.greedy:
             return SamplingType.GREEDY
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    def token_id_fields(self) -> dict[str, tuple[int, ...]]:
+        """The token ids each field names, which the client checks against the vocabulary."""
+        return {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": tuple(t for t, _ in self.logit_bias),
+        }
 
     @property
     def max_stop_len(self) -> int:

@@ -52,8 +52,9 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.outputs import RequestOutput, SampleLogprobs
+from pagoda.runner.device import to_device
 from pagoda.runner.pending_output import PendingOutput
-from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, compute_logprobs_for, to_device
+from pagoda.runner.sampler import SamplerOutput, SamplingMetadata, compute_logprobs_for
 from pagoda.scheduling.messages import EngineRequest, ScheduledRequest, SchedulerOutput
 
 TIE_GAP = 1e-3

@@ -4,12 +4,12 @@ device counts: SamplingMetadata.from_batch), and the penalties from token lists.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from pagoda.runner.sampler import SamplingMetadata, apply_penalty_counts
-from pagoda.sampling_params import SamplingParams, SamplingType
+from pagoda.sampling_params import SamplingParams
 
 
 def token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -37,6 +37,24 @@ def apply_penalties(
     return apply_penalty_counts(logits, seen, counts, presence, frequency, repetition)
 
 
+def plain_edits(
+    params: list[SamplingParams], banned_token_ids: list[list[int]]
+) -> list[Callable[[torch.Tensor], None]]:
+    """The params' logits edits applied the plain way, a row at a time, in the sampling table's
+    order: the logit bias added, then the banned tokens
+    (min_tokens' stops: given by the caller) set to -inf."""
+
+    def apply(logits: torch.Tensor) -> None:
+        for r, p in enumerate(params):
+            for token, bias in p.logit_bias:
+                logits[r, token] += bias
+            for token in banned_token_ids[r]:
+                logits[r, token] = float("-inf")
+
+    wanted = any(p.logit_bias for p in params)
+    return [apply] if wanted or any(banned_token_ids) else []
+
+
 def metadata_from_rows(
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
@@ -46,53 +64,48 @@ def metadata_from_rows(
     vocab_size: int,
     device: torch.device | str,
 ) -> SamplingMetadata:
-    """Every row's SamplingParams as the sampler's tensors, a disabled stage None where no row
-    uses it (top_k >= vocab is disabled)."""
+    """Every row's SamplingParams as the sampler's tensors, a stage None where no row uses it
+    (off: temperature 1 or a greedy row, top_k 0 or >= vocab, top_p 1, min_p 0)."""
     device = torch.device(device)
-    greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
-    random_rows = [p for p, g in zip(params, greedy) if not g]
+    greedy = [p.greedy for p in params]
 
     def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(list(values), dtype=dtype, device=device)
 
-    def penalty(values: list[float], neutral: float) -> torch.Tensor | None:
-        return column(values, torch.float32) if any(v != neutral for v in values) else None
+    def stage(values: list[float], neutral: float, dtype: torch.dtype) -> torch.Tensor | None:
+        return column(values, dtype) if any(v != neutral for v in values) else None
 
-    temperature = top_k = top_p = min_p = None
-    max_top_k = 0
-    if not all(greedy):
-        temperature = column([p.temperature for p in params], torch.float32)
-        if any(0 < p.top_k < vocab_size for p in random_rows):
-            ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-            top_k = column(ks, torch.int64)
-            max_top_k = max(k for k in ks if k < vocab_size)
-        if any(p.top_p < 1.0 for p in random_rows):
-            top_p = column([p.top_p for p in params], torch.float32)
-        if any(p.min_p > 0.0 for p in random_rows):
-            min_p = column([p.min_p for p in params], torch.float32)
-    presence = penalty([p.presence_penalty for p in params], 0.0)
-    frequency = penalty([p.frequency_penalty for p in params], 0.0)
-    repetition = penalty([p.repetition_penalty for p in params], 1.0)
+    def random_stage(
+        values: list[float], neutral: float, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        # a greedy row takes the argmax: its sampling stages are off
+        return stage([neutral if g else v for v, g in zip(values, greedy)], neutral, dtype)
+
+    ks = [p.top_k if p.top_k < vocab_size else 0 for p in params]
+    presence = stage([p.presence_penalty for p in params], 0.0, torch.float32)
+    frequency = stage([p.frequency_penalty for p in params], 0.0, torch.float32)
+    repetition = stage([p.repetition_penalty for p in params], 1.0, torch.float32)
     counts = seen = None
     if presence is not None or frequency is not None or repetition is not None:
         counts = token_counts(output_token_ids, vocab_size, device)
         seen = token_counts(prompt_token_ids, vocab_size, device) > 0
     logprobs = [p.logprobs for p in params if p.logprobs is not None]
+    mixed = any(greedy) and not all(greedy)
     return SamplingMetadata(
-        temperature=temperature,
         all_greedy=all(greedy),
         all_random=bool(params) and not any(greedy),
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
+        is_greedy=column(greedy, torch.bool) if mixed else None,
+        temperature=random_stage([p.temperature for p in params], 1.0, torch.float32),
+        top_k=random_stage(ks, 0, torch.int64),
+        top_p=random_stage([p.top_p for p in params], 1.0, torch.float32),
+        min_p=random_stage([p.min_p for p in params], 0.0, torch.float32),
         presence_penalties=presence,
         frequency_penalties=frequency,
         repetition_penalties=repetition,
         generators={row: g for row, g in generators.items() if not greedy[row]},
-        banned_token_ids=banned_token_ids,
         max_num_logprobs=max(logprobs) if logprobs else None,
-        logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in params) else [],
-        max_top_k=max_top_k,
+        edits=plain_edits(params, banned_token_ids),
+        max_top_k=max(ks, default=0),
         output_counts=counts,
         prompt_seen=seen,
     )

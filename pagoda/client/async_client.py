@@ -37,6 +37,7 @@ from pagoda.client.tokenizer import (
     chat_prompt,
     completion_prompts,
 )
+from pagoda.client.validation import check_request
 from pagoda.config import EngineConfig
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -299,7 +300,9 @@ class AsyncEngine:
             await asyncio.to_thread(check_structured_outputs, params.structured_outputs)
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self._check_before_state(prompt_token_ids, params)
+        assert self.info is not None
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        check_request(self.info, max_num_seqs, prompt_token_ids, params, kv_transfer_params)
         arrival = time.time()
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival)
         stream = RequestStream(state)
@@ -325,17 +328,6 @@ class AsyncEngine:
                 self._send(AbortRequest([request_id]))
             raise
         return stream
-
-    def _check_before_state(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The checks that must pass before a RequestState is built (its detokenizer reads the
-        prompt ids, and it holds one per sample); the engine checks the rest."""
-        assert self.info is not None
-        vocab = self.info.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        max_seqs = self.config.scheduler.max_num_seqs
-        if params.n > max_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={max_seqs}")
 
     async def outputs(
         self, stream: RequestStream, delta: bool = False

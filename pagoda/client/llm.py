@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from pagoda.client.beam_search import beam_search
 from pagoda.client.output_processor import RequestState
 from pagoda.client.tokenizer import Conversation, apply_chat_template, as_conversations
+from pagoda.client.validation import check_request
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.outputs import BeamSearchOutput, RequestOutput
@@ -36,6 +37,7 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model, **engine_args)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
+        self._info = self.engine.info()
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -136,6 +138,9 @@ class LLM:
             raise ValueError("kv_transfer_params must be a dict")
         if params.stop:
             self._require_tokenizer("a stop string")
+        check_request(
+            self._info, self.config.scheduler.max_num_seqs, ids, params, kv_transfer_params
+        )
         if params.structured_outputs is not None:
             from pagoda.engine.grammar import check_structured_outputs
 

@@ -7,6 +7,7 @@ detokenize and group outputs on their side (output_processor.py).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from pagoda.scheduling.block_pool import BlockPool
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
 from pagoda.scheduling.messages import (
     EngineCoreOutput,
+    EngineInfo,
     EngineRequest,
     SchedulerOutput,
     SchedulerStats,
@@ -316,19 +318,15 @@ class EngineCore:
 
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
-        """Validate and queue; a request that can never run raises ValueError here."""
-        self._check_request(req)
+        """Queue a request the client has checked (client/validation.py: the engine trusts the
+        contract); ValueError only for a request id already in use."""
+        self._check_id_free(req.request_id)
         params = req.sampling_params
-        max_tokens = self._max_tokens(len(req.prompt_token_ids), params.max_tokens)
-        self._check_fits_pool(len(req.prompt_token_ids), max_tokens, params.n)
-        if params.n > self.config.scheduler.max_num_seqs:
-            raise ValueError(
-                f"n={params.n} exceeds max_num_seqs={self.config.scheduler.max_num_seqs}"
-            )
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(req.prompt_token_ids)
         first = self._samples(req, max_tokens)
         if params.structured_outputs is not None:
-            if req.kv_transfer_params:
-                raise ValueError("structured outputs do not combine with kv_transfer_params")
             # Queued once its grammar is compiled (a worker thread compiles it).
             self._structured_outputs().add(first)
             return
@@ -347,25 +345,21 @@ class EngineCore:
             self.remote_prefill.expect_remote_decode(first)
         self.scheduler.add_request(first)
 
-    def _check_request(self, req: EngineRequest) -> None:
-        """ValueError for an id in use, an empty prompt, token ids outside the vocabulary."""
-        params = req.sampling_params
-        ids = req.prompt_token_ids
-        held = self.remote_prefill is not None and self.remote_prefill.holds(req.request_id)
-        held = held or (self.structured is not None and self.structured.holds(req.request_id))
-        if held or req.request_id in self.scheduler.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if t < 0 or t >= vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad}")
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {bad}")
+    def _check_id_free(self, request_id: str) -> None:
+        held = self.remote_prefill is not None and self.remote_prefill.holds(request_id)
+        held = held or (self.structured is not None and self.structured.holds(request_id))
+        if held or request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def info(self) -> EngineInfo:
+        """What a client checks requests against (client/validation.py)."""
+        return EngineInfo(
+            pid=os.getpid(),
+            max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+        )
 
     def _samples(self, req: EngineRequest, max_tokens: int) -> Request:
         """The request's first sample, its n - 1 siblings attached (they share its blocks)."""
@@ -386,32 +380,3 @@ class EngineCore:
         ]
         requests[0].siblings = requests[1:]
         return requests[0]
-
-    def _max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt "
-                f"has {prompt_len} tokens; leave room for at least one output token."
-            )
-        if max_tokens is None:
-            return limit - prompt_len
-        if prompt_len + max_tokens > limit:
-            raise ValueError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in "
-                "the completion). Please reduce the prompt or max_tokens."
-            )
-        return max_tokens
-
-    def _check_fits_pool(self, prompt_len: int, max_tokens: int, n: int) -> None:
-        # n samples share the prompt's full blocks; each needs its own tail blocks.
-        shared = prompt_len // self.block_size
-        per_sample = self.kv_cache_manager.num_blocks_for(prompt_len + max_tokens) - shared
-        needed = shared + n * per_sample
-        if needed > self.num_blocks:
-            raise ValueError(
-                f"the request needs up to {needed} KV blocks ({prompt_len} prompt tokens + "
-                f"{max_tokens} max tokens, n={n}) but the whole cache has {self.num_blocks}; "
-                "lower max_tokens or raise --kv-cache-memory-bytes"
-            )

@@ -25,7 +25,6 @@ import zmq
 from pagoda.config import EngineConfig
 from pagoda.scheduling.messages import (
     EngineCoreOutputs,
-    EngineInfo,
     EngineInput,
     EngineRequest,
     EngineSnapshot,
@@ -134,14 +133,7 @@ def run_engine_process(config: EngineConfig, in_addr: str, out_addr: str, ready:
 
         # The client holds the tokenizer: the engine reads only its EOS id.
         engine = EngineCore(config, load_tokenizer=False)
-        info = EngineInfo(
-            pid=os.getpid(),
-            max_model_len=engine.max_model_len,
-            vocab_size=engine.model_config.vocab_size,
-            num_blocks=engine.num_blocks,
-            block_size=engine.block_size,
-        )
-        ready.send(("ready", msgspec.msgpack.encode(info)))
+        ready.send(("ready", msgspec.msgpack.encode(engine.info())))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which exits with it
         logger.exception("engine failed to start")
         ready.send(("error", f"{type(e).__name__}: {e}"))

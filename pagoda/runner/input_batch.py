@@ -20,24 +20,9 @@ import numpy as np
 import torch
 
 from pagoda.runner.device import numpy_to_device, to_device
-from pagoda.sampling_params import SAMPLING_EPS, SamplingParams
+from pagoda.runner.sampling_table import COLUMN_DTYPES, COLUMNS, EDITS, Edit, encode_row
+from pagoda.sampling_params import SamplingParams
 from pagoda.scheduling.messages import NewRequestData, ScheduledRequest, SchedulerOutput
-
-# name -> numpy dtype of the per-slot sampling columns
-_COLUMNS = {
-    "temperature": np.float32,
-    "top_k": np.int64,  # vocab_size where disabled
-    "top_p": np.float32,
-    "min_p": np.float32,
-    "presence_penalty": np.float32,
-    "frequency_penalty": np.float32,
-    "repetition_penalty": np.float32,
-    "greedy": np.bool_,
-    "penalized": np.bool_,  # any of the three penalties is active
-    "num_logprobs": np.int64,  # -1: no logprobs asked for
-    "min_tokens": np.int64,
-    "has_logit_bias": np.bool_,
-}
 
 
 @dataclass
@@ -80,7 +65,7 @@ class InputBatch:
         self.prompt_seen: torch.Tensor | None = None
         self.version = 0  # changes whenever a row is added or removed
         self.columns: dict[str, np.ndarray] = {
-            name: np.zeros(capacity, dtype) for name, dtype in _COLUMNS.items()
+            name: np.zeros(capacity, dtype) for name, dtype in COLUMN_DTYPES.items()
         }
         self._free_slots = list(range(capacity - 1, -1, -1))
 
@@ -186,21 +171,8 @@ class InputBatch:
         self.output_counts.index_put_((slots, sampled[index]), ones, accumulate=True)
 
     def _write_columns(self, slot: int, p: SamplingParams) -> None:
-        c = self.columns
-        c["temperature"][slot] = p.temperature
-        c["top_k"][slot] = p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size
-        c["top_p"][slot] = p.top_p
-        c["min_p"][slot] = p.min_p
-        c["presence_penalty"][slot] = p.presence_penalty
-        c["frequency_penalty"][slot] = p.frequency_penalty
-        c["repetition_penalty"][slot] = p.repetition_penalty
-        c["greedy"][slot] = p.temperature < SAMPLING_EPS
-        c["penalized"][slot] = (
-            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-        )
-        c["num_logprobs"][slot] = -1 if p.logprobs is None else p.logprobs
-        c["min_tokens"][slot] = p.min_tokens
-        c["has_logit_bias"][slot] = bool(p.logit_bias)
+        for name, value in encode_row(p, self.vocab_size).items():
+            self.columns[name][slot] = value
 
     # ---- reading ------------------------------------------------------------------------
     def block_tables(
@@ -296,6 +268,19 @@ class SamplingRows:
         return [r is not None for r in self.own_rows]
 
 
+_TORCH_DTYPES = {np.float32: torch.float32, np.int64: torch.int64, np.bool_: torch.bool}
+# the columns the sampler's stages read on the device (the others stay on the host)
+_STAGE_COLUMNS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
 @dataclass
 class BatchColumns:
     """The sampling inputs that depend only on which rows sample (their params), gathered
@@ -305,78 +290,46 @@ class BatchColumns:
     greedy: np.ndarray  # (R,) bool
     all_greedy: bool
     all_random: bool
-    temperature: torch.Tensor | None
-    top_k: torch.Tensor | None
-    top_p: torch.Tensor | None
-    min_p: torch.Tensor | None
-    max_top_k: int
-    presence: torch.Tensor | None  # each penalty None unless some row's is not neutral
-    frequency: torch.Tensor | None
-    repetition: torch.Tensor | None
+    # the stage columns (sampling_table.COLUMNS) that some row sets off neutral, on the device;
+    # "greedy" too when the rows are mixed
+    tensors: dict[str, torch.Tensor]
+    max_top_k: int  # the largest top_k (0: no row's is on)
     slots_t: torch.Tensor | None  # (R,) the rows' slots on the device; None: no penalties
     own: torch.Tensor | None  # (R,) 1.0 for a request's own row, 0.0 for a forking sibling
     num_logprobs: list[int | None]
     max_num_logprobs: int | None
-    min_tokens: np.ndarray | None  # (R,); None when no row has min_tokens
-    logit_bias: list[tuple[tuple[int, float], ...]]
+    edits: tuple[Edit, ...]  # the edits (sampling_table.EDITS) some row wants
 
     @classmethod
     def gather(cls, batch: InputBatch, rows: SamplingRows, device: torch.device) -> BatchColumns:
         slots = rows.slots_array()
-        vocab_size = batch.vocab_size
-
-        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return numpy_to_device(batch.gather(name, slots), dtype, device)
-
-        greedy = batch.gather("greedy", slots)
+        host = {c.name: batch.gather(c.name, slots) for c in COLUMNS}
+        greedy = host["greedy"]
         all_greedy, all_random = bool(greedy.all()), bool(len(slots)) and not greedy.any()
-        random = ~greedy
-        temperature = top_k = top_p = min_p = None
-        max_top_k = 0
-        if not all_greedy:
-            temperature = column("temperature", torch.float32)
-            ks = batch.gather("top_k", slots)
-            if bool((ks[random] < vocab_size).any()):
-                top_k = numpy_to_device(ks, torch.int64, device)
-                max_top_k = int(ks[ks < vocab_size].max())
-            if bool((batch.gather("top_p", slots)[random] < 1.0).any()):
-                top_p = column("top_p", torch.float32)
-            if bool((batch.gather("min_p", slots)[random] > 0.0).any()):
-                min_p = column("min_p", torch.float32)
-        presence = frequency = repetition = slots_t = own = None
-        if bool(batch.gather("penalized", slots).any()):
-            # Each penalty only where some row's is not neutral (the sampler skips the others).
-            if bool(batch.gather("presence_penalty", slots).any()):
-                presence = column("presence_penalty", torch.float32)
-            if bool(batch.gather("frequency_penalty", slots).any()):
-                frequency = column("frequency_penalty", torch.float32)
-            if bool((batch.gather("repetition_penalty", slots) != 1.0).any()):
-                repetition = column("repetition_penalty", torch.float32)
+        neutral = {c.name: c.neutral for c in COLUMNS}
+        tensors = {
+            name: numpy_to_device(host[name], _TORCH_DTYPES[batch.columns[name].dtype.type], device)
+            for name in _STAGE_COLUMNS
+            if not all_greedy and bool((host[name] != neutral[name]).any())
+        }
+        if not all_greedy and not all_random:
+            tensors["greedy"] = numpy_to_device(greedy, torch.bool, device)
+        slots_t = own = None
+        if bool(host["penalized"].any()):
             slots_t = numpy_to_device(slots, torch.int64, device)
             mask = rows.own_mask()
             if not all(mask):
                 own = numpy_to_device(np.asarray(mask), torch.float32, device)
-        num_logprobs = batch.gather("num_logprobs", slots)
-        min_tokens = batch.gather("min_tokens", slots)
-        logit_bias = []
-        if bool(batch.gather("has_logit_bias", slots).any()):
-            logit_bias = [r.params.logit_bias for r in rows.leaders]
+        num_logprobs = host["num_logprobs"]
         return cls(
             greedy=greedy,
             all_greedy=all_greedy,
             all_random=all_random,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            max_top_k=max_top_k,
-            presence=presence,
-            frequency=frequency,
-            repetition=repetition,
+            tensors=tensors,
+            max_top_k=int(host["top_k"].max()) if len(slots) else 0,
             slots_t=slots_t,
             own=own,
             num_logprobs=[None if k < 0 else k for k in num_logprobs.tolist()],
             max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
-            min_tokens=min_tokens if bool(min_tokens.any()) else None,
-            logit_bias=logit_bias,
+            edits=tuple(e for e in EDITS if bool(batch.gather(e.column, slots).any())),
         )

@@ -3,7 +3,8 @@
 The Sampler works on R rows (one per request that samples this step) in this order:
 
     raw logits -> logprobs (always from the raw logits, like vLLM's default)
-    raw logits -> logit bias -> banned tokens (min_tokens) -> penalties, then
+    raw logits -> the params' edits (runner/sampling_table.py: allowed_token_ids, logit bias,
+        min_tokens' banned stops) -> penalties, then
         greedy rows: argmax
         random rows: temperature -> top_k -> top_p -> min_p -> exponential race
 
@@ -22,16 +23,14 @@ write into it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from pagoda.runner.device import to_device
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
-from pagoda.sampling_params import SAMPLING_EPS
+from pagoda.runner.sampling_table import step_edits
 
 
 class LogprobsTensors(NamedTuple):
@@ -55,25 +54,27 @@ class SamplerOutput:
 class SamplingMetadata:
     """Per-step sampling inputs for R rows; tensors live on the logits' device.
 
-    A tensor is None when no row needs it, which is what the fast paths test: a batch that is
-    all greedy, without penalties, banned tokens or logprobs, costs one argmax.
+    A tensor is None when no row needs it (its column is neutral in every row: the sampling
+    table's one encoding of "off"), which is what the fast paths test: a batch that is all
+    greedy, without penalties, edits or logprobs, costs one argmax.
     """
 
-    temperature: torch.Tensor | None  # (R,) float32; None when all rows are greedy
     all_greedy: bool
     all_random: bool
-    top_k: torch.Tensor | None  # (R,) int64, vocab_size where disabled
-    top_p: torch.Tensor | None  # (R,) float32, 1.0 where disabled
-    min_p: torch.Tensor | None  # (R,) float32, 0.0 where disabled
+    is_greedy: torch.Tensor | None  # (R,) bool when greedy and random rows are mixed
+    temperature: torch.Tensor | None  # (R,) float32, 1.0 where off (greedy rows too)
+    top_k: torch.Tensor | None  # (R,) int64, 0 where off
+    top_p: torch.Tensor | None  # (R,) float32, 1.0 where off
+    min_p: torch.Tensor | None  # (R,) float32, 0.0 where off
     # (R,) float32 each; None when no row has that penalty (0, 0 and 1 are neutral)
     presence_penalties: torch.Tensor | None
     frequency_penalties: torch.Tensor | None
     repetition_penalties: torch.Tensor | None
     generators: dict[int, torch.Generator]  # row -> generator, random seeded rows only
-    banned_token_ids: list[list[int]]  # masked to -inf (min_tokens not yet reached)
     max_num_logprobs: int | None
-    logit_bias: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # per row
-    max_top_k: int = 0  # the largest enabled top_k (computed on the host: no device sync)
+    # the step's logits edits (sampling_table.EDITS bound to their rows), in table order
+    edits: list[Callable[[torch.Tensor], None]] = field(default_factory=list)
+    max_top_k: int = 0  # the largest top_k (computed on the host: no device sync)
     # The persistent batch's penalty state: (R, vocab) output token counts (float32) and prompt
     # tokens seen (bool; repetition penalties only), on the device; None without penalties.
     output_counts: torch.Tensor | None = None
@@ -87,18 +88,6 @@ class SamplingMetadata:
             and self.presence_penalties is None
         )
 
-    @property
-    def no_top_k(self) -> bool:
-        return self.top_k is None
-
-    @property
-    def no_top_p(self) -> bool:
-        return self.top_p is None
-
-    @property
-    def no_min_p(self) -> bool:
-        return self.min_p is None
-
     @classmethod
     def from_batch(
         cls,
@@ -109,62 +98,38 @@ class SamplingMetadata:
         eos_token_ids: Sequence[int],
     ) -> SamplingMetadata:
         """The step's metadata: the rows' columns (built once while the rows stay the same),
-        plus what changes every step: min_tokens bans, penalty counts, generators."""
-        banned: list[list[int]] = [[] for _ in rows.row_ids]
-        if columns.min_tokens is not None:
-            outputs = np.asarray(rows.num_outputs, np.int64)
-            for i in np.flatnonzero(columns.min_tokens > outputs).tolist():
-                banned[i] = [*eos_token_ids, *rows.leaders[i].params.stop_token_ids]
+        plus what changes every step: the edits' rows, penalty counts, generators."""
+        edits: list[Callable[[torch.Tensor], None]] = []
+        if columns.edits:
+            params = [r.params for r in rows.leaders]
+            edits.extend(step_edits(columns.edits, params, rows.num_outputs, eos_token_ids))
         output_counts = prompt_seen = None
+        tensors = columns.tensors
         if columns.slots_t is not None:
             assert batch.output_counts is not None and batch.prompt_seen is not None
             output_counts = batch.output_counts.index_select(0, columns.slots_t)
             if columns.own is not None:  # siblings sampling their first token count nothing
                 output_counts *= columns.own.unsqueeze(1)
-            if columns.repetition is not None:
+            if "repetition_penalty" in tensors:
                 prompt_seen = batch.prompt_seen.index_select(0, columns.slots_t)
         return cls(
-            temperature=columns.temperature,
             all_greedy=columns.all_greedy,
             all_random=columns.all_random,
-            top_k=columns.top_k,
-            top_p=columns.top_p,
-            min_p=columns.min_p,
-            presence_penalties=columns.presence,
-            frequency_penalties=columns.frequency,
-            repetition_penalties=columns.repetition,
+            is_greedy=tensors.get("greedy"),
+            temperature=tensors.get("temperature"),
+            top_k=tensors.get("top_k"),
+            top_p=tensors.get("top_p"),
+            min_p=tensors.get("min_p"),
+            presence_penalties=tensors.get("presence_penalty"),
+            frequency_penalties=tensors.get("frequency_penalty"),
+            repetition_penalties=tensors.get("repetition_penalty"),
             generators={row: g for row, g in generators.items() if not columns.greedy[row]},
-            banned_token_ids=banned,
             max_num_logprobs=columns.max_num_logprobs,
-            logit_bias=columns.logit_bias,
+            edits=edits,
             max_top_k=columns.max_top_k,
             output_counts=output_counts,
             prompt_seen=prompt_seen,
         )
-
-
-def add_logit_bias_(
-    logits: torch.Tensor, logit_bias: list[tuple[tuple[int, float], ...]]
-) -> torch.Tensor:
-    rows = [r for r, pairs in enumerate(logit_bias) for _ in pairs]
-    cols = [t for pairs in logit_bias for t, _ in pairs]
-    values = [b for pairs in logit_bias for _, b in pairs]
-    index = (
-        to_device(rows, torch.int64, logits.device),
-        to_device(cols, torch.int64, logits.device),
-    )
-    bias = to_device(values, logits.dtype, logits.device)
-    return logits.index_put_(index, bias, accumulate=True)
-
-
-def ban_tokens_(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
-    rows = [r for r, ids in enumerate(banned_token_ids) for _ in ids]
-    cols = [t for ids in banned_token_ids for t in ids]
-    index = (
-        to_device(rows, torch.int64, logits.device),
-        to_device(cols, torch.int64, logits.device),
-    )
-    return logits.index_put_(index, logits.new_full((), float("-inf")))
 
 
 def apply_penalty_counts(
@@ -201,15 +166,15 @@ def apply_penalty_counts(
 def apply_top_k(
     logits: torch.Tensor, top_k: torch.Tensor, max_k: int | None = None, inplace: bool = False
 ) -> torch.Tensor:
-    """Keep the k largest logits of each row (ties with the k-th kept); k >= vocab keeps all.
-    max_k: the largest enabled k, when the caller knows it (reading it off top_k syncs).
+    """Keep the k largest logits of each row (ties with the k-th kept); k = 0 keeps all (off, the
+    sampling table's encoding; an on k is below the vocabulary size).
+    max_k: the largest k, when the caller knows it (reading it off top_k syncs).
     inplace: write into `logits` (here and in apply_top_p, apply_min_p)."""
-    vocab_size = logits.shape[-1]
-    enabled = top_k < vocab_size
+    enabled = top_k > 0
     if max_k is None:
-        max_k = int(torch.where(enabled, top_k, 1).max())
+        max_k = int(top_k.max())
     top_values = logits.topk(max_k, dim=-1).values  # (R, max_k), descending
-    kth = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
+    kth = top_values.gather(1, (top_k.clamp(1, max_k) - 1).unsqueeze(1))
     kth = torch.where(enabled.unsqueeze(1), kth, float("-inf"))
     return _masked(logits, logits < kth, inplace)
 
@@ -304,15 +269,13 @@ class Sampler:
 
     @staticmethod
     def process(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, bool]:
-        """Logit bias, banned tokens and penalties -> (logits, whether they are a float32 tensor
-        of the sampler's own, which later stages may write into; else `logits` itself)."""
+        """The params' edits and penalties -> (logits, whether they are a float32 tensor of the
+        sampler's own, which later stages may write into; else `logits` itself)."""
         own = False
-        if meta.logit_bias or any(meta.banned_token_ids):
+        if meta.edits:
             logits, own = logits.to(torch.float32, copy=True), True
-            if meta.logit_bias:
-                add_logit_bias_(logits, meta.logit_bias)
-            if any(meta.banned_token_ids):
-                ban_tokens_(logits, meta.banned_token_ids)
+            for edit in meta.edits:
+                edit(logits)
         if meta.no_penalties:
             return logits, own
         penalties = (meta.presence_penalties, meta.frequency_penalties, meta.repetition_penalties)
@@ -338,22 +301,23 @@ class Sampler:
             assert greedy is not None
             return greedy
         temperature = meta.temperature
-        assert temperature is not None
-        is_greedy = temperature < SAMPLING_EPS
-        divisor = temperature if meta.all_random else torch.where(is_greedy, 1.0, temperature)
-        if own:
-            logits = logits.div_(divisor.unsqueeze(1))
-        else:
-            logits = logits / divisor.unsqueeze(1)  # float32: a tensor of the sampler's own
+        if temperature is not None:  # greedy rows' is 1.0: they take the argmax below
+            divisor = temperature.unsqueeze(1)
+            logits = logits.div_(divisor) if own else logits / divisor
+        elif not own and (
+            meta.top_k is not None or meta.top_p is not None or meta.min_p is not None
+        ):
+            logits = logits.to(torch.float32, copy=True)  # the stages below write into it
         if meta.top_k is not None:
             apply_top_k(logits, meta.top_k, meta.max_top_k or None, inplace=True)
         if meta.top_p is not None:
             apply_top_p(logits, meta.top_p, inplace=True)
         if meta.min_p is not None:
             apply_min_p(logits, meta.min_p, inplace=True)
-        sampled = random_sample(logits.softmax(dim=-1), meta.generators)
+        sampled = random_sample(logits.softmax(dim=-1, dtype=torch.float32), meta.generators)
         if greedy is None:
             return sampled
-        return torch.where(is_greedy, greedy, sampled)
+        assert meta.is_greedy is not None
+        return torch.where(meta.is_greedy, greedy, sampled)
 
     compute_logprobs_for = staticmethod(compute_logprobs_for)

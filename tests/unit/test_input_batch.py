@@ -183,12 +183,13 @@ def test_sampling_columns_follow_the_rows_params() -> None:
     slots = rows.slots_array()
     assert rows.row_ids == ["g", "t", "p"]
     np.testing.assert_array_equal(batch.gather("greedy", slots), [True, False, False])
-    np.testing.assert_array_equal(batch.gather("top_k", slots), [VOCAB, 4, VOCAB])
+    np.testing.assert_array_equal(batch.gather("top_k", slots), [0, 4, 0])  # 0: off
     np.testing.assert_allclose(batch.gather("top_p", slots), [1.0, 0.9, 1.0])
     np.testing.assert_allclose(batch.gather("presence_penalty", slots), [0.0, 0.0, 0.5])
     np.testing.assert_array_equal(batch.gather("penalized", slots), [False, False, True])
     np.testing.assert_array_equal(batch.gather("num_logprobs", slots), [3, -1, -1])
-    np.testing.assert_array_equal(batch.gather("min_tokens", slots), [0, 2, 0])
+    np.testing.assert_array_equal(batch.gather("wants_min_tokens", slots), [False, True, False])
+    np.testing.assert_allclose(batch.gather("temperature", slots), [1.0, 0.7, 1.0])
 
 
 def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:

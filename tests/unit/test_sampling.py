@@ -13,13 +13,12 @@ import torch
 from pagoda.runner.sampler import (
     Sampler,
     SamplingMetadata,
-    add_logit_bias_,
     apply_min_p,
     apply_top_k,
     apply_top_p,
-    ban_tokens_,
     compute_logprobs_for,
 )
+from pagoda.runner.sampling_table import EditRows, add_logit_bias_, ban_tokens_
 from pagoda.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams, SamplingType
 from tests.sampling_reference import apply_penalties, metadata_from_rows
 
@@ -223,29 +222,32 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def test_metadata_fast_paths() -> None:
     meta = meta_for([SamplingParams(temperature=0.0)] * 3)
     assert meta.all_greedy and not meta.all_random and meta.temperature is None
-    assert meta.no_penalties and meta.no_top_k and meta.no_top_p and meta.no_min_p
+    assert meta.no_penalties and meta.top_k is None and meta.top_p is None and meta.min_p is None
     assert meta.max_num_logprobs is None
 
     params = [
         SamplingParams(temperature=0.0, logprobs=2),
         SamplingParams(temperature=0.8, top_k=3, seed=1),
         SamplingParams(top_p=0.9, min_p=0.1, logprobs=5, repetition_penalty=1.2),
-        SamplingParams(top_k=100),  # >= vocab: disabled
+        SamplingParams(top_k=100),  # >= vocab: off
     ]
     gens = {0: torch.Generator().manual_seed(0), 1: torch.Generator().manual_seed(1)}
     meta = meta_for(params, generators=gens)
     assert not meta.all_greedy and not meta.all_random
+    # off is one value per stage: a greedy row's temperature is 1 (it takes the argmax)
     assert meta.temperature is not None and meta.temperature.tolist() == pytest.approx(
-        [0.0, 0.8, 1.0, 1.0]
+        [1.0, 0.8, 1.0, 1.0]
     )
-    assert meta.top_k is not None and meta.top_k.tolist() == [V, 3, V, V]
+    assert meta.is_greedy is not None and meta.is_greedy.tolist() == [True, False, False, False]
+    assert meta.top_k is not None and meta.top_k.tolist() == [0, 3, 0, 0]
     assert meta.top_p is not None and meta.top_p.tolist() == pytest.approx([1.0, 1.0, 0.9, 1.0])
     assert meta.min_p is not None and meta.min_p.tolist() == pytest.approx([0.0, 0.0, 0.1, 0.0])
     assert not meta.no_penalties and meta.repetition_penalties is not None
     assert meta.repetition_penalties.tolist() == pytest.approx([1.0, 1.0, 1.2, 1.0])
     assert set(meta.generators) == {1}  # the greedy row never consumes randomness
     assert meta.max_num_logprobs == 5
-    assert meta_for([SamplingParams(top_k=100)]).no_top_k
+    assert meta_for([SamplingParams(top_k=100)]).top_k is None
+    assert meta_for([SamplingParams(temperature=1.0)] * 2).temperature is None  # 1: no division
     assert meta_for([SamplingParams()] * 2).all_random
 
 
@@ -288,7 +290,7 @@ def kept(logits: torch.Tensor) -> set[int]:
 def test_top_k_masks_exactly() -> None:
     # sorted by logit: 3 (3.0), 6 (2.5), 0 (2.0), 1 (1.0), 2 (0.5), 5 (0.0), 4, 7
     batch = LOGITS.expand(4, -1)
-    out = apply_top_k(batch, torch.tensor([1, 3, 5, V]))
+    out = apply_top_k(batch, torch.tensor([1, 3, 5, 0]))  # 0: off
     assert [kept(row) for row in out] == [{3}, {3, 6, 0}, {3, 6, 0, 1, 2}, set(range(V))]
     assert torch.equal(out[1, [3, 6, 0]], LOGITS[[3, 6, 0]])
     assert reachable(SamplingParams(top_k=3)) == {3, 6, 0}
@@ -333,7 +335,8 @@ def test_banned_tokens_are_never_sampled() -> None:
     logits = torch.zeros(3, V)
     logits[:, 5] = 50.0  # would always win
     banned = [[5], [5, 3], []]
-    out = ban_tokens_(logits.clone(), banned)
+    out = logits.clone()
+    ban_tokens_(out, list(enumerate(banned)))
     assert out[0, 5] == NEG_INF and out[1, 3] == NEG_INF and torch.isfinite(out[2]).all()
     greedy = sample(logits, [SamplingParams(temperature=0.0)] * 3, banned=banned)
     assert greedy[2] == 5 and greedy[0] != 5 and greedy[1] not in (3, 5)
@@ -351,11 +354,12 @@ def test_logit_bias_adds_to_the_named_tokens_of_each_row() -> None:
         logit_bias={0: -100, 6: 1.0}
     )
     logits = LOGITS.expand(2, -1).clone()
-    out = add_logit_bias_(logits.clone(), [p.logit_bias, ()])
+    out = logits.clone()
+    add_logit_bias_(out, EditRows([0], [p], [0], []))
     assert out[0, 6] == 3.5 and out[0, 0] == -98.0 and torch.equal(out[1], LOGITS)
     plain = SamplingParams(temperature=0.0)
     assert sample(logits, [p, plain]).tolist() == [6, 3]  # 2.5 + 1 beats 3.0 only in row 0
-    assert meta_for([plain, plain]).logit_bias == []  # no bias, no work
+    assert meta_for([plain, plain]).edits == []  # no bias, no work
 
 
 # ---------------------------------------------------------------- penalties
