@@ -100,6 +100,7 @@ class SamplingParams:
     detokenize: bool
     # The output must match this grammar (JSON schema, regex, choice list, Lark/GBNF grammar).
     structured_outputs: StructuredOutputsParams | None
+    allowed_token_ids: tuple[int, ...] | None  # sample only among these tokens (vLLM's)
 
     def __init__(
         self,
@@ -125,6 +126,7 @@ class SamplingParams:
         spaces_between_special_tokens: bool = True,
         detokenize: bool = True,
         structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None,
+        allowed_token_ids: list[int] | tuple[int, ...] | None = None,
     ) -> None:
         values: dict[str, Any] = dict(locals())
         del values["self"]
@@ -132,6 +134,7 @@ class SamplingParams:
         values["stop"] = _normalize_stop(stop)
         values["stop_token_ids"] = _normalize_stop_token_ids(stop_token_ids)
         values["logit_bias"] = _normalize_logit_bias(logit_bias)
+        values["allowed_token_ids"] = _normalize_allowed_token_ids(allowed_token_ids)
         for name in _FLOAT_FIELDS:
             values[name] = _number(name, values[name])
         if _is_int(top_k) and top_k == -1:
@@ -207,6 +210,7 @@ class SamplingParams:
         return {
             "stop_token_ids": self.stop_token_ids,
             "logit_bias": tuple(t for t, _ in self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids or (),
         }
 
     @property
@@ -247,6 +251,16 @@ def _normalize_logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r}")
         out[int(tid)] = number
     return tuple(sorted(out.items()))
+
+
+def _normalize_allowed_token_ids(ids: object) -> tuple[int, ...] | None:
+    if ids is None:
+        return None
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+        raise ValueError(f"allowed_token_ids must be a list of ints >= 0, got {ids!r}")
+    if not ids:
+        raise ValueError("allowed_token_ids must not be empty: give at least one token id")
+    return tuple(sorted(set(ids)))
 
 
 def _normalize_stop_token_ids(ids: object) -> tuple[int, ...]:

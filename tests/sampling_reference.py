@@ -41,17 +41,22 @@ def plain_edits(
     params: list[SamplingParams], banned_token_ids: list[list[int]]
 ) -> list[Callable[[torch.Tensor], None]]:
     """The params' logits edits applied the plain way, a row at a time, in the sampling table's
-    order: the logit bias added, then the banned tokens
+    order: only the allowed tokens kept, then the logit bias added, then the banned tokens
     (min_tokens' stops: given by the caller) set to -inf."""
 
     def apply(logits: torch.Tensor) -> None:
         for r, p in enumerate(params):
+            if p.allowed_token_ids is not None:
+                ids = list(p.allowed_token_ids)
+                kept = logits[r, ids].clone()
+                logits[r] = float("-inf")
+                logits[r, ids] = kept
             for token, bias in p.logit_bias:
                 logits[r, token] += bias
             for token in banned_token_ids[r]:
                 logits[r, token] = float("-inf")
 
-    wanted = any(p.logit_bias for p in params)
+    wanted = any(p.allowed_token_ids is not None or p.logit_bias for p in params)
     return [apply] if wanted or any(banned_token_ids) else []
 
 

@@ -6,7 +6,7 @@ sampler's stages (runner/sampler.py).
   which is the one way to say "off": a stage whose column is neutral in every sampling row is
   skipped, and its tensor is never built.
 - EDITS: changes a request's params make to its logits rows before penalties and sampling
-  (logit bias, min_tokens), each applied to the rows that ask for it in the
+  (logit bias, min_tokens, allowed_token_ids), each applied to the rows that ask for it in the
   sampler's float32 copy of the logits. Each has a bool column `wants_<name>` (the params ask for
   it at all); `active` then says, each step, whether a row applies it now.
 
@@ -113,7 +113,24 @@ def _ban_stops(logits: torch.Tensor, rows: EditRows) -> None:
     ban_tokens_(logits, [(r, [*eos, *p.stop_token_ids]) for r, p in zip(rows.index, rows.params)])
 
 
+def _allow_only(logits: torch.Tensor, rows: EditRows) -> None:
+    """allowed_token_ids: every other token's logit becomes -inf."""
+    pairs = [(i, t) for i, p in enumerate(rows.params) for t in p.allowed_token_ids or ()]
+    drop = torch.ones(len(rows.index), logits.shape[1], dtype=torch.bool, device=logits.device)
+    drop.index_put_(
+        _index(logits, [i for i, _ in pairs], [t for _, t in pairs]), drop.new_zeros(())
+    )
+    index = to_device(rows.index, torch.int64, logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(drop, float("-inf")))
+
+
 EDITS: tuple[Edit, ...] = (
+    Edit(
+        "allowed_token_ids",
+        lambda p: p.allowed_token_ids is not None,
+        lambda p, n: True,
+        _allow_only,
+    ),
     Edit("logit_bias", lambda p: bool(p.logit_bias), lambda p, n: True, add_logit_bias_),
     Edit("min_tokens", lambda p: p.min_tokens > 0, lambda p, n: n < p.min_tokens, _ban_stops),
 )

@@ -60,6 +60,7 @@ class SamplingFields(OpenAIModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -111,6 +112,7 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            allowed_token_ids=self.allowed_token_ids,
         )
 
     @property

@@ -91,3 +91,34 @@ def test_chunked_engine_logprobs_match_hf(arch: str, tiny_model_dir, tiny_hf_mod
         got = [out.prompt_logprobs[pos][token].logprob for pos, token in enumerate(ids) if pos]
         want = [float(expected[pos - 1, token]) for pos, token in enumerate(ids) if pos]
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=LOGPROB_ATOL)
+
+
+@torch.no_grad()
+def test_allowed_token_ids_greedy_matches_hf_restricted_argmax(
+    tiny_model_dir, tiny_hf_model
+) -> None:
+    """vLLM's allowed_token_ids: greedy picks HF's argmax over the allowed tokens only, each row
+    its own set, beside rows without one; random samples never leave the set."""
+    llm = LLM(tiny_model_dir("llama"), quantization="none", num_gpu_blocks_override=128)
+    hf = tiny_hf_model("llama")
+    prompts = [[(5 * i + 11 * j) % 900 + 7 for j in range(6 + i)] for i in range(3)]
+    sets = [(3, 40, 41, 500, 777), None, (9, 900, 901)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, allowed_token_ids=s)
+        for s in sets
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, allowed, out in zip(prompts, sets, outs):
+        ids = list(prompt)
+        for _ in range(8):
+            logits = hf_logits(hf, ids)[-1]
+            if allowed is not None:
+                keep = torch.full_like(logits, float("-inf"))
+                keep[list(allowed)] = logits[list(allowed)]
+                logits = keep
+            ids.append(int(logits.argmax()))
+        assert list(out.outputs[0].token_ids) == ids[len(prompt) :]
+    random = SamplingParams(n=4, seed=1, max_tokens=16, ignore_eos=True, allowed_token_ids=sets[0])
+    sampled = llm.generate({"prompt_token_ids": prompts[0]}, random, use_tqdm=False)[0]
+    tokens = {t for c in sampled.outputs for t in c.token_ids}
+    assert tokens <= set(sets[0]) and len(tokens) > 1

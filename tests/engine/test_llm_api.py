@@ -253,6 +253,7 @@ def test_bad_sampling_params_raise(kwargs, match: str) -> None:
         ({"prompt_token_ids": [1] * 300}, SamplingParams(), "maximum context length"),
         ({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=400), "maximum context length"),
         ({"prompt_token_ids": [1, 2]}, SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
+        ({"prompt_token_ids": [1]}, SamplingParams(allowed_token_ids=[10**9]), "allowed_token_ids"),
         ({"prompt_token_ids": [1]}, SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
         (42, SamplingParams(), "prompt"),
         ({"prompt_token_ids": "abc"}, SamplingParams(), "prompt_token_ids"),

@@ -453,6 +453,22 @@ def test_logit_bias_forces_and_bans_tokens(tiny: tuple[ServerProcess, str]) -> N
     assert out.choices[0].text != plain.choices[0].text
 
 
+def test_allowed_token_ids_are_the_only_tokens_sampled(tiny: tuple[ServerProcess, str]) -> None:
+    """vLLM's allowed_token_ids (an extra field): greedy and random samples stay in the set."""
+    server, model = tiny
+    allowed = [1234, 77, 4096]
+    texts = {server.post("/detokenize", {"tokens": [t]}).json()["prompt"] for t in allowed}
+    assert len(texts) == 3
+    for temperature in (0.0, 1.0):
+        out = server.post(
+            "/v1/completions",
+            {"model": model, "prompt": "hello", "max_tokens": 6, "temperature": temperature,
+             "seed": 3, "allowed_token_ids": allowed, "logprobs": 0, "ignore_eos": True},
+        ).json()  # fmt: skip
+        tokens = out["choices"][0]["logprobs"]["tokens"]  # each sampled token's text
+        assert len(tokens) == 6 and set(tokens) <= texts, tokens
+
+
 def test_list_of_prompts(tiny: tuple[ServerProcess, str]) -> None:
     server, model = tiny
     expected = [greedy_text(server, model, p, 5) for p in PROMPTS]

@@ -208,6 +208,8 @@ def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:
         SamplingParams(temperature=0.6, top_p=0.8, presence_penalty=0.7, frequency_penalty=0.4),
         SamplingParams(temperature=1.0, min_p=0.05, min_tokens=3, logit_bias={5: 3.0}),
         SamplingParams(n=2, temperature=0.8, frequency_penalty=-0.5, seed=4),
+        SamplingParams(temperature=0.0, allowed_token_ids=[4, 9, 12], logit_bias={9: -2.0}),
+        SamplingParams(temperature=0.7, allowed_token_ids=[3, 5, 8, 20], min_tokens=2),
     ]
     for i, params in enumerate(choices):
         prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 9))]

@@ -347,6 +347,22 @@ def test_banned_tokens_are_never_sampled() -> None:
     assert set(out.tolist()) == {1, 2, 3, 4, 6, 7}
 
 
+def test_allowed_token_ids_keep_only_those_tokens() -> None:
+    p = SamplingParams(temperature=0.0, allowed_token_ids=[6, 2, 6])
+    assert p.allowed_token_ids == (2, 6)  # a set: sorted, once each
+    assert SamplingParams().allowed_token_ids is None
+    for bad in ([], [-1], [1.5], "12", 3):
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            SamplingParams(allowed_token_ids=bad)
+    plain = SamplingParams(temperature=0.0)
+    assert sample(LOGITS.expand(2, -1).clone(), [p, plain]).tolist() == [6, 3]
+    torch.manual_seed(0)
+    rows = 2000
+    random = SamplingParams(allowed_token_ids=[4, 7, 1])
+    out = sample(LOGITS.expand(rows, -1).clone(), [random] * rows)
+    assert set(out.tolist()) == {1, 4, 7}
+
+
 def test_logit_bias_adds_to_the_named_tokens_of_each_row() -> None:
     p = SamplingParams(temperature=0.0, logit_bias={6: 1.0, 0: -100})
     assert p.logit_bias == ((0, -100.0), (6, 1.0))
