@@ -15,6 +15,12 @@ receives joins its prefix cache like blocks it computed itself.
 request: msgpack {"hashes": [...], "layout": [[dtype, per-block shape], ...]}; header: msgpack
 {"num_blocks": n, "error": null or why}. A fetch that times out or fails is tried again
 (`retries`), then given up: the engine then computes the prompt itself.
+
+The connector has two sides. The scheduler side (engine/remote_prefill.py) decides which blocks
+to fetch, load, stage or drop, and sends that as KVConnectorOps (scheduling/messages.py) through
+the executor; the worker side, KVWorker below (the executor's, beside the runner's caches), holds
+the transport, every block's data and the staging area, and does the copies. The engine holds
+no block data.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,10 +39,15 @@ import msgspec
 import torch
 import zmq
 
-from pagoda.kernels.paged_cache import Layout
+from pagoda.kernels.paged_cache import KVCache, Layout, cache_layout, gather_blocks, scatter_blocks
 from pagoda.kv_transfer_config import KVTransferConfig
+from pagoda.runner.executor import CachedBlocks
+from pagoda.scheduling.messages import KVConnectorOps, KVFetchDone
 
 logger = logging.getLogger(__name__)
+
+# Bytes of prompt blocks a producer keeps staged for decode instances to fetch.
+STAGE_BYTES = 1 << 30
 
 
 @dataclass
@@ -299,3 +311,77 @@ def make_connector(
     stats: KVTransferStats,
 ) -> KVConnector:
     return CONNECTORS[config.kv_connector](config, layout, read_blocks, stats)
+
+
+class KVWorker:
+    """The KV connector's worker side, beside the runner's caches: the transport (the configured
+    connector), the blocks fetched for each request until a load writes them, and the staging
+    area: a finished prompt's blocks copied out (at most STAGE_BYTES, oldest dropped first), so
+    that a decode instance's fetch of them is answered without waiting for the engine's step."""
+
+    def __init__(
+        self, config: KVTransferConfig, caches: Sequence[KVCache], cached_blocks: CachedBlocks
+    ) -> None:
+        self.caches = caches
+        self.cached_blocks = cached_blocks
+        self.stats = KVTransferStats()
+        self.fetched: dict[str, list[torch.Tensor]] = {}
+        self.staged: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
+        self.staged_bytes = 0
+        self.stage_lock = threading.Lock()  # the engine thread stages, the server thread reads
+        layout = cache_layout(caches)
+        self.connector = make_connector(config, layout, self._read_blocks, self.stats)
+
+    def apply(self, ops: KVConnectorOps) -> list[KVFetchDone]:
+        """Do the ops (in their fields' order); with ops.poll, then report the fetches finished
+        since the last poll (waiting up to ops.wait_s for a first one)."""
+        for request_id, source, hashes in ops.fetches:
+            self.stats.fetches += 1
+            self.connector.start_fetch(request_id, source, hashes)
+        for request_id in ops.drops:
+            self.fetched.pop(request_id, None)
+        for request_id, block_ids in ops.loads:
+            scatter_blocks(self.caches, block_ids, self.fetched.pop(request_id))
+        for block_ids, hashes in ops.saves:
+            self._stage(gather_blocks(self.caches, block_ids), hashes)
+        done: list[KVFetchDone] = []
+        if not ops.poll:
+            return done
+        for result in self.connector.finished_fetches(ops.wait_s):
+            if result.num_blocks:
+                self.fetched[result.request_id] = result.data
+            done.append(
+                KVFetchDone(result.request_id, result.hashes, result.num_blocks, result.error)
+            )
+        return done
+
+    def _stage(self, data: list[torch.Tensor], hashes: list[bytes]) -> None:
+        """One copy per request; each block's entries are views into it (a request's blocks
+        are staged, and so dropped, together)."""
+        with self.stage_lock:
+            for i, block_hash in enumerate(hashes):
+                blocks = [t[i] for t in data]
+                if self.staged.pop(block_hash, None) is None:
+                    self.staged_bytes += sum(b.numel() * b.element_size() for b in blocks)
+                self.staged[block_hash] = blocks
+            while self.staged_bytes > STAGE_BYTES and self.staged:
+                _, old = self.staged.popitem(last=False)
+                self.staged_bytes -= sum(b.numel() * b.element_size() for b in old)
+
+    def _read_blocks(self, hashes: list[bytes]) -> list[torch.Tensor]:
+        """The longest run of `hashes` this engine holds, one tensor per cache tensor ([] when
+        it holds none): from the staging area when it starts there, else from the caches where
+        the scheduler side finds them, under the engine's lock."""
+        with self.stage_lock:
+            run = []
+            for block_hash in hashes:
+                blocks = self.staged.get(block_hash)
+                if blocks is None:
+                    break
+                run.append(blocks)
+        if run:
+            return [torch.stack(parts) for parts in zip(*run)]
+        return self.cached_blocks(hashes, lambda ids: gather_blocks(self.caches, ids))
+
+    def close(self) -> None:
+        self.connector.close()

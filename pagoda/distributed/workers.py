@@ -18,20 +18,22 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.worker import reply_rank, run_worker
-from pagoda.kernels.paged_cache import Layout
+from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
-from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
+from pagoda.scheduling.messages import KVConnectorOps, KVFetchDone, RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagoda.distributed.kv_transfer import CachedBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -143,15 +145,18 @@ class WorkerGroup:
         return [s | m for s, m in zip(self.stats(), self.memory(), strict=True)]
 
     # The KV connector's worker side: EngineConfig refuses --kv-transfer-config with parallel
-    # ranks, so the engine never asks a WorkerGroup for blocks.
-    def kv_layout(self) -> Layout:
+    # ranks, so the engine never starts one on a WorkerGroup.
+    def start_kv_connector(self, config: KVTransferConfig, cached_blocks: CachedBlocks) -> None:
         raise ValueError("KV transfer is not supported with parallel ranks")
 
-    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+    def kv_connector(self, ops: KVConnectorOps) -> list[KVFetchDone]:
         raise ValueError("KV transfer is not supported with parallel ranks")
 
-    def write_blocks(self, block_ids: list[int], data: Sequence[torch.Tensor]) -> None:
-        raise ValueError("KV transfer is not supported with parallel ranks")
+    def kv_transfer_stats(self) -> dict[str, float]:
+        return {}
+
+    def close_kv_connector(self) -> None:
+        return None
 
     def step_totals(self) -> tuple[list[int], list[float]]:
         """Each rank's steps and step seconds since start, asked of the ranks at most once a

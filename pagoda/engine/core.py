@@ -16,6 +16,7 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.distributed.executor import make_executor
+from pagoda.engine.remote_prefill import RemotePrefill
 from pagoda.kv_transfer_config import remote_prefill_source
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
@@ -37,7 +38,6 @@ from pagoda.spec_decode.methods import kv_lookahead
 
 if TYPE_CHECKING:
     from pagoda.engine.grammar import StructuredOutputs
-    from pagoda.engine.remote_prefill import RemotePrefill
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +72,7 @@ class EngineCore:
         self.lock = threading.Lock()
         self.remote_prefill: RemotePrefill | None = None
         if config.kv_transfer_config is not None:
-            # Imported here: ZeroMQ is the server's dependency, not the engine's (the GPU
-            # machine's benchmarks run the engine without it).
-            from pagoda.engine.remote_prefill import RemotePrefill
-
+            # the KV connector's scheduler side; its worker side is the executor's
             self.remote_prefill = RemotePrefill(
                 config.kv_transfer_config, self.executor, self.kv_cache_manager, self.lock
             )

@@ -3,32 +3,35 @@ in this process is a `LocalExecutor` (below); a worker process per tensor-, pipe
 context-parallel rank is distributed/workers.py's `WorkerGroup`; distributed/executor.py picks
 one from the config. Both hold the device tensors; the engine holds none.
 
-The KV connector's worker side is here too (kv_layout, read_blocks, write_blocks): the engine's
-side (engine/remote_prefill.py) decides which blocks to send or fetch, the executor copies them
-out of and into its caches, as host tensors.
+The KV connector's worker side is the executor's too (distributed/kv_transfer.py's KVWorker,
+beside the runner's caches; distributed/executor.py's ConnectedExecutor): the engine's scheduler
+side (engine/remote_prefill.py) decides which blocks to send or fetch and passes that as
+KVConnectorOps; the worker side holds the data and copies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.kernels.paged_cache import (
-    Layout,
-    cache_layout,
-    gather_blocks,
-    prefault_in_background,
-    scatter_blocks,
-)
+from pagoda.kernels.paged_cache import prefault_in_background
+from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.loading.draft import DraftModel
 from pagoda.model_config import ModelConfig
 from pagoda.runner.builder import build_runner, profiled_kv_budget
 from pagoda.runner.model_runner import ModelRunner
-from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
+from pagoda.scheduling.messages import KVConnectorOps, KVFetchDone, RunnerOutput, SchedulerOutput
 from pagoda.spec_decode.methods import spec_method
+
+# The KV connector scheduler side's lookup, for a fetch of blocks not staged: under the engine's
+# lock, the block ids of the longest run of the hashes its prefix cache holds, given to `read`
+# (which copies them) while the lock is held; [] when it holds none.
+CachedBlocks = Callable[
+    [list[bytes], Callable[[list[int]], list[torch.Tensor]]], list[torch.Tensor]
+]
 
 
 class StepOutput(Protocol):
@@ -75,17 +78,18 @@ class Executor(Protocol):
         """Each rank's step, collective and memory totals; None in one process."""
         ...
 
-    def kv_layout(self) -> Layout:
-        """(dtype, shape of a block) of each cache tensor, as read_blocks gives them."""
+    def start_kv_connector(self, config: KVTransferConfig, cached_blocks: CachedBlocks) -> None:
+        """Start the KV connector's worker side; `cached_blocks` is the scheduler side's lookup
+        for fetches of blocks not staged (distributed/kv_transfer.py)."""
         ...
 
-    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Host copies of the blocks, one tensor (len(block_ids), ...) per cache tensor."""
+    def kv_connector(self, ops: KVConnectorOps) -> list[KVFetchDone]:
+        """Have the worker side do `ops`; the fetches finished, when ops.poll asks."""
         ...
 
-    def write_blocks(self, block_ids: list[int], data: Sequence[torch.Tensor]) -> None:
-        """read_blocks' tensors (their first len(block_ids) blocks) into these blocks."""
-        ...
+    def kv_transfer_stats(self) -> dict[str, float]: ...
+
+    def close_kv_connector(self) -> None: ...
 
 
 class LocalExecutor:
@@ -138,11 +142,16 @@ class LocalExecutor:
     def rank_stats(self) -> list[dict[str, Any]] | None:
         return None
 
-    def kv_layout(self) -> Layout:
-        return cache_layout(self.runner.kv_caches)
+    # Without --kv-transfer-config there is no KV connector (distributed/executor.py's
+    # ConnectedExecutor has one), and the engine starts none.
+    def start_kv_connector(self, config: KVTransferConfig, cached_blocks: CachedBlocks) -> None:
+        raise ValueError("this executor has no KV connector: use ConnectedExecutor")
 
-    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        return gather_blocks(self.runner.kv_caches, block_ids)
+    def kv_connector(self, ops: KVConnectorOps) -> list[KVFetchDone]:
+        raise ValueError("this executor has no KV connector")
 
-    def write_blocks(self, block_ids: list[int], data: Sequence[torch.Tensor]) -> None:
-        scatter_blocks(self.runner.kv_caches, block_ids, data)
+    def kv_transfer_stats(self) -> dict[str, float]:
+        return {}
+
+    def close_kv_connector(self) -> None:
+        return None

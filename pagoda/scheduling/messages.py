@@ -139,6 +139,33 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 LogprobEntry = tuple[list[int], list[float], int]
 
 
+# ---- the KV connector: its scheduler side (engine/remote_prefill.py) -> its worker side
+# (distributed/kv_transfer.py's KVWorker, in the executor), which holds every block's data
+class KVConnectorOps(msgspec.Struct, omit_defaults=True):
+    """Which blocks to send or fetch; the worker side copies, the scheduler side decides."""
+
+    # (request id, producer (host, port), prompt block hashes): fetch the longest run held there
+    fetches: list[tuple[str, tuple[str, int], list[bytes]]] = []
+    # (request id, block ids): write the blocks fetched for it (its first len(ids)) into these
+    loads: list[tuple[str, list[int]]] = []
+    # (block ids, their hashes): copy these blocks out for decode instances (a finished
+    # prompt's), before the blocks can be reused
+    saves: list[tuple[list[int], list[bytes]]] = []
+    drops: list[str] = []  # fetched blocks no load will write (the request was aborted)
+    poll: bool = False  # answer with the fetches finished since the last poll
+    wait_s: float = 0.0  # ... waiting up to this long for a first one
+
+
+class KVFetchDone(msgspec.Struct):
+    """Worker side -> scheduler side: a fetch is over; its first num_blocks blocks are held by
+    the worker side until a load writes them (or a drop), or it failed after every try."""
+
+    request_id: str
+    hashes: list[bytes]
+    num_blocks: int
+    error: str | None = None
+
+
 class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # Each sampling request's new tokens: one, or with draft tokens the accepted drafts and
     # the target's token after them (1 to num_draft_tokens + 1).

@@ -87,8 +87,29 @@ def test_decode_instance_continues_from_transferred_blocks(
     for out, prompt, params in zip(got, PROMPTS, PARAMS):
         full = 0 if params.prompt_logprobs else (len(prompt) - 1) // 8 * 8
         assert out.num_cached_tokens == full
+    # the connector's scheduler side holds no block data: the worker side holds it all, and
+    # what the consumer fetched was written (none waits for a load)
+    for llm in (producer, consumer):
+        assert not _tensors_in(vars(llm.engine.remote_prefill))
+    assert consumer.engine.executor.kv_worker.fetched == {}  # type: ignore[attr-defined]
     producer.engine.shutdown()
     consumer.engine.shutdown()
+
+
+def _tensors_in(value: object, depth: int = 0) -> bool:
+    """Whether a tensor is in `value`, its containers' items or its plain attributes (up to
+    three levels: the scheduler side's own state, not the executor or the pool it points to)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 3:
+        return False
+    if isinstance(value, dict):
+        return any(_tensors_in(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple, set)):
+        return any(_tensors_in(v, depth + 1) for v in value)
+    return False
 
 
 def test_a_decode_instance_that_preempts(
@@ -281,7 +302,7 @@ def test_a_failing_producer_answers_with_its_error_and_keeps_serving(
     kv = _kv("kv_consumer", _free_port(), timeout_s=2.0, retries=1)
     consumer = LLM(folder, kv_transfer_config=kv, **ENGINE)
     _prefill(producer)
-    server: Any = producer.engine.remote_prefill.connector.server  # type: ignore[union-attr]
+    server: Any = producer.engine.executor.kv_worker.connector.server  # type: ignore[attr-defined]
 
     def broken(hashes: list[bytes]) -> list[Any]:
         raise RuntimeError("disk on fire")
