@@ -309,8 +309,8 @@ class BatchColumns:
         neutral = {c.name: c.neutral for c in COLUMNS}
         tensors = {
             name: numpy_to_device(host[name], _TORCH_DTYPES[batch.columns[name].dtype.type], device)
-            for name in _STAGE_COLUMNS
-            if not all_greedy and bool((host[name] != neutral[name]).any())
+            for name in _STAGE_COLUMNS  # greedy rows' sampling stages are neutral (the table)
+            if bool((host[name] != neutral[name]).any())
         }
         if not all_greedy and not all_random:
             tensors["greedy"] = numpy_to_device(greedy, torch.bool, device)

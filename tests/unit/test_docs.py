@@ -377,15 +377,15 @@ def run_python(block: Block, server: DocServer) -> str:
     if uses_server(code):
         server.wait_ready()
         code = code.replace(DOC_SERVER, server.address)
+    return _run([sys.executable, "-c", code], f"{block.page}:{block.line}")
+
+
+def _run(argv: list[str], where: str) -> str:
+    """argv's stdout; fails naming `where` unless it exits 0."""
     out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env=EXAMPLE_ENV,
+        argv, cwd=ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=EXAMPLE_ENV
     )
-    assert out.returncode == 0, f"{block.page}:{block.line} failed:\n{out.stdout}{out.stderr}"
+    assert out.returncode == 0, f"{where} failed:\n{out.stdout}{out.stderr}"
     return out.stdout
 
 
@@ -415,17 +415,9 @@ def run_curl(command: Command, server: DocServer) -> str:
 
 
 def run_pagoda(command: Command) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "pagoda.cli", *command.argv[1:]],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        env=EXAMPLE_ENV,
-    )
-    assert out.returncode == 0, f"{command.where} failed:\n{out.stdout}{out.stderr}"
-    assert out.stdout.strip(), f"{command.where} printed nothing"
-    return out.stdout
+    stdout = _run([sys.executable, "-m", "pagoda.cli", *command.argv[1:]], command.where)
+    assert stdout.strip(), f"{command.where} printed nothing"
+    return stdout
 
 
 RUNNABLE: dict[str, Block | Command] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from pagoda.config import SchedulerConfig
@@ -192,9 +193,30 @@ def test_sampling_columns_follow_the_rows_params() -> None:
     np.testing.assert_allclose(batch.gather("temperature", slots), [1.0, 0.7, 1.0])
 
 
-def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.9, top_k=7, repetition_penalty=1.3, seed=1),
+    SamplingParams(temperature=0.6, top_p=0.8, presence_penalty=0.7, frequency_penalty=0.4),
+    SamplingParams(temperature=1.0, min_p=0.05, min_tokens=3, logit_bias={5: 3.0}),
+    SamplingParams(n=2, temperature=0.8, frequency_penalty=-0.5, seed=4),
+    SamplingParams(temperature=0.0, allowed_token_ids=[4, 9, 12], logit_bias={9: -2.0}),
+    SamplingParams(temperature=0.7, allowed_token_ids=[3, 5, 8, 20], min_tokens=2),
+]
+# every row greedy: penalties still apply (only the sampling stages are off for greedy rows)
+GREEDY = [
+    SamplingParams(temperature=0.0, repetition_penalty=1.5),
+    SamplingParams(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5),
+    SamplingParams(temperature=0.0),
+]
+
+
+@pytest.mark.parametrize("choices", [MIXED, GREEDY], ids=["mixed", "all_greedy"])
+def test_batch_metadata_samples_as_the_reference_built_from_lists(
+    choices: list[SamplingParams],
+) -> None:
     """SamplingMetadata.from_batch (columns, device penalty counts) against the reference built
-    from the SamplingParams and token lists (tests/sampling_reference.py): the same penalized logits and the same sampled tokens."""
+    from the SamplingParams and token lists (tests/sampling_reference.py): the same penalized
+    logits and the same sampled tokens."""
     rng = random.Random(3)
     batch = InputBatch(VOCAB, capacity=2)
     sched = Scheduler(
@@ -202,15 +224,6 @@ def test_batch_metadata_samples_as_the_reference_built_from_lists() -> None:
         KVCacheManager(BlockPool(64, enable_caching=False), BS),
         max_model_len=64,
     )
-    choices = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.9, top_k=7, repetition_penalty=1.3, seed=1),
-        SamplingParams(temperature=0.6, top_p=0.8, presence_penalty=0.7, frequency_penalty=0.4),
-        SamplingParams(temperature=1.0, min_p=0.05, min_tokens=3, logit_bias={5: 3.0}),
-        SamplingParams(n=2, temperature=0.8, frequency_penalty=-0.5, seed=4),
-        SamplingParams(temperature=0.0, allowed_token_ids=[4, 9, 12], logit_bias={9: -2.0}),
-        SamplingParams(temperature=0.7, allowed_token_ids=[3, 5, 8, 20], min_tokens=2),
-    ]
     for i, params in enumerate(choices):
         prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 9))]
         sched.add_request(make_request(f"q{i}", prompt, params))
