@@ -33,6 +33,16 @@ def runs(out: Path, prefix: str, side: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(out.glob(f"{prefix}_{side}_*.json"))]
 
 
+def median_ratio(before: list[float], after: list[float]) -> float | None:
+    """The median over rounds of after / before (round i's two runs ran back to back)."""
+    ratios = sorted(a / b for b, a in zip(before, after))
+    if not ratios:
+        return None
+    mid = len(ratios) // 2
+    middle = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return round(middle, 3)
+
+
 def main(out_dir: str, before: str, after: str) -> None:
     out = Path(out_dir)
     summary: dict[str, Any] = {
@@ -40,7 +50,8 @@ def main(out_dir: str, before: str, after: str) -> None:
         "before": before,
         "after": after,
         "like_with_like": "same weights (embedded SmolLM2-135M Q4_1 GGUF), workloads and -O2 "
-        "on both sides; runs alternate before / after on one machine; best of the rounds",
+        "on both sides; runs alternate before / after on one machine; best of the rounds, and "
+        "the median of each round's after / before",
         "cpu_count": os.cpu_count(),
         "figures": {},
     }
@@ -57,6 +68,7 @@ def main(out_dir: str, before: str, after: str) -> None:
             "ratio_after_before": round(best["after"] / best["before"], 3)
             if len(best) == 2
             else None,
+            "median_round_ratio": median_ratio(got["before"], got["after"]),
         }
     host_steps = {
         side: [r["w1_full_batch_ms_per_step"] for r in runs(out, "host", side)]
@@ -68,7 +80,8 @@ def main(out_dir: str, before: str, after: str) -> None:
     print(line)
     for name, f in summary["figures"].items():
         print(
-            f"{name}: before {f['before']} after {f['after']} -> {f['ratio_after_before']}x",
+            f"{name}: before {f['before']} after {f['after']} -> {f['ratio_after_before']}x "
+            f"(median of the rounds' ratios {f['median_round_ratio']}x)",
             file=sys.stderr,
         )
 
