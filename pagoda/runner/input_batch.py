@@ -268,19 +268,6 @@ class SamplingRows:
         return [r is not None for r in self.own_rows]
 
 
-_TORCH_DTYPES = {np.float32: torch.float32, np.int64: torch.int64, np.bool_: torch.bool}
-# the columns the sampler's stages read on the device (the others stay on the host)
-_STAGE_COLUMNS = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-
-
 @dataclass
 class BatchColumns:
     """The sampling inputs that depend only on which rows sample (their params), gathered
@@ -298,7 +285,8 @@ class BatchColumns:
     own: torch.Tensor | None  # (R,) 1.0 for a request's own row, 0.0 for a forking sibling
     num_logprobs: list[int | None]
     max_num_logprobs: int | None
-    edits: tuple[Edit, ...]  # the edits (sampling_table.EDITS) some row wants
+    # the edits (sampling_table.EDITS) some row wants, each with the rows that want it
+    edits: tuple[tuple[Edit, list[int]], ...]
 
     @classmethod
     def gather(cls, batch: InputBatch, rows: SamplingRows, device: torch.device) -> BatchColumns:
@@ -306,11 +294,10 @@ class BatchColumns:
         host = {c.name: batch.gather(c.name, slots) for c in COLUMNS}
         greedy = host["greedy"]
         all_greedy, all_random = bool(greedy.all()), bool(len(slots)) and not greedy.any()
-        neutral = {c.name: c.neutral for c in COLUMNS}
         tensors = {
-            name: numpy_to_device(host[name], _TORCH_DTYPES[batch.columns[name].dtype.type], device)
-            for name in _STAGE_COLUMNS  # greedy rows' sampling stages are neutral (the table)
-            if bool((host[name] != neutral[name]).any())
+            c.name: numpy_to_device(host[c.name], c.torch_dtype, device)
+            for c in COLUMNS  # greedy rows' sampling stages are neutral (the table)
+            if c.stage and bool((host[c.name] != c.neutral).any())
         }
         if not all_greedy and not all_random:
             tensors["greedy"] = numpy_to_device(greedy, torch.bool, device)
@@ -331,5 +318,11 @@ class BatchColumns:
             own=own,
             num_logprobs=[None if k < 0 else k for k in num_logprobs.tolist()],
             max_num_logprobs=int(num_logprobs.max()) if bool((num_logprobs >= 0).any()) else None,
-            edits=tuple(e for e in EDITS if bool(batch.gather(e.column, slots).any())),
+            edits=_wanted_edits(batch, slots),
         )
+
+
+def _wanted_edits(batch: InputBatch, slots: np.ndarray) -> tuple[tuple[Edit, list[int]], ...]:
+    """Each edit some of these slots' rows want, with those rows (indices into `slots`)."""
+    wanted = ((e, np.flatnonzero(batch.gather(e.column, slots)).tolist()) for e in EDITS)
+    return tuple((e, rows) for e, rows in wanted if rows)

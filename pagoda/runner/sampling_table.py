@@ -31,12 +31,19 @@ Scalar = float | int | bool
 
 @dataclass(frozen=True)
 class Column:
-    """A per-request scalar: `encode(params, vocab_size)` is its value, `neutral` means off."""
+    """A per-request scalar: `encode(params, vocab_size)` is its value, `neutral` means off.
+    `stage`: a sampler stage reads it on the device (as `torch_dtype`); else it stays on the host."""
 
     name: str
     dtype: type[np.generic]
     encode: Callable[[SamplingParams, int], Scalar]
     neutral: Scalar
+    stage: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, np.dtype(self.dtype).name)  # float32, int64
+        return dtype
 
 
 def _top_k(p: SamplingParams, vocab_size: int) -> int:
@@ -50,13 +57,15 @@ def _penalized(p: SamplingParams, vocab_size: int) -> bool:
 COLUMNS: tuple[Column, ...] = (
     Column("greedy", np.bool_, lambda p, v: p.greedy, False),
     # greedy rows take the argmax: their temperature, top_k, top_p and min_p are neutral
-    Column("temperature", np.float32, lambda p, v: 1.0 if p.greedy else p.temperature, 1.0),
-    Column("top_k", np.int64, _top_k, 0),
-    Column("top_p", np.float32, lambda p, v: p.top_p, 1.0),
-    Column("min_p", np.float32, lambda p, v: p.min_p, 0.0),
-    Column("presence_penalty", np.float32, lambda p, v: p.presence_penalty, 0.0),
-    Column("frequency_penalty", np.float32, lambda p, v: p.frequency_penalty, 0.0),
-    Column("repetition_penalty", np.float32, lambda p, v: p.repetition_penalty, 1.0),
+    Column(
+        "temperature", np.float32, lambda p, v: 1.0 if p.greedy else p.temperature, 1.0, stage=True
+    ),
+    Column("top_k", np.int64, _top_k, 0, stage=True),
+    Column("top_p", np.float32, lambda p, v: p.top_p, 1.0, stage=True),
+    Column("min_p", np.float32, lambda p, v: p.min_p, 0.0, stage=True),
+    Column("presence_penalty", np.float32, lambda p, v: p.presence_penalty, 0.0, stage=True),
+    Column("frequency_penalty", np.float32, lambda p, v: p.frequency_penalty, 0.0, stage=True),
+    Column("repetition_penalty", np.float32, lambda p, v: p.repetition_penalty, 1.0, stage=True),
     # rows with any penalty keep output counts and prompt tokens on the device
     Column("penalized", np.bool_, _penalized, False),
     Column("num_logprobs", np.int64, lambda p, v: -1 if p.logprobs is None else p.logprobs, -1),
@@ -160,20 +169,17 @@ class StepEdit:
 
 
 def step_edits(
-    edits: Sequence[Edit],
+    edits: Sequence[tuple[Edit, list[int]]],
     params: Sequence[SamplingParams],
     num_outputs: Sequence[int],
     eos_token_ids: Sequence[int],
 ) -> list[StepEdit]:
-    """The edits that some row applies this step (`edits`: those some row wants), bound to
-    their rows; row i has `params[i]` and `num_outputs[i]` outputs before this step."""
+    """The edits that some row applies this step, bound to their rows. `edits`: each edit some
+    row wants, with the rows that want it (their `wants_` column); row i has `params[i]` and
+    `num_outputs[i]` outputs before this step."""
     bound: list[StepEdit] = []
-    for edit in edits:
-        index = [
-            i
-            for i, (p, n) in enumerate(zip(params, num_outputs))
-            if edit.wants(p) and edit.active(p, n)
-        ]
+    for edit, wanting in edits:
+        index = [i for i in wanting if edit.active(params[i], num_outputs[i])]
         if index:
             rows = EditRows(
                 index, [params[i] for i in index], [num_outputs[i] for i in index], eos_token_ids
