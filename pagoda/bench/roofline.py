@@ -3,7 +3,10 @@ fraction of the machine's read bandwidth measured in the same run.
 
 Bytes of a step: the weights the decode path reads (the embedding one row, unless the LM head
 reads the same matrix) and the KV cache up to the request's mean length over its decode.
-Norm weights and biases count; activations and the logits do not (they stay in cache).
+Norm weights and biases count; activations and the logits do not (they stay in cache). For a
+GGUF model the weights are counted as the file holds them (every tensor's bytes, the token
+embedding left out where an untied output matrix is the head): the bytes a decode step must
+read, whatever form pagoda keeps them in; the loaded form's bytes are recorded beside them.
 """
 
 from __future__ import annotations
@@ -48,12 +51,30 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+def file_decode_bytes(gguf_path: str) -> int:
+    """Tensor bytes of a GGUF file that one decode step reads: all of them, but the token
+    embedding when the file has its own output matrix (the embedding is then one row a token)."""
+    from pagoda.loading.gguf_index import read_gguf_index
+
+    tensors = read_gguf_index(gguf_path).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
+    return sum(
+        int(t.data.nbytes) for t in tensors if not (untied and t.name == "token_embd.weight")
+    )
+
+
 def roofline(
-    llm: Any, input_len: int, output_len: int, decode_ms_per_token: float
+    llm: Any,
+    input_len: int,
+    output_len: int,
+    decode_ms_per_token: float,
+    gguf_path: str | None = None,
 ) -> dict[str, Any]:
-    """The line for the bench JSON: bytes a decode step reads and at what share of bandwidth."""
+    """The line for the bench JSON: bytes a decode step reads and at what share of bandwidth.
+    gguf_path: the model's file, whose tensor bytes are the weights counted."""
     model = llm.engine.executor.runner.model
-    weights = decode_weight_bytes(model)
+    loaded = decode_weight_bytes(model)
+    weights = file_decode_bytes(gguf_path) if gguf_path else loaded
     kv_per_token = llm.engine.model_config.kv_bytes_per_token(
         llm.engine.config.cache.kv_quant_dtype
     )
@@ -62,7 +83,9 @@ def roofline(
     bandwidth = read_bandwidth_gb_s(llm.engine.device)
     achieved = step_bytes / (decode_ms_per_token / 1e3) / 1e9
     return {
+        "weights_counted": "the GGUF file's tensor bytes" if gguf_path else "the loaded weights",
         "decode_weight_mb": round(weights / 1e6, 2),
+        "loaded_decode_weight_mb": round(loaded / 1e6, 2),
         "decode_kv_mb": round(kv / 1e6, 2),
         "bytes_per_step_mb": round(step_bytes / 1e6, 2),
         "decode_ms_per_token": decode_ms_per_token,

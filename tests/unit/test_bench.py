@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from pagoda.bench import latency, throughput
+from pagoda.bench import latency, throughput, throughput_runs
 from pagoda.bench.common import (
     BenchRequest,
     batches,
@@ -166,7 +166,7 @@ def test_throughput_defaults_are_w1():
 
 def test_throughput_warmup_is_shaped_like_the_workload():
     requests = random_workload(20, (16, 64), (4, 8), seed=0, shared_prefix_len=16)
-    warmup = throughput.warmup_requests(requests)
+    warmup = throughput_runs.warmup_requests(requests)
     assert [len(w.prompt_token_ids) for w in warmup] == [
         len(r.prompt_token_ids) for r in requests[:8]
     ]
@@ -324,7 +324,12 @@ def test_latency_peer_llama_cpp_record_names_the_same_file(monkeypatch, capsys):
         "bandwidth_bound_tok_s": 400.0,
     }
     seen: list[tuple[int, int, float]] = []
-    monkeypatch.setattr(latency, "roofline", lambda llm, i, o, ms: seen.append((i, o, ms)) or line)
+
+    def fake_roofline(llm, i, o, ms, path):
+        assert path.endswith(".gguf")  # the file's tensor bytes are the weights counted
+        return seen.append((i, o, ms)) or line
+
+    monkeypatch.setattr(latency, "roofline", fake_roofline)
     args = _parser(latency).parse_args(["--peer", "llama.cpp"])
     args.model = None
     assert latency.main(args) == 0

@@ -4,10 +4,19 @@ norms and biases in full."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
+from gguf import GGUFWriter
 from torch import nn
 
-from pagoda.bench.roofline import decode_weight_bytes, read_bandwidth_gb_s, roofline_line
+from pagoda.bench.roofline import (
+    decode_weight_bytes,
+    file_decode_bytes,
+    read_bandwidth_gb_s,
+    roofline_line,
+)
 from pagoda.layers.embedding import LMHead, VocabEmbedding
 
 
@@ -55,3 +64,27 @@ def test_the_line_reads_as_a_share_of_the_bandwidth() -> None:
         }
     )
     assert "25% of the 40.0 GB/s" in line and "100.0 MB a decode step" in line
+
+
+def _gguf(path: Path, tensors: dict[str, np.ndarray]) -> str:
+    writer = GGUFWriter(str(path), "llama")
+    for name, data in tensors.items():
+        writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_the_file_s_bytes_count_the_embedding_only_where_the_head_reads_it(tmp_path: Path) -> None:
+    """A GGUF's decode bytes are its tensors' bytes as stored; an untied file's token embedding
+    is gathered a row a token, so it is left out."""
+    embd = np.zeros((100, 64), dtype=np.float16)  # 12,800 bytes
+    layer = {"blk.0.attn_q.weight": np.zeros((64, 64), dtype=np.float32)}  # 16,384 bytes
+    norm = {"output_norm.weight": np.ones(64, dtype=np.float32)}  # 256 bytes
+    tied = _gguf(tmp_path / "tied.gguf", {"token_embd.weight": embd, **layer, **norm})
+    assert file_decode_bytes(tied) == 12_800 + 16_384 + 256
+    head = {"output.weight": np.zeros((100, 64), dtype=np.float32)}  # 25,600 bytes
+    untied = _gguf(tmp_path / "untied.gguf", {"token_embd.weight": embd, **layer, **norm, **head})
+    assert file_decode_bytes(untied) == 16_384 + 256 + 25_600

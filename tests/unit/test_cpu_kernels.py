@@ -14,6 +14,9 @@ scales, the others their fp16 ones)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -273,6 +276,21 @@ def test_tiles_of_the_wrong_shape_are_refused() -> None:
         OPS.q8x16_matmul(torch.randn(1, 64), codes, torch.ones(1, 3, 16), 16, 2)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         OPS.q8x16_matmul(torch.randn(1, 40), codes, scales, 16, 2)
+
+
+@pytest.mark.parametrize(("capability", "cap"), [("avx2", 1), ("default", 0), ("avx512", 2)])
+def test_aten_cpu_capability_caps_the_kernels_isa_for_the_process(
+    capability: str, cap: int
+) -> None:
+    """ATEN_CPU_CAPABILITY, torch's switch, caps the instruction set the kernels pick (an
+    AVX-512 machine then runs the AVX2 path end to end); the extension is the one built."""
+    assert OPS is not None
+    code = "from pagoda.kernels.cpu import built; print(built().isa())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout.strip().splitlines()[-1]) == min(cap, OPS.isa())
 
 
 @pytest.mark.parametrize("isa", ISAS)

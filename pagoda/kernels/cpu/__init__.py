@@ -30,7 +30,9 @@ and compiled steps share, so that the two compute the same bits, and `q4x16_matm
 `q8x16_matmul_norm` / `q4x16_matmul_silu` / `q8x16_matmul_silu`, the matmuls with the norm or
 the activation before them in one call; `isa()` names the instruction set picked at run time (0
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
-caps it (tests run every path).
+caps it (tests run every path). ATEN_CPU_CAPABILITY, torch's switch, caps it for the whole
+process (`avx2`: AVX2 + FMA, `default`: scalar), as it caps torch's kernels and the code
+torch.compile generates: so an AVX-512 machine runs and measures the AVX2 path end to end.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <tuple>
 #include <type_traits>
@@ -21,18 +22,29 @@ constexpr int64_t GROUP = 32;
 
 enum class Isa { kScalar = 0, kAvx2 = 1, kVnni = 2 };
 
+// The cap ATEN_CPU_CAPABILITY sets (torch's own switch, which also caps torch's kernels and the
+// code torch.compile generates): "default" scalar, "avx2" AVX2 + FMA; unset or any other value,
+// no cap. Read once, with the CPU's features, at the first call.
+inline Isa capability_cap() {
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  if (cap != nullptr && std::strcmp(cap, "default") == 0) return Isa::kScalar;
+  if (cap != nullptr && std::strcmp(cap, "avx2") == 0) return Isa::kAvx2;
+  return Isa::kVnni;
+}
+
 inline Isa best_isa() {
   static const Isa isa = [] {
     __builtin_cpu_init();
+    Isa found = Isa::kScalar;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")) {
+      found = Isa::kAvx2;
       if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
-        return Isa::kVnni;
+        found = Isa::kVnni;
       }
-      return Isa::kAvx2;
     }
-    return Isa::kScalar;
+    return std::min(found, capability_cap());
   }();
   return isa;
 }
