@@ -442,6 +442,21 @@ PAGODA_AVX2 inline void group_scales_avx2(const uint8_t* tile, int64_t g, int h,
   }
 }
 
+// The AVX2 passes read a tile twice (rows 0-7, then 8-15, half of each 64-byte line at a time):
+// the first pass asks for the bytes PREFETCH_BYTES ahead of the group it reads, so that the next
+// groups' lines (the next tile's past the end) stream in while this one is computed. Measured on
+// an AVX2 EPYC (Zen 3), batch 1, Q4_K weights from memory: without it one core ran at 6.4 GB/s
+// while its reads alone ran at 14 and its instructions from cache at 13 (the loads stalled the
+// arithmetic instead of overlapping it); with it 8.8, and two cores 9.7 -> 13.7 GB/s (5
+// alternating rounds each). The AVX-512 pass reads each line whole, once, in order.
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+inline void prefetch_lines(const uint8_t* from, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(from + PREFETCH_BYTES + o), _MM_HINT_T0);
+  }
+}
+
 // maddubs of a code and an activation (|q| <= 127) pair: <= 7874 for codes <= 31, so the 5-bit
 // forms' 4 blocks add up to <= 31496, inside int16, and a group's 8 blocks are widened to int32
 // in two halves; kQ6K's codes (<= 63) give <= 16002 a pair, so it widens every 2 blocks; the
@@ -455,6 +470,8 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
     for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < p.groups; ++g) {
       const uint8_t* b = codes_at<F>(tile, g);
+      constexpr int64_t kGroupBytes = unit_bytes(F) / unit_groups<F>();
+      if (h == 0) prefetch_lines(tile + g * kGroupBytes, kGroupBytes);
       __m256i w[8];
       if constexpr (kCrumb<F>) {
         const __m256i three = _mm256_set1_epi8(3);
@@ -670,6 +687,7 @@ PAGODA_AVX2 void q8_tile_avx2(const uint8_t* tile, const float* scales, int64_t 
     for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < p.groups; ++g) {
       const uint8_t* b = tile + g * Q8_BYTES;
+      if (h == 0) prefetch_lines(b, Q8_BYTES);
       __m256i w[8];
       for (int s = 0; s < 8; ++s) {
         w[s] = _mm256_xor_si256(
