@@ -20,10 +20,17 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-# --kv-cache-dtype values (vLLM's) -> storage dtype of quantized K/V, each (token, kv head) row
-# beside one KV_SCALE_DTYPE scale; "auto" stores the model dtype without scales.
-KV_QUANT_DTYPES = {"int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
-KV_CACHE_DTYPES = ("auto", *KV_QUANT_DTYPES)
+# --kv-cache-dtype values (vLLM's) -> the cache's storage dtype; int8 and float8_e4m3fn rows
+# (model_config.SCALED_KV_DTYPES) each beside one KV_SCALE_DTYPE scale per (token, kv head);
+# "auto" stores the model dtype.
+KV_STORAGE_DTYPES = {
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "int8": "int8",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+}
+KV_CACHE_DTYPES = ("auto", *KV_STORAGE_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -53,9 +60,10 @@ class CacheConfig:
             )
 
     @property
-    def kv_quant_dtype(self) -> str | None:
-        """Storage dtype of quantized K/V (int8, float8_e4m3fn); None for auto (model dtype)."""
-        return KV_QUANT_DTYPES.get(self.kv_cache_dtype)
+    def kv_dtype(self) -> str | None:
+        """The cache's storage dtype name (bfloat16, float16, or int8 / float8_e4m3fn with
+        scales); None for auto (the model dtype)."""
+        return KV_STORAGE_DTYPES.get(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)

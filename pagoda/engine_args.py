@@ -35,7 +35,8 @@ ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         dict(
             default=None,
             choices=list(KV_CACHE_DTYPES),
-            help="auto (the model dtype), int8 or fp8 (alias fp8_e4m3): a scale per token and head",
+            help="auto (the model dtype), bfloat16 or float16, or int8 or fp8 (alias fp8_e4m3) "
+            "with a scale per token and kv head",
         ),
     ),
     (("--scheduling-policy",), dict(default=None, choices=["fcfs", "priority"])),

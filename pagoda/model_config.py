@@ -11,7 +11,9 @@ QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
 
 # dtypes are named as torch names them (getattr(torch, name) is the dtype); bytes per element.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
-# The dtype of the per-(token, kv head) scale beside quantized K/V (config.KV_QUANT_DTYPES).
+# The KV cache dtypes stored with a scale per (token, kv head) (config.KV_STORAGE_DTYPES), and
+# the scale's dtype.
+SCALED_KV_DTYPES = ("int8", "float8_e4m3fn")
 KV_SCALE_DTYPE = "float32"
 
 
@@ -103,15 +105,14 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return int(self.hf_config.vocab_size)
 
-    def kv_bytes_per_token(self, kv_quant_dtype: str | None = None) -> int:
+    def kv_bytes_per_token(self, kv_dtype: str | None = None) -> int:
         """K and V bytes of one token over all layers in one rank's cache: head_dim (keys) and
-        v_head_dim (values) values per kv head in the model dtype, or in `kv_quant_dtype` plus
-        one KV_SCALE_DTYPE scale each (CacheConfig.kv_quant_dtype); a context-parallel rank
-        holds 1/N of the tokens."""
+        v_head_dim (values) values per kv head in `kv_dtype` (CacheConfig.kv_dtype; None: the
+        model dtype), plus one KV_SCALE_DTYPE scale each for a SCALED_KV_DTYPES one; a
+        context-parallel rank holds 1/N of the tokens."""
         values = self.head_dim + self.v_head_dim
-        if kv_quant_dtype is None:
-            per_head = values * DTYPE_BYTES[self.dtype]
-        else:
-            per_head = values * DTYPE_BYTES[kv_quant_dtype] + 2 * DTYPE_BYTES[KV_SCALE_DTYPE]
+        per_head = values * DTYPE_BYTES[kv_dtype or self.dtype]
+        if kv_dtype in SCALED_KV_DTYPES:
+            per_head += 2 * DTYPE_BYTES[KV_SCALE_DTYPE]
         per_token = self.num_layers_per_rank * self.num_kv_heads_per_rank * per_head
         return -(-per_token // self.prefill_context_parallel_size)

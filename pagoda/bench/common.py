@@ -243,9 +243,7 @@ def weights_record(llm: Any, gguf_type: str | None) -> dict[str, Any]:
         "weight_mib": round(mc.weight_bytes / 2**20, 2),
         "precision": pagoda_precision(mc.quantization, dtype, gguf_type, llm.engine.device.type),
         # K/V bytes a rank holds per token of a sequence (1/N of it under context parallelism)
-        "kv_bytes_per_token_per_rank": mc.kv_bytes_per_token(
-            llm.engine.config.cache.kv_quant_dtype
-        ),
+        "kv_bytes_per_token_per_rank": mc.kv_bytes_per_token(llm.engine.config.cache.kv_dtype),
     }
     folder, gguf_file = resolve_model(llm.engine.config.model)
     if gguf_file is not None:

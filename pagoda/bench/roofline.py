@@ -75,9 +75,7 @@ def roofline(
     model = llm.engine.executor.runner.model
     loaded = decode_weight_bytes(model)
     weights = file_decode_bytes(gguf_path) if gguf_path else loaded
-    kv_per_token = llm.engine.model_config.kv_bytes_per_token(
-        llm.engine.config.cache.kv_quant_dtype
-    )
+    kv_per_token = llm.engine.model_config.kv_bytes_per_token(llm.engine.config.cache.kv_dtype)
     kv = kv_per_token * (input_len + output_len / 2)  # mean cache length over the decode
     step_bytes = weights + kv
     bandwidth = read_bandwidth_gb_s(llm.engine.device)

@@ -19,7 +19,7 @@ from pagoda.distributed.executor import make_executor
 from pagoda.engine.remote_prefill import RemotePrefill
 from pagoda.kv_transfer_config import remote_prefill_source
 from pagoda.loading.tokenizer import load_tokenizer_for
-from pagoda.model_config import ModelConfig
+from pagoda.model_config import SCALED_KV_DTYPES, ModelConfig
 from pagoda.runner.device import resolve_device
 from pagoda.runner.executor import Executor, StepOutput
 from pagoda.scheduling.block_pool import BlockPool
@@ -102,19 +102,19 @@ class EngineCore:
 
     def _log_kv_cache(self) -> None:
         config, model_config = self.config, self.model_config
-        kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
+        kv_dtype = config.cache.kv_dtype  # a dtype name, None: the model's
         num_tokens = self.num_blocks * self.block_size
         blocks_per_seq = -(-model_config.max_model_len // self.block_size)
         logger.info(
             "KV cache %s (%s%s): %d blocks of %d tokens = %d tokens, %.1f MiB; "
             "max concurrency %.2fx at max_model_len %d",
             config.cache.kv_cache_dtype,
-            kv_quant_dtype or model_config.dtype,
-            "" if kv_quant_dtype is None else " + a scale per token and kv head",
+            kv_dtype or model_config.dtype,
+            " + a scale per token and kv head" if kv_dtype in SCALED_KV_DTYPES else "",
             self.num_blocks,
             self.block_size,
             num_tokens,
-            num_tokens * model_config.kv_bytes_per_token(kv_quant_dtype) / 2**20,
+            num_tokens * model_config.kv_bytes_per_token(kv_dtype) / 2**20,
             self.num_blocks / blocks_per_seq,
             model_config.max_model_len,
         )
@@ -139,8 +139,8 @@ class EngineCore:
         cache = self.config.cache
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        per_token = self.model_config.kv_bytes_per_token(cache.kv_quant_dtype)
-        per_token += self.executor.draft_kv_bytes_per_token(cache.kv_quant_dtype)
+        per_token = self.model_config.kv_bytes_per_token(cache.kv_dtype)
+        per_token += self.executor.draft_kv_bytes_per_token(cache.kv_dtype)
         block_bytes = self.block_size * per_token
         budget = cache.kv_cache_memory_bytes
         if budget is None:

@@ -20,14 +20,16 @@ import torch
 # Quantized K/V rows are stored with one scale of this dtype per (token, kv head); model_config.py
 # names it (KV_SCALE_DTYPE) for sizing.
 KV_SCALE_DTYPE = torch.float32
+# The storage dtypes kept with scales (--kv-cache-dtype int8, fp8).
+SCALED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 @dataclass
 class KVCache:
     """One layer's paged KV cache.
 
-    k, v: (num_blocks, block_size, num_kv_heads, head_dim) in the model dtype, or quantized
-    (int8, float8_e4m3fn) with k_scale, v_scale: (num_blocks, block_size, num_kv_heads) float32
+    k, v: (num_blocks, block_size, num_kv_heads, head_dim) in the model dtype or a 16-bit float
+    (`--kv-cache-dtype bfloat16|float16`), or quantized (int8, float8_e4m3fn) with k_scale, v_scale: (num_blocks, block_size, num_kv_heads) float32
     such that a stored row dequantizes to values * scale. Scales are None when not quantized.
     """
 
@@ -44,18 +46,20 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
-        quant_dtype: torch.dtype | None,
+        kv_dtype: torch.dtype | None,
         device: torch.device | str,
         v_head_dim: int | None = None,
     ) -> KVCache:
-        """Zeroed cache in `dtype`, or in `quant_dtype` with scales when that is not None;
-        values of v_head_dim (head_dim when None; 0 for a latent cache, whose v is empty)."""
+        """Zeroed cache in `kv_dtype` (None: the model's `dtype`), with scales where that is int8
+        or float8_e4m3fn; values of v_head_dim (head_dim when None; 0 for a latent cache, whose
+        v is empty)."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         v_shape = shape[:3] + (head_dim if v_head_dim is None else v_head_dim,)
-        if quant_dtype is None:
-            return cls(_zeros(shape, dtype, device), _zeros(v_shape, dtype, device))
-        k = _zeros(shape, quant_dtype, device)
-        v = _zeros(v_shape, quant_dtype, device)
+        if kv_dtype is None or kv_dtype not in SCALED_KV_DTYPES:
+            store = dtype if kv_dtype is None else kv_dtype
+            return cls(_zeros(shape, store, device), _zeros(v_shape, store, device))
+        k = _zeros(shape, kv_dtype, device)
+        v = _zeros(v_shape, kv_dtype, device)
         k_scale = _zeros(shape[:3], KV_SCALE_DTYPE, device)
         v_scale = _zeros(shape[:3], KV_SCALE_DTYPE, device)
         return cls(k, v, k_scale, v_scale)

@@ -19,7 +19,9 @@ A quantized cache (`--kv-cache-dtype int8|fp8`) is quantized here on write and d
 on read, to the query dtype, before attention: nothing else reads the cache's values.
 
 On CPU, where pagoda's C++ kernels are built (pagoda/kernels/cpu; `cpu_kernel`, set by the model
-runner), every step over a float32 cache reads the keys and values in place with
+runner), every step reads the keys and values from the cache as stored (float32 in place;
+bfloat16, float16, int8 and fp8 converted to float32 a chunk of positions at a time, the values
+read_kv gives) with
 `paged_decode_attention` (pure decode) or `paged_attention` (with prefill chunks) instead, which
 reduce each query row the same way whatever the rows beside it: a position gets the same bits
 alone, batched, chunked, after a prefix-cache hit or as a verification row, so the int8
@@ -37,6 +39,15 @@ from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.context_parallel import context_parallel_attention
 from pagoda.layers.forward_context import AttentionMetadata, ForwardContext, get_forward_context
 from pagoda.layers.kv_cache import read_kv, write_kv_cache
+
+# The cache dtypes paged_attention.cpp reads (int8 and fp8 with their scales).
+CPU_KERNEL_KV_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.float8_e4m3fn,
+)
 
 
 class Attention(nn.Module):
@@ -112,7 +123,7 @@ class Attention(nn.Module):
             )
         else:
             write_kv_cache(k, v, cache, meta.slot_mapping)
-            if self.cpu_kernel and cache.k.dtype == torch.float32:
+            if self.cpu_kernel and cache.k.dtype in CPU_KERNEL_KV_DTYPES:
                 out = cpu_paged_attention(q, cache, meta, self.scale, window)
             else:
                 out = paged_attention_torch(q, cache, meta, self.scale, window)
@@ -127,19 +138,21 @@ def cpu_paged_attention(
     window: int = 0,
     value_dim: int = 0,
 ) -> torch.Tensor:
-    """pagoda's C++ attention over a float32 cache, read in place (the module docstring): a pure
-    decode step by paged_decode_attention, any other by paged_attention, the same per-row
-    reduction over prefill chunks and decodes alike. value_dim > 0: a latent cache whose values
-    are each row's first value_dim (layers/latent_attention.py)."""
+    """pagoda's C++ attention over a cache of a CPU_KERNEL_KV_DTYPES dtype, read as stored (the
+    module docstring): a pure decode step by paged_decode_attention, any other by
+    paged_attention, the same per-row reduction over prefill chunks and decodes alike.
+    value_dim > 0: a latent cache whose values are each row's first value_dim
+    (layers/latent_attention.py)."""
     ops = torch.ops.pagoda_cpu
+    k_scale, v_scale = cache.k_scale, None if value_dim else cache.v_scale
     if meta.num_decodes == q.shape[0]:
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         return ops.paged_decode_attention(
-            q, cache.k, cache.v, tables, lens, scale, window, 2, value_dim
+            q, cache.k, cache.v, tables, lens, scale, window, 2, value_dim, k_scale, v_scale
         )
     tables, starts, lens = meta.req_block_tables, meta.query_start_loc, meta.req_seq_lens
     return ops.paged_attention(
-        q, cache.k, cache.v, tables, starts, lens, scale, window, 2, value_dim
+        q, cache.k, cache.v, tables, starts, lens, scale, window, 2, value_dim, k_scale, v_scale
     )
 
 

@@ -97,11 +97,11 @@ def allocate_kv_caches(
     config: ModelConfig,
     num_blocks: int,
     block_size: int,
-    quant_dtype: torch.dtype | None,
+    kv_dtype: torch.dtype | None,
     device: torch.device | str,
 ) -> list[KVCache]:
-    """A zeroed KVCache per layer of the model `config` describes, in its dtype (or quant_dtype
-    with scales)."""
+    """A zeroed KVCache per layer of the model `config` describes, in kv_dtype (None: the model
+    dtype; int8 and fp8 with scales)."""
     dtype = getattr(torch, config.dtype)
     return [
         KVCache.allocate(
@@ -110,7 +110,7 @@ def allocate_kv_caches(
             config.num_kv_heads_per_rank,
             config.head_dim,
             dtype,
-            quant_dtype,
+            kv_dtype,
             device,
             config.v_head_dim,
         )

@@ -13,8 +13,9 @@ attends over the rows themselves, as multi-query attention whose values are the 
     o_h  = W_UV[h] o'_h                                     (v_head_dim)
 The model (models/deepseek_v3.py) forms q' and o_h; this layer writes the rows and computes o'.
 Prefill chunks and decodes alike take this form: on the torch backend SDPA over the gathered
-rows (the reference); on CPU with pagoda's C++ kernels (a float32 cache) paged_attention.cpp,
-reading the rows in place, each row's values its first `rank` (`value_dim`); on the triton
+rows (the reference); on CPU with pagoda's C++ kernels paged_attention.cpp, reading the rows
+as stored (any cache dtype, int8 / fp8 with their scales), each row's values its first `rank`
+(`value_dim`); on the triton
 backend pagoda/kernels/latent_attention.py. A quantized cache
 (`--kv-cache-dtype int8|fp8`) holds each row with one scale.
 """
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.kernels.paged_cache import KVCache
-from pagoda.layers.attention import cpu_paged_attention, decode_mask
+from pagoda.layers.attention import CPU_KERNEL_KV_DTYPES, cpu_paged_attention, decode_mask
 from pagoda.layers.forward_context import AttentionMetadata, ForwardContext, get_forward_context
 from pagoda.layers.kv_cache import read_kv, write_kv_cache
 
@@ -60,7 +61,7 @@ class LatentAttention(nn.Module):
             return self._triton(q, rows, cache, meta)
         write_kv_cache(rows.unsqueeze(1), rows[:, None, :0], cache, meta.slot_mapping)
         num_tokens = q.shape[0]
-        if self.cpu_kernel and cache.k.dtype == torch.float32:
+        if self.cpu_kernel and cache.k.dtype in CPU_KERNEL_KV_DTYPES:
             return cpu_paged_attention(q, cache, meta, self.scale, value_dim=self.kv_lora_rank)
         if meta.num_decodes == num_tokens:
             return self._decode(q, cache, meta)

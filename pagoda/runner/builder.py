@@ -64,14 +64,14 @@ def build_runner(
     draft = None
     if uses_draft:
         draft = load_draft_model(config, model_config, tokenizer)
-    kv_quant_dtype = config.cache.kv_quant_dtype  # a dtype name, None: the model's
+    kv_dtype = config.cache.kv_dtype  # a dtype name, None: the model's
     runner = ModelRunner(
         model,
         model_config,
         config.cache.block_size,
         torch.device(config.device_type),
         eos_token_ids,
-        None if kv_quant_dtype is None else torch_dtype(kv_quant_dtype),
+        None if kv_dtype is None else torch_dtype(kv_dtype),
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         kernel_backend=config.kernel_backend,

@@ -45,7 +45,7 @@ class DraftModelStep:
         buffers: InputBuffers,
         block_size: int,
         device: torch.device,
-        kv_quant_dtype: torch.dtype | None,
+        kv_dtype: torch.dtype | None,
         compiled: CompiledDecode | None = None,
     ) -> None:
         """compiled: the draft's torch.compile'd decode step (CPU, -O1 and above), for its
@@ -58,7 +58,7 @@ class DraftModelStep:
         self.buffers = buffers
         self.block_size = block_size
         self.device = device
-        self.kv_quant_dtype = kv_quant_dtype
+        self.kv_dtype = kv_dtype
         self.kv_caches: list[KVCache] = []
 
     def allocate(self, num_blocks: int, target_caches: list[KVCache]) -> None:
@@ -68,7 +68,7 @@ class DraftModelStep:
             self.kv_caches = target_caches
             return
         self.kv_caches = allocate_kv_caches(
-            self.config, num_blocks, self.block_size, self.kv_quant_dtype, self.device
+            self.config, num_blocks, self.block_size, self.kv_dtype, self.device
         )
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:

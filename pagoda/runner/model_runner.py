@@ -71,7 +71,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         eos_token_ids: frozenset[int],
-        kv_quant_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         kernel_backend: str = "torch",
@@ -96,7 +96,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.eos_token_ids = sorted(eos_token_ids)
-        self.kv_quant_dtype = kv_quant_dtype  # CacheConfig.kv_quant_dtype; None: model dtype
+        self.kv_dtype = kv_dtype  # CacheConfig.kv_dtype; None: model dtype
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kernel_backend = kernel_backend
@@ -155,14 +155,14 @@ class ModelRunner:
             self.buffers,
             self.block_size,
             self.device,
-            self.kv_quant_dtype,
+            self.kv_dtype,
             _compiled_decode(draft.model) if compile_decode else None,
         )
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
         block_size = self.block_size // self.cp.size  # a rank's share of each block
         return allocate_kv_caches(
-            self.model_config, num_blocks, block_size, self.kv_quant_dtype, self.device
+            self.model_config, num_blocks, block_size, self.kv_dtype, self.device
         )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -602,7 +602,9 @@ def test_paged_decode_attention_refuses_what_it_cannot_take() -> None:
     assert OPS is not None
     q, cache, tables, seq_lens = _decode_case([20], 4, 2, 32, 16, 0)
     with pytest.raises(RuntimeError, match="float32"):
-        OPS.paged_decode_attention(q, cache.k.half(), cache.v.half(), tables, seq_lens, 0.2, 0, 2)
+        OPS.paged_decode_attention(
+            q, cache.k.double(), cache.v.double(), tables, seq_lens, 0.2, 0, 2
+        )
     with pytest.raises(RuntimeError, match="beyond the block table"):
         OPS.paged_decode_attention(q, cache.k, cache.v, tables, seq_lens + 100, 0.2, 0, 2)
     with pytest.raises(RuntimeError, match="outside the cache"):

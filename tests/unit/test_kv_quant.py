@@ -1,6 +1,7 @@
-"""Quantized KV cache (--kv-cache-dtype int8 | fp8): round-trip error bounds, paged attention over
-int8 / fp8 caches against the float cache and a dense reference, block copy with scales, cache
-sizing, config errors, and greedy generation on a tiny model against the unquantized cache."""
+"""Quantized and 16-bit KV caches (--kv-cache-dtype int8 | fp8 | bfloat16 | float16): round-trip
+error bounds, paged attention over int8 / fp8 caches against the float cache and a dense
+reference, block copy with scales, cache sizing, config errors, and greedy generation on a tiny
+model (through pagoda's CPU attention where it is built) against the float32 cache."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pagoda.runner.step_inputs import build_attention_metadata
 
 FP8 = torch.float8_e4m3fn
 QUANT = {"int8": torch.int8, "fp8": FP8}
+STORED = QUANT | {"bfloat16": torch.bfloat16}
 
 # Paged attention over a quantized cache vs the same steps over an unquantized cache (STEPS,
 # q, v ~ N(0, 1), k ~ N(0, 4), head_dim 16). Measured over 20 seeds, float32 and bfloat16:
@@ -189,7 +191,7 @@ def _model_config(layers: int = 30, kv_heads: int = 3, dtype: str = "float32"):
     return ModelConfig(hf, "LlamaForCausalLM", dtype, 2048)
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+@pytest.mark.parametrize("kind", ["auto", "bfloat16", "int8", "fp8"])
 def test_runner_allocates_and_copies_blocks_with_scales(kind: str):
     mc = _model_config(layers=2)
     runner = ModelRunner(
@@ -198,14 +200,14 @@ def test_runner_allocates_and_copies_blocks_with_scales(kind: str):
         block_size=BS,
         device=torch.device("cpu"),
         eos_token_ids=frozenset(),
-        kv_quant_dtype=QUANT.get(kind),
+        kv_dtype=STORED.get(kind),
     )
     runner.allocate_kv_cache(6)
     assert len(runner.kv_caches) == 2
     for cache in runner.kv_caches:
         assert cache.k.shape == cache.v.shape == (6, BS, 3, 64)
-        assert cache.k.dtype == QUANT.get(kind, torch.float32)
-        if kind == "auto":
+        assert cache.k.dtype == STORED.get(kind, torch.float32)
+        if kind not in QUANT:
             assert cache.k_scale is None and cache.v_scale is None
         else:
             assert cache.k_scale is not None and cache.k_scale.shape == (6, BS, 3)
@@ -216,11 +218,11 @@ def test_runner_allocates_and_copies_blocks_with_scales(kind: str):
     before = [[t.clone() for t in c.tensors()] for c in runner.kv_caches]
     runner._copy_blocks([(1, 4), (2, 5)])
     for cache, old in zip(runner.kv_caches, before):
-        assert len(cache.tensors()) == (2 if kind == "auto" else 4)
+        assert len(cache.tensors()) == (4 if kind in QUANT else 2)
         for t, t0 in zip(map(_bits, cache.tensors()), map(_bits, old)):
             assert torch.equal(t[4], t0[1]) and torch.equal(t[5], t0[2])
             assert torch.equal(t[:4], t0[:4])
-        if kind != "auto":
+        if kind in QUANT:
             assert cache.k_scale is not None and bool((cache.k_scale[4:] > 0).all())
 
 
@@ -233,21 +235,33 @@ def test_kv_bytes_per_token_counts_values_and_scales():
         # 64 one-byte values plus one float32 scale per (token, kv head), for K and V.
         assert fp32.kv_bytes_per_token(dtype) == bf16.kv_bytes_per_token(dtype) == 2 * 30 * 3 * 68
     assert 3.7 < 46080 / 12240 < 3.8 and 1.85 < 23040 / 12240 < 1.9
+    # a 16-bit cache under a float32 model: 2 bytes a value, no scales
+    assert fp32.kv_bytes_per_token("bfloat16") == fp32.kv_bytes_per_token("float16") == 23040
 
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("auto", None), ("int8", "int8"), ("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn")],
+    [
+        ("auto", None),
+        ("bfloat16", "bfloat16"),
+        ("float16", "float16"),
+        ("int8", "int8"),
+        ("fp8", "float8_e4m3fn"),
+        ("fp8_e4m3", "float8_e4m3fn"),
+    ],
 )
 def test_cache_config_kv_cache_dtype(value: str, expected: str | None):
     assert value in KV_CACHE_DTYPES
-    assert CacheConfig(kv_cache_dtype=value).kv_quant_dtype == expected
-    assert EngineConfig.from_kwargs(kv_cache_dtype=value).cache.kv_quant_dtype == expected
+    assert CacheConfig(kv_cache_dtype=value).kv_dtype == expected
+    assert EngineConfig.from_kwargs(kv_cache_dtype=value).cache.kv_dtype == expected
 
 
 @pytest.mark.parametrize("value", ["fp16", "float8", "INT8", "fp8_e5m2", ""])
 def test_cache_config_rejects_unknown_kv_cache_dtype(value: str):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8, fp8_e4m3"):
+    with pytest.raises(
+        ValueError,
+        match="kv_cache_dtype must be one of auto, bfloat16, float16, int8, fp8, fp8_e4m3",
+    ):
         CacheConfig(kv_cache_dtype=value)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig.from_kwargs(kv_cache_dtype=value)
@@ -261,7 +275,8 @@ GREEDY_TOKENS = 16
 # of the same token: int8 <= ~1e-2, fp8 <= ~5e-2. Near-tie rule with that noise: along the common
 # prefix log-probs agree within LOGPROB_ATOL; at the first difference, the quantized run's token is
 # in auto's top 5 and within 2 * LOGPROB_ATOL of auto's choice; later tokens follow another prefix.
-LOGPROB_ATOL = {"int8": 3e-2, "fp8": 1.5e-1}
+# bfloat16 (8 significant bits a value, no scale) measured <= ~1.1e-2.
+LOGPROB_ATOL = {"bfloat16": 2e-2, "int8": 3e-2, "fp8": 1.5e-1}
 
 
 def _agreeing_prefix(kind: str, got: Any, want: Any) -> int:
@@ -279,13 +294,13 @@ def _agreeing_prefix(kind: str, got: Any, want: Any) -> int:
     return len(want.token_ids)
 
 
-def test_engine_int8_and_fp8_greedy_agree_with_auto(tiny_model_dir, caplog):
+def test_engine_bf16_int8_and_fp8_greedy_agree_with_auto(tiny_model_dir, caplog):
     path = tiny_model_dir("llama")
     budget = 1 << 20
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, logprobs=5)
     outputs: dict[str, list[Any]] = {}
     blocks: dict[str, int] = {}
-    for kind in ("auto", "int8", "fp8"):
+    for kind in ("auto", "bfloat16", "int8", "fp8"):
         caplog.clear()
         with caplog.at_level("INFO", logger="pagoda.engine"):
             llm = LLM(
@@ -296,7 +311,7 @@ def test_engine_int8_and_fp8_greedy_agree_with_auto(tiny_model_dir, caplog):
                 max_num_batched_tokens=16,  # chunked prefills mixed with decodes
             )
         mc = llm.engine.model_config
-        per_token = mc.kv_bytes_per_token(llm.config.cache.kv_quant_dtype)
+        per_token = mc.kv_bytes_per_token(llm.config.cache.kv_dtype)
         blocks[kind] = llm.engine.num_blocks
         assert blocks[kind] == budget // (BS * per_token)
         log = caplog.text
@@ -306,10 +321,13 @@ def test_engine_int8_and_fp8_greedy_agree_with_auto(tiny_model_dir, caplog):
         outputs[kind] = [o.outputs[0] for o in outs]
     # tiny llama: 3 layers, 2 kv heads, head_dim 16, float32 -> 768 vs 2 * 3 * 2 * 20 = 240 bytes
     assert blocks["int8"] == blocks["fp8"] and 3.1 < blocks["int8"] / blocks["auto"] < 3.3
+    assert blocks["bfloat16"] == 2 * blocks["auto"]  # 384 bytes a token: half, no scales
     agree = {
         kind: [_agreeing_prefix(kind, g, w) for g, w in zip(outputs[kind], outputs["auto"])]
-        for kind in ("int8", "fp8")
+        for kind in ("bfloat16", "int8", "fp8")
     }
-    # Measured agreeing prefixes: int8 [16, 15, 16, 16, 0, 16] (flips at auto top-2 gaps of 1e-4
-    # and 8e-3), fp8 [0, 2, 11, 4, 0, 16] (gaps 8e-3 to 4e-2); every flip is a near tie (above).
+    # Measured agreeing prefixes: bfloat16 all 16; int8 [16, 15, 16, 16, 0, 16] (flips at auto
+    # top-2 gaps of 1e-4 and 8e-3), fp8 [0, 2, 11, 4, 0, 16] (gaps 8e-3 to 4e-2); every flip is a
+    # near tie (above).
     assert sum(agree["int8"]) >= GREEDY_TOKENS * len(PROMPTS) // 2, agree
+    assert sum(agree["bfloat16"]) >= sum(agree["int8"]), agree

@@ -207,6 +207,13 @@ def test_quantized_cache(dtype: torch.dtype, quant: torch.dtype) -> None:
     _check([6, 1, 1, 3], [6, 13, 1, 11], dtype=dtype, quant=quant, num_heads=6, num_splits=2)
 
 
+@pytest.mark.parametrize("store", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_cache_under_a_float32_model(store: torch.dtype) -> None:
+    # --kv-cache-dtype bfloat16|float16 under float32 queries: the rows widen exactly on load and
+    # the math stays float32 (ieee dots), as the reference's read_kv: float32's tolerances.
+    _check([6, 1, 1, 3], [6, 13, 1, 11], quant=store, num_heads=6, num_splits=2)
+
+
 def test_strided_q() -> None:
     _check([5, 1, 1], [9, 4, 16], q_stride_pad=2 * 64, num_splits=3)
 

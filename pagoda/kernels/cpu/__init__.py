@@ -20,9 +20,12 @@ rows (laid out in quant_gemm.cpp, packed by layers/cpu_forms.py), with x quantiz
 group to int8; `f16x16_matmul(x, packed, n, isa_limit, bf16)` (float_gemm.cpp) for GGUF's F16 and
 BF16 weights as the file holds them, x float32;
 `paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, isa_limit,
-value_dim=0)` (one query row per request) and `paged_attention(q, k_cache, v_cache, block_tables,
-query_start, seq_lens, scale, window, isa_limit, value_dim=0)` (any mix of prefill chunks and
-decodes) over a float32 paged cache, read in place, each row reduced the same way whatever the
+value_dim=0, k_scale=None, v_scale=None)` (one query row per request) and `paged_attention(q,
+k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, isa_limit, value_dim=0,
+k_scale=None, v_scale=None)` (any mix of prefill chunks and
+decodes) over a paged cache read as stored (float32 in place; bfloat16, float16, and int8 or
+float8_e4m3fn with k_scale / v_scale per token and kv head, converted a chunk of positions at a
+time by kv_rows.h), each row reduced the same way whatever the
 rows beside it (window > 0: a sliding window, the row at position p attending to its last
 `window` positions; 0: full causal attention; value_dim > 0: a latent cache, MLA's, whose values
 are the first value_dim of each key row); `rms_norm`, `add_rms_norm`, `silu_and_mul` and `rotary` (row_ops.cpp), which eager
@@ -54,7 +57,7 @@ SOURCES = [
     Path(__file__).with_name(n)
     for n in ("quant_gemm.cpp", "float_gemm.cpp", "paged_attention.cpp", "row_ops.cpp")
 ]
-HEADER = Path(__file__).with_name("common.h")
+HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "kv_rows.h")]
 ISA_NAMES = ("scalar", "AVX2 + FMA", "AVX-512 VNNI")
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -110,7 +113,7 @@ def _build() -> Any | None:
         cpp_extension.load(
             name="pagoda_cpu_kernels",
             sources=[str(p) for p in SOURCES],
-            # the header's hash among the flags: the extension cache rebuilds when it changes
+            # the headers' hash among the flags: the extension cache rebuilds when it changes
             extra_cflags=["-O3", "-fopenmp", "-std=c++17", f"-DPAGODA_COMMON_H={_header_hash()}"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
@@ -131,7 +134,7 @@ def _build() -> Any | None:
 
 
 def _header_hash() -> str:
-    return hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
 
 
 def _register_fakes() -> None:
@@ -210,6 +213,8 @@ def _register_attention_fakes() -> None:
         window: int,
         isa_limit: int,
         value_dim: int = 0,
+        k_scale: Any = None,
+        v_scale: Any = None,
     ) -> Any:
         return q.new_empty((*q.shape[:2], value_dim or q.shape[2]))
 
@@ -225,6 +230,8 @@ def _register_attention_fakes() -> None:
         window: int,
         isa_limit: int,
         value_dim: int = 0,
+        k_scale: Any = None,
+        v_scale: Any = None,
     ) -> Any:
         return q.new_empty((*q.shape[:2], value_dim or q.shape[2]))
 

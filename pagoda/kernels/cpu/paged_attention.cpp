@@ -1,8 +1,14 @@
-// Paged attention on CPU, float32, keys and values read in place from the paged cache (no
-// gather). Every query row, decode or prefill, is reduced the same way: its result depends on
-// its query, its length and the cache only, never on the rows beside it, so a position gets the
-// same bits whether it runs alone, in a batch, as a decode, a verification row or a row of a
-// prefill chunk of any size (docs/determinism.md).
+// Paged attention on CPU, in float32, keys and values read from the paged cache (no gather): a
+// float32 cache in place; a bfloat16, float16, int8 or float8 e4m3 one (the last two with their
+// k_scale, v_scale per token and kv head) converted to float32 rows a work item at a time, into
+// a scratch of at most MAX_CHUNK positions per thread (kv_rows.h: exact conversions, code *
+// scale), so each row's result is the float32 path's over the cache the torch path reads back,
+// and the bytes streamed from memory are the cache's own.
+//
+// Every query row, decode or prefill, is reduced the same way: its result depends on its query,
+// its length and the cache only, never on the rows beside it, so a position gets the same bits
+// whether it runs alone, in a batch, as a decode, a verification row or a row of a prefill chunk
+// of any size (docs/determinism.md).
 //
 //   paged_decode_attention: one query row per request.
 //     q (B, H, D); k_cache, v_cache (num_blocks, block_size, Hkv, D); block_tables (B, W)
@@ -40,10 +46,12 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <utility>
 #include <vector>
 
 #include "common.h"
+#include "kv_rows.h"
 
 namespace {
 
@@ -58,11 +66,28 @@ struct Shape {
   float scale;
 };
 
+// Positions ahead of the one being read whose key and value rows are asked for, so that a long
+// context streaming from memory overlaps its loads with the arithmetic (the 1.5B's attention at
+// 8k positions, 28 layers from memory, 2 threads on an AVX2 EPYC: 71-76 -> 64-68 ms a step in
+// alternating runs). The bits are the same with or without it.
+constexpr int64_t PREFETCH_AHEAD = 8;
+
+// Every line of one position's key row and value row (row_floats each; v null: a latent cache).
+inline void prefetch_row(const float* k, const float* v, int64_t row_floats) {
+  for (int64_t i = 0; i < row_floats; i += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(k + i), _MM_HINT_T0);
+    if (v != nullptr) _mm_prefetch(reinterpret_cast<const char*>(v + i), _MM_HINT_T0);
+  }
+}
+
 // ---- math: scalar, AVX2, AVX-512 --------------------------------------------------------------
 
 using pagoda_cpu::exp_nonpositive;
 using pagoda_cpu::exp_nonpositive_avx2;
 using pagoda_cpu::exp_nonpositive_avx512;
+using pagoda_cpu::KvRows;
+using pagoda_cpu::KvType;
+using pagoda_cpu::row_to_float;
 
 __attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -288,9 +313,16 @@ struct RowWork {
     const int64_t block = table[pos / s.block_size];                                           \
     return cache + (block * s.block_size + pos % s.block_size) * row;                          \
   };                                                                                           \
-  int64_t most4 = 0;                                                                           \
-  for (int i = 0; i < count; ++i) most4 = std::max(most4, w[i].n4);                            \
+  int64_t most4 = 0, most = 0;                                                                 \
+  for (int i = 0; i < count; ++i) {                                                            \
+    most4 = std::max(most4, w[i].n4);                                                          \
+    most = std::max(most, w[i].n);                                                             \
+  }                                                                                            \
+  const float* vp = vc == kc ? nullptr : vc; /* a latent cache: its values are the key rows */ \
   for (int64_t p = 0; p < most4; p += 4) {                                                     \
+    for (int64_t a = p + PREFETCH_AHEAD; a < std::min(p + PREFETCH_AHEAD + 4, most); ++a) {    \
+      prefetch_row(at(kc, a), vp != nullptr ? at(vp, a) : nullptr, row);                       \
+    }                                                                                          \
     const float* r4[4] = {at(kc, p), at(kc, p + 1), at(kc, p + 2), at(kc, p + 3)};             \
     for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                              \
       const float* k4[4] = {r4[0] + kh * d, r4[1] + kh * d, r4[2] + kh * d, r4[3] + kh * d};   \
@@ -530,6 +562,10 @@ PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const flo
   }                                                                                            \
   for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                                \
     for (int64_t p = 0; p < most4; p += 4) {                                                   \
+      for (int64_t a = p + PREFETCH_AHEAD; kh == 0 && a < std::min(p + PREFETCH_AHEAD + 4, most); \
+           ++a) {                                                                              \
+        prefetch_row(krow[a], vrow[a], row);                                                   \
+      }                                                                                        \
       const float* k4[4] = {krow[p] + kh * d, krow[p + 1] + kh * d, krow[p + 2] + kh * d,      \
                             krow[p + 3] + kh * d};                                             \
       QueryVec block[4];                                                                       \
@@ -696,6 +732,24 @@ void merge(const Shape& s, const float* parts, int64_t num_chunks, float* out) {
   }
 }
 
+// Positions [begin, begin + n) of a table as float32 rows 0 .. n of kbuf and vbuf (vbuf null:
+// a latent cache, whose values are its key rows).
+void convert_rows(const Shape& s, const KvRows& kr, const KvRows& vr, const int32_t* table,
+                  int64_t begin, int64_t n, bool simd, float* kbuf, float* vbuf) {
+  const int64_t row = s.kv_heads * s.dim;
+  auto slot_of = [&](int64_t pos) { return table[pos / s.block_size] * s.block_size + pos % s.block_size; };
+  for (int64_t p = 0; p < n; ++p) {
+    if (p + PREFETCH_AHEAD < n) {
+      const int64_t ahead = slot_of(begin + p + PREFETCH_AHEAD);
+      pagoda_cpu::prefetch_slot(kr, ahead);
+      if (vbuf != nullptr) pagoda_cpu::prefetch_slot(vr, ahead);
+    }
+    const int64_t slot = slot_of(begin + p);
+    row_to_float(kr, slot, simd, kbuf + p * row);
+    if (vbuf != nullptr) row_to_float(vr, slot, simd, vbuf + p * row);
+  }
+}
+
 // Positions per work item of a row of `length` positions (its span len - lo): a quarter of it,
 // in whole blocks, at most MAX_CHUNK. A function of the length alone, not of the threads, so a
 // row's bits are the same in any process (a tensor-parallel worker runs on its share of the
@@ -727,7 +781,7 @@ int64_t window_start(int64_t len, int64_t window) {
 // them; each chunk and the merge see the same operations in any group), so it is the same bits
 // in any batch, any group, any step.
 void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
-                 const std::vector<int64_t>& group_start, const float* kc, const float* vc,
+                 const std::vector<int64_t>& group_start, const KvRows& kr, const KvRows& vr,
                  int64_t isa_limit, float* op) {
   const int64_t num_rows = static_cast<int64_t>(rows.size());
   // row b's chunk results are parts [first[b], first[b + 1]), each `chunk[b]` positions
@@ -754,24 +808,42 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
   const bool wide = isa == pagoda_cpu::Isa::kVnni && d % 16 == 0 && vd % 16 == 0;  // AVX-512 F
   const bool blocked = simd && (d == 64 || d == 128) && vd == d && s.group <= MAX_HEADS;
   const int64_t num_items = static_cast<int64_t>(items.size());
+  const bool convert = kr.type != KvType::kF32;
+  // a converted item's rows: positions 0, 1, ... of its scratch, through this table
+  std::vector<int32_t> identity(convert ? widest / s.block_size + 2 : 0);
+  std::iota(identity.begin(), identity.end(), 0);
   at::parallel_for(0, num_items, 1, [&](int64_t begin_item, int64_t end_item) {
     std::unique_ptr<float[]> scores(new float[largest * s.heads * widest]);  // written before read
     RowWork work[MAX_GROUP];
     std::unique_ptr<const float*[]> krow(new const float*[widest]), vrow(new const float*[widest]);
+    const int64_t row = s.kv_heads * d;
+    std::unique_ptr<float[]> kbuf(convert ? new float[widest * row] : nullptr);
+    std::unique_ptr<float[]> vbuf(convert && vr.data != kr.data ? new float[widest * row] : nullptr);
     for (int64_t it = begin_item; it < end_item; ++it) {
       const auto [g, c] = items[it];
       const int64_t g0 = group_start[g], g1 = group_start[g + 1];
-      const int64_t begin = rows[g0].lo + c * chunk[g0];  // the group's rows share lo
+      int64_t begin = rows[g0].lo + c * chunk[g0];  // the group's rows share lo
       int count = 0;
+      int64_t most = 0;
       for (int64_t b = g0; b < g1; ++b) {
         const int64_t n = std::min<int64_t>(rows[b].len, begin + chunk[b]) - begin;
         if (n <= 0) continue;
         work[count] = RowWork{rows[b].q, n, n / 4 * 4, parts.data() + (first[b] + c) * per_item,
                               scores.get() + count * s.heads * widest};
+        most = std::max(most, n);
         ++count;
       }
       if (count == 0) continue;
       const int32_t* table = rows[g0].table;
+      const float* kc = static_cast<const float*>(kr.data);
+      const float* vc = static_cast<const float*>(vr.data);
+      if (convert) {
+        convert_rows(s, kr, vr, table, begin, most, simd, kbuf.get(), vbuf.get());
+        kc = kbuf.get();
+        vc = vbuf ? vbuf.get() : kbuf.get();
+        table = identity.data();
+        begin = 0;
+      }
       if (blocked && wide) {
         attend_group_avx512_blocked(s, work, count, kc, vc, table, begin, krow.get(), vrow.get());
       } else if (blocked) {
@@ -834,8 +906,7 @@ Shape check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     TORCH_CHECK(value_dim > 0 && value_dim <= k_cache.size(3) && v_cache.size(3) == 0,
                 "a latent cache: 0 < value_dim <= the key width, v_cache empty");
   }
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "caches must be float32");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache, v_cache: the same dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_tables and seq_lens: int32");
@@ -851,9 +922,34 @@ Shape check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   return s;
 }
 
-// The values' rows: v_cache's, or a latent cache's own key rows (their first vdim values).
-const float* values(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t value_dim) {
-  return value_dim > 0 ? k_cache.data_ptr<float>() : v_cache.data_ptr<float>();
+// One cache tensor's rows, with its scales: given exactly where the dtype is int8 or float8,
+// (num_blocks, block_size, Hkv) float32.
+KvRows cache_rows(const at::Tensor& cache, const c10::optional<at::Tensor>& scale) {
+  KvRows r;
+  r.data = cache.data_ptr();
+  r.type = pagoda_cpu::kv_type(cache.scalar_type());
+  r.kv_heads = cache.size(2);
+  r.width = cache.size(3);
+  const bool has = scale.has_value() && scale->defined();
+  TORCH_CHECK(has == pagoda_cpu::kv_scaled(r.type),
+              "scales are given with an int8 or float8 cache, and only then");
+  if (has) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                    scale->sizes() == cache.sizes().slice(0, 3),
+                "scales: float32 (num_blocks, block_size, Hkv), contiguous");
+    r.scale = scale->data_ptr<float>();
+  }
+  return r;
+}
+
+// The keys' rows and the values': v_cache's, or a latent cache's own key rows (their first
+// vdim values, with the keys' scales).
+std::pair<KvRows, KvRows> kv_rows(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const c10::optional<at::Tensor>& k_scale,
+                                  const c10::optional<at::Tensor>& v_scale, int64_t value_dim) {
+  const KvRows k = cache_rows(k_cache, k_scale);
+  if (value_dim > 0) return {k, k};
+  return {k, cache_rows(v_cache, v_scale)};
 }
 
 // Request b's table covers its seq_len within the cache: every block from position lo's on.
@@ -868,7 +964,9 @@ void check_table(const Shape& s, const int32_t* table, int64_t lo, int64_t seq_l
 at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale, int64_t window,
-                                  int64_t isa_limit, int64_t value_dim) {
+                                  int64_t isa_limit, int64_t value_dim,
+                                  const c10::optional<at::Tensor>& k_scale,
+                                  const c10::optional<at::Tensor>& v_scale) {
   const Shape s = check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens, scale, value_dim);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   const at::Tensor q = q_in.to(at::kFloat).contiguous();
@@ -884,9 +982,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
     check_table(s, tp + b * s.table_stride, lo, lp[b], k_cache.size(0));
     rows[b] = QueryRow{qp + b * s.heads * s.dim, tp + b * s.table_stride, lo, lp[b]};
   }
+  const auto [kr, vr] = kv_rows(k_cache, v_cache, k_scale, v_scale, value_dim);
   auto out = at::zeros({batch, s.heads, s.vdim}, at::kFloat);
-  attend_rows(s, rows, group_starts(s, rows), k_cache.data_ptr<float>(),
-              values(k_cache, v_cache, value_dim), isa_limit, out.data_ptr<float>());
+  attend_rows(s, rows, group_starts(s, rows), kr, vr, isa_limit, out.data_ptr<float>());
   return out.to(q_in.scalar_type());
 }
 
@@ -897,7 +995,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_ca
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& query_start, const at::Tensor& seq_lens, double scale,
-                           int64_t window, int64_t isa_limit, int64_t value_dim) {
+                           int64_t window, int64_t isa_limit, int64_t value_dim,
+                           const c10::optional<at::Tensor>& k_scale,
+                           const c10::optional<at::Tensor>& v_scale) {
   const Shape s = check_inputs(q_in, k_cache, v_cache, block_tables, seq_lens, scale, value_dim);
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: full attention)");
   TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.dim() == 1 &&
@@ -933,9 +1033,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
     }
   }
   group_start.push_back(num_rows);
+  const auto [kr, vr] = kv_rows(k_cache, v_cache, k_scale, v_scale, value_dim);
   auto out = at::zeros({num_rows, s.heads, s.vdim}, at::kFloat);
-  attend_rows(s, rows, group_start, k_cache.data_ptr<float>(),
-              values(k_cache, v_cache, value_dim), isa_limit, out.data_ptr<float>());
+  attend_rows(s, rows, group_start, kr, vr, isa_limit, out.data_ptr<float>());
   return out.to(q_in.scalar_type());
 }
 
@@ -944,11 +1044,12 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window, int isa_limit, int value_dim=0) -> Tensor");
+      "Tensor seq_lens, float scale, int window, int isa_limit, int value_dim=0, "
+      "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor query_start, Tensor seq_lens, float scale, int window, int isa_limit, "
-      "int value_dim=0) -> Tensor");
+      "int value_dim=0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
