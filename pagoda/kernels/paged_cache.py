@@ -29,8 +29,9 @@ class KVCache:
     """One layer's paged KV cache.
 
     k, v: (num_blocks, block_size, num_kv_heads, head_dim) in the model dtype or a 16-bit float
-    (`--kv-cache-dtype bfloat16|float16`), or quantized (int8, float8_e4m3fn) with k_scale, v_scale: (num_blocks, block_size, num_kv_heads) float32
-    such that a stored row dequantizes to values * scale. Scales are None when not quantized.
+    (`--kv-cache-dtype bfloat16|float16`), or quantized (int8, float8_e4m3fn) with k_scale,
+    v_scale: (num_blocks, block_size, num_kv_heads) float32 such that a stored row dequantizes to
+    values * scale. Scales are None when not quantized.
     """
 
     k: torch.Tensor

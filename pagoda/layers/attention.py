@@ -15,13 +15,15 @@ Under prefill context parallelism (metadata.context_parallel set) a rank's cache
 N-th position of each request, and layers/context_parallel.py attends across the ranks (full
 attention only: a sliding-window layer raises there).
 
-A quantized cache (`--kv-cache-dtype int8|fp8`) is quantized here on write and dequantized here
-on read, to the query dtype, before attention: nothing else reads the cache's values.
+A quantized cache (`--kv-cache-dtype int8|fp8`) is quantized here on write; the torch path
+dequantizes it here on read, to the query dtype, before attention; pagoda's CPU attention (below)
+converts its rows to float32 (code * scale, computed in float32 as dequantize_kv computes it
+before the cast to the query dtype).
 
 On CPU, where pagoda's C++ kernels are built (pagoda/kernels/cpu; `cpu_kernel`, set by the model
 runner), every step reads the keys and values from the cache as stored (float32 in place;
 bfloat16, float16, int8 and fp8 converted to float32 a chunk of positions at a time, the values
-read_kv gives) with
+read_kv gives in float32) with
 `paged_decode_attention` (pure decode) or `paged_attention` (with prefill chunks) instead, which
 reduce each query row the same way whatever the rows beside it: a position gets the same bits
 alone, batched, chunked, after a prefix-cache hit or as a verification row, so the int8
