@@ -146,7 +146,7 @@ def cpu_paged_attention(
     value_dim > 0: a latent cache whose values are each row's first value_dim
     (layers/latent_attention.py)."""
     ops = torch.ops.pagoda_cpu
-    k_scale, v_scale = cache.k_scale, None if value_dim else cache.v_scale
+    k_scale, v_scale = cache.k_scale, cache.v_scale  # a latent cache's values take k_scale
     if meta.num_decodes == q.shape[0]:
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         return ops.paged_decode_attention(
