@@ -295,7 +295,8 @@ def test_aten_cpu_capability_caps_the_kernels_isa_for_the_process(
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
-    """Every pass size (1 .. 8 rows on AVX-512 VNNI, 1 .. 4 on AVX2) does each row's arithmetic
+    """Every pass size (1 .. 8 rows on AVX-512 VNNI; on AVX2 1 .. 4, and 1 .. 8 for the forms
+    whose tiles take a block at a time: Q4_0, Q4_1, Q4_K, Q6_K) does each row's arithmetic
     alone: a verification step's rows equal the plain steps' exactly."""
     assert OPS is not None
     gen = torch.Generator().manual_seed(3)
@@ -311,10 +312,18 @@ def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
     alone4 = torch.cat([OPS.q4x16_matmul(x[i : i + 1], q4, 40, isa, 0) for i in range(19)])
     alone5 = torch.cat([OPS.q4x16_matmul(x[i : i + 1], q5, 40, isa, 1) for i in range(19)])
     alone8 = torch.cat([OPS.q8x16_matmul(x[i : i + 1], q8, q8_scales, 40, isa) for i in range(19)])
+    super_blocks = {q: _held(_blocks(q, 40, 256, seed=5)) for q in ("Q4_K", "Q6_K")}
+    xk = torch.randn(19, 256, generator=gen)
+    alone_k = {
+        q: torch.cat([_matmul(held, xk[i : i + 1], isa) for i in range(19)])
+        for q, held in super_blocks.items()
+    }
     for m in range(2, 20):
         assert torch.equal(OPS.q4x16_matmul(x[:m], q4, 40, isa, 0), alone4[:m]), m
         assert torch.equal(OPS.q4x16_matmul(x[:m], q5, 40, isa, 1), alone5[:m]), m
         assert torch.equal(OPS.q8x16_matmul(x[:m], q8, q8_scales, 40, isa), alone8[:m]), m
+        for q, held in super_blocks.items():
+            assert torch.equal(_matmul(held, xk[:m], isa), alone_k[q][:m]), (q, m)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -6,7 +6,7 @@
 // each of the 16 rows (bytes 4j..4j+3: row j), so one dpbusd against 4 broadcast activation bytes
 // adds 4 products to each row's 32-bit lane, and a group's epilogue (convert, scale, add) is
 // shared by 16 rows. The tile's unpacked codes stay in registers across up to 8 activation rows
-// (4 on AVX2).
+// (4 on AVX2; its plain 4-bit forms take a block's codes against 8 rows at a time).
 //
 //   4-bit (q4x16_matmul), w[n, k] = scale[n, g] * code[n, k] + offset[n, g], code in [0, 15]:
 //     320 bytes a group: 4 blocks of 64 (block s, byte 4j + b: code[j, 8s + b] in the low nibble,
@@ -71,8 +71,11 @@ namespace {
 constexpr int64_t ROWS = 16;       // output rows per tile
 constexpr int64_t Q8_BYTES = 512;  // a tile's group of 8-bit codes
 // Activation rows per pass over a tile: a pass keeps the tile's unpacked codes in registers
-// (8 of them) beside one accumulator per row; AVX2 has 16 registers, AVX-512 32.
+// (8 of them) beside one accumulator per row; AVX2 has 16 registers, AVX-512 32. AVX2's tiles
+// of the plain 4-bit forms and kQ6K (kByBlockAvx2) unpack a block at a time instead and keep a
+// sum per row.
 constexpr int MAX_M_AVX2 = 4;
+constexpr int MAX_M_AVX2_BY_BLOCK = 8;
 constexpr int MAX_M_VNNI = 8;
 
 // Activation rows [0, M) of one pass, and where their 16 outputs go.
@@ -139,6 +142,10 @@ template <Form F>
 constexpr bool kTable = F == Form::kIq4Nl || F == Form::kIq4Xs;
 template <Form F>
 constexpr bool kMinK = F == Form::kQ4K || F == Form::kQ5K;  // d * sc and -dmin * m
+template <Form F>  // codes <= 15, no extra bits, no table, one scale a group: plain4_tile_avx2
+constexpr bool kPlain4 = F == Form::kQ4 || F == Form::kQ40 || F == Form::kQ4K;
+template <Form F>  // the forms whose AVX2 tiles take a block at a time against up to 8 rows
+constexpr bool kByBlockAvx2 = kPlain4<F> || F == Form::kQ6K;
 
 // IQ4_NL's 16 values (ggml's kvalues_iq4nl), and plus 128 as dpbusd's unsigned operand.
 alignas(16) constexpr int8_t kIq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -457,12 +464,15 @@ inline void prefetch_lines(const uint8_t* from, int64_t bytes) {
   }
 }
 
+// The AVX2 tiles of the forms not kByBlockAvx2 (those have plain4_tile_avx2 and
+// q6k_tile_avx2, below), up to 4 rows a pass with a group's 8 unpacked blocks in registers.
 // maddubs of a code and an activation (|q| <= 127) pair: <= 7874 for codes <= 31, so the 5-bit
 // forms' 4 blocks add up to <= 31496, inside int16, and a group's 8 blocks are widened to int32
-// in two halves; kQ6K's codes (<= 63) give <= 16002 a pair, so it widens every 2 blocks; the
-// IQ4 values (|v| <= 127, signs on the activations) <= 32258, so they widen every block.
+// in two halves; the 2- and 3-bit codes' halves (2 pairs) stay far inside int16; the IQ4 values
+// (|v| <= 127, signs on the activations) <= 32258 a pair, so they widen every block.
 template <int M, Form F>
 PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
+  static_assert(!kByBlockAvx2<F>);
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
@@ -494,13 +504,6 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
       } else if constexpr (kTable<F>) {
         const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4)));
         for (int i = 0; i < 8; ++i) w[i] = _mm256_shuffle_epi8(lut, w[i]);
-      } else if constexpr (F == Form::kQ6K) {
-        for (int s = 0; s < 4; ++s) {
-          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * s));
-          const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(hb, 4 * h), mask);
-          w[2 * s] = _mm256_or_si256(w[2 * s], _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(3)), 4));
-          w[2 * s + 1] = _mm256_or_si256(w[2 * s + 1], _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(12)), 2));
-        }
       }
       __m256 s0, s1;
       group_scales_avx2<F>(tile, g, h, &s0, &s1);
@@ -541,6 +544,114 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
           const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, xd), acc[r]);
           acc[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(p.xs[i]), acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
+  }
+}
+
+// The plain 4-bit forms (kPlain4) on AVX2, for any number of rows: a group's 8 maddubs of a row
+// fit one int16 sum (8 pairs of <= 2 * 15 * 127: <= 30480), so each 64-byte block is unpacked
+// once and taken against up to 8 rows straight away, its activation words broadcast from the
+// rows themselves, the rows' sums in registers (the block loop is kept rolled: unrolled, GCC
+// computes all 64 products first and spills them). The integer dot and the float steps, in
+// their order, are those nibble_tile_avx2 ran for these forms before, so the bits are too.
+// Measured on an AVX2 EPYC (Zen 3), 2 threads, the 1.5B's Q4_K shapes at 512 rows
+// (benchmarks/prefill_matmuls.py, 3 alternating rounds): 75-78 G multiply-adds/s against 52-55
+// at 4 rows a pass (1.41-1.46x); decode's 1-row passes are bound by memory and unchanged.
+PAGODA_AVX2 inline __m256i word_at(const int8_t* q) {
+  int32_t word;
+  std::memcpy(&word, q, 4);
+  return _mm256_set1_epi32(word);
+}
+
+template <int M, Form F>
+PAGODA_AVX2 void plain4_tile_avx2(const uint8_t* tile, const Pass& p) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const uint8_t* b = codes_at<F>(tile, g);
+      constexpr int64_t kGroupBytes = unit_bytes(F) / unit_groups<F>();
+      if (h == 0) prefetch_lines(tile + g * kGroupBytes, kGroupBytes);
+      const int8_t* q = p.q + g * GROUP;
+      __m256i sum[M];
+      for (int r = 0; r < M; ++r) sum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int s = 0; s < 4; ++s) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          const int8_t* qr = q + r * p.k + 8 * s;
+          const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, word_at(qr)),
+                                                _mm256_maddubs_epi16(hi, word_at(qr + 4)));
+          sum[r] = _mm256_add_epi16(sum[r], pair);
+        }
+      }
+      __m256 s0, s1;
+      group_scales_avx2<F>(tile, g, h, &s0, &s1);
+#pragma GCC unroll 8
+      for (int r = 0; r < M; ++r) {
+        const int64_t i = r * p.groups + g;
+        const __m256i dot = _mm256_madd_epi16(sum[r], ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, _mm256_set1_ps(p.xd[i])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(p.xs[i]), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
+  }
+}
+
+// kQ6K on AVX2, for any number of rows, as plain4_tile_avx2: a block's codes (low nibbles and
+// high bits) unpacked once against up to 8 rows. A pair of maddubs of 6-bit codes is <= 32004,
+// so each block's pair is widened to int32 at once; a half's two blocks, less 32 * its sum of
+// activation codes, scale and add as nibble_tile_avx2's did, the same bits. 1.06x at 512 rows
+// (45 against 42 G multiply-adds/s): widening every block costs what the unpacking saves.
+template <int M>
+PAGODA_AVX2 void q6k_tile_avx2(const uint8_t* tile, const Pass& p) {
+  constexpr Form F = Form::kQ6K;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const uint8_t* b = codes_at<F>(tile, g);
+      constexpr int64_t kGroupBytes = unit_bytes(F) / unit_groups<F>();
+      if (h == 0) prefetch_lines(tile + g * kGroupBytes, kGroupBytes);
+      const int8_t* q = p.q + g * GROUP;
+      __m256 s[2];
+      group_scales_avx2<F>(tile, g, h, &s[0], &s[1]);
+      for (int half = 0; half < 2; ++half) {
+        __m256i sum[M];
+        for (int r = 0; r < M; ++r) sum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+        for (int blk = 2 * half; blk < 2 * half + 2; ++blk) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * blk + 32 * h));
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * blk));
+          const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(hb, 4 * h), mask);
+          const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, mask),
+                                             _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(3)), 4));
+          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                                             _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(12)), 2));
+#pragma GCC unroll 8
+          for (int r = 0; r < M; ++r) {
+            const int8_t* qr = q + r * p.k + 8 * blk;
+            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, word_at(qr)),
+                                                  _mm256_maddubs_epi16(hi, word_at(qr + 4)));
+            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pair, ones));
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) {
+          const int64_t i = r * p.groups + g;
+          const __m256i d = _mm256_sub_epi32(sum[r], _mm256_set1_epi32(kHalfOffset<F> * p.qsum16[2 * i + half]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s[half], _mm256_set1_ps(p.xd[i])), acc[r]);
         }
       }
     }
@@ -734,16 +845,19 @@ void q8_tile_scalar(const uint8_t* tile, const float* scales, int64_t sstep, con
 
 // ---- dispatch -------------------------------------------------------------------------------
 
-int rows_per_pass(Isa isa) { return isa == Isa::kVnni ? MAX_M_VNNI : MAX_M_AVX2; }
+int64_t rows_per_pass(Isa isa, bool by_block = false) {
+  if (isa == Isa::kVnni) return MAX_M_VNNI;
+  return by_block && isa == Isa::kAvx2 ? MAX_M_AVX2_BY_BLOCK : MAX_M_AVX2;
+}
 
-// Runs tile_fn(tile index, pass of up to rows_per_pass(isa) rows, rows in it) over every tile
+// Runs tile_fn(tile index, pass of up to per_pass rows, rows in it) over every tile
 // and row block. Each row's arithmetic is the same whatever the pass holds: a row gives the same
 // bits in any batch.
 template <typename TileFn>
-at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, TileFn&& tile_fn,
-                     bool half_sums = false) {
+at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, int64_t per_pass,
+                     TileFn&& tile_fn, bool half_sums = false) {
   const at::Tensor x = float_rows(x_in);
-  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP, per_pass = rows_per_pass(isa);
+  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
   const Activations a = quantize(x, isa);
   auto y = at::empty({m, n}, at::kFloat);
   const int8_t* q = a.q.data_ptr<int8_t>();
@@ -826,15 +940,24 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
       if (isa == Isa::kVnni) {
         with_rows<MAX_M_VNNI>(m, [&](auto rows) { nibble_tile_vnni<decltype(rows)::value, F>(tile, p); });
       } else if (isa == Isa::kAvx2) {
-        with_rows<MAX_M_AVX2>(m, [&](auto rows) { nibble_tile_avx2<decltype(rows)::value, F>(tile, p); });
+        if constexpr (kPlain4<F>) {
+          with_rows<MAX_M_AVX2_BY_BLOCK>(m, [&](auto rows) { plain4_tile_avx2<decltype(rows)::value, F>(tile, p); });
+        } else if constexpr (F == Form::kQ6K) {
+          with_rows<MAX_M_AVX2_BY_BLOCK>(m, [&](auto rows) { q6k_tile_avx2<decltype(rows)::value>(tile, p); });
+        } else {
+          with_rows<MAX_M_AVX2>(m, [&](auto rows) { nibble_tile_avx2<decltype(rows)::value, F>(tile, p); });
+        }
       } else {
         nibble_tile_scalar<F>(tile, p, m);
       }
     });
   };
-  bool halves = false;
-  with_form(form, [&](auto tag) { halves = kHalves<decltype(tag)::value>; });
-  return run_tiles(x, n, tiles, isa, tile_fn, halves);
+  bool halves = false, by_block = false;
+  with_form(form, [&](auto tag) {
+    halves = kHalves<decltype(tag)::value>;
+    by_block = kByBlockAvx2<decltype(tag)::value>;
+  });
+  return run_tiles(x, n, tiles, isa, rows_per_pass(isa, by_block), tile_fn, halves);
 }
 
 // packed: (ceil(n / 16), K / 32, 512) uint8; scales: (ceil(n / 16), K / 32 or 1, 16) float32
@@ -853,7 +976,7 @@ at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at:
   const Isa isa = pick_isa(isa_limit);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
-  return run_tiles(x, n, tiles, isa, [&](int64_t t, const Pass& p, int m) {
+  return run_tiles(x, n, tiles, isa, rows_per_pass(isa), [&](int64_t t, const Pass& p, int m) {
     const uint8_t* tile = w + t * groups * Q8_BYTES;
     const float* s = sc + t * scales.size(1) * ROWS;
     if (isa == Isa::kVnni) {

@@ -1,0 +1,107 @@
+"""The quantized matmuls of a prefill step alone, on Qwen2.5-Coder-1.5B's linear shapes: G
+multiply-adds a second of `q4x16_matmul` (pagoda/kernels/cpu/quant_gemm.cpp) for Q4_K (qkv,
+gate/up, down) and Q6_K (the down projections the Q4_K_M file keeps in Q6_K), --rows activation
+rows at once, on random codes and scales of the file's forms (no model file needed). Each shape
+is timed --rounds times, the shapes in turn within a round; the median and range go to the JSON.
+
+The python that runs it imports `pagoda` from its path, so a before / after comparison runs the
+same script with PYTHONPATH at each tree (and TORCH_EXTENSIONS_DIR apart, so that each keeps its
+own build), alternately:
+
+    python benchmarks/prefill_matmuls.py --rows 512 --output-json after.json
+    PYTHONPATH=/path/to/before TORCH_EXTENSIONS_DIR=/tmp/before_ext \\
+        python benchmarks/prefill_matmuls.py --rows 512 --output-json before.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from pagoda.bench.common import write_json
+from pagoda.bench.machine import machine_record, pagoda_version
+from pagoda.kernels.cpu import built
+from pagoda.layers.cpu_forms import NIBBLE_FORMS, pack_q4kx16, pack_q6kx16
+
+# (name, N, K, kernel form) of the 1.5B's linears per layer: q/k/v packed, gate/up packed
+SHAPES = [
+    ("qkv", 2048, 1536, "cpu_q4k"),
+    ("gate_up", 17920, 1536, "cpu_q4k"),
+    ("down", 1536, 8960, "cpu_q4k"),
+    ("down_q6k", 1536, 8960, "cpu_q6k"),
+]
+
+
+def packed_weight(n: int, k: int, form: str, gen: torch.Generator) -> torch.Tensor:
+    d = torch.rand(n, k // 256, generator=gen) * 1e-3
+    if form == "cpu_q6k":
+        codes = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=gen)
+        return pack_q6kx16(codes, torch.randint(-32, 32, (n, k // 16), generator=gen), d)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    sc, m = (torch.randint(0, 64, (n, k // 32), generator=gen) for _ in range(2))
+    return pack_q4kx16(codes, sc, m, d, torch.rand(n, k // 256, generator=gen) * 1e-3)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+    ops = built()
+    if ops is None:
+        print("the CPU kernels are not built here", file=sys.stderr)
+        return 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for name, n, k, form in SHAPES:
+        x = torch.randn(args.rows, k, generator=gen)
+        cases.append((name, n, k, form, packed_weight(n, k, form, gen), x))
+    isa = 9  # no cap: the best instruction set here
+    times: dict[str, list[float]] = {c[0]: [] for c in cases}
+    for _, n, _, form, packed, x in cases:  # warm-up
+        ops.q4x16_matmul(x, packed, n, isa, NIBBLE_FORMS[form])
+    for _ in range(args.rounds):
+        for name, n, _, form, packed, x in cases:
+            t0 = time.perf_counter()
+            ops.q4x16_matmul(x, packed, n, isa, NIBBLE_FORMS[form])
+            times[name].append(time.perf_counter() - t0)
+    rows: list[dict[str, Any]] = []
+    for name, n, k, form, _, _ in cases:
+        rates = [args.rows * n * k / t / 1e9 for t in times[name]]
+        rows.append(
+            {
+                "shape": name,
+                "n": n,
+                "k": k,
+                "form": form,
+                "gmac_s_median": round(statistics.median(rates), 1),
+                "gmac_s_range": [round(min(rates), 1), round(max(rates), 1)],
+                "ms_median": round(statistics.median(times[name]) * 1e3, 2),
+            }
+        )
+        print(f"{name:9s} {form:8s} N={n:5d} K={k:5d}: {rows[-1]['gmac_s_median']:6.1f} G MAC/s")
+    result = {
+        "bench": "prefill_matmuls",
+        "rows": args.rows,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "pagoda": {**pagoda_version(), "path": str(sys.modules["pagoda"].__path__[0])},
+        "machine": machine_record(),
+        "shapes": rows,
+    }
+    if args.output_json:
+        write_json(result, args.output_json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
