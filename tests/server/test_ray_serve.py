@@ -58,6 +58,10 @@ class RayApp:
 def ray_cluster() -> Iterator[str]:
     # Replicas push their autoscaling metrics every half second (Ray's default: 10 s).
     os.environ["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] = "0.5"
+    # Serve's controller kills a proxy not ready within 5 s (Ray's default) and serve.start
+    # then fails at once: on 2 cores beside the suite's other workers a proxy took longer (a
+    # fresh-clone CI run, 2026-11-29: "killed by ray.kill ... never ran").
+    os.environ["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "60"
     # Logical CPUs, one a replica: the module's apps hold up to 4 at once (two_replicas', two
     # autoscaled), 2 more for a replacement starting while the one it replaces stops.
     ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False, logging_level="warning")
