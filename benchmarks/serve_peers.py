@@ -51,9 +51,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "i
 # burst: W-CPU's shape served, all at once; b1: one request at a time (batch 1 through the server)
 WORKLOADS = {
     "burst": ["--num-prompts", "64", "--input-len-range", "16,256", "--output-len-range", "16,256"],
-    "b1": ["--num-prompts", "8", "--input-len-range", "128,128", "--output-len-range", "128,128"],
+    "b1": ["--num-prompts", "8", "--input-len-range", "128,128", "--output-len-range", "128,128"]
+    + ["--max-concurrency", "1"],
 }
-WORKLOADS["b1"] += ["--max-concurrency", "1"]
 COMMON = ["--temperature", "0", "--disable-tqdm"]
 SLOTS = 16
 METRICS = (  # (summary key, higher is better)
@@ -178,7 +178,7 @@ def peer_systems(args: argparse.Namespace, simd_flags: list[str], raw_dir: str) 
     """The peers --peers names: llama-server, and vLLM in each of its --vllm-dtype precisions
     (its checkpoint exported into raw_dir)."""
     wanted = args.peers.split(",") if args.peers else []
-    served = []
+    served: list[Served] = []
     if "llama-server" in wanted:
         served.append(llama_server_system(args.llama_cpp_bin))
     if "vllm" in wanted:
@@ -237,8 +237,8 @@ def main() -> int:
             procs.append(proc)
         for r in range(args.rounds):
             entry: dict[str, Any] = {"order": round_order(r, labels)}
+            seed = args.seed + 100 * r
             for label in entry["order"]:
-                seed = args.seed + 100 * r
                 entry[label] = run_load(label, urls[label], gguf, seed, raw_dir, r, workload)
             record["rounds"].append(entry)
     finally:
