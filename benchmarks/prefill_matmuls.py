@@ -1,8 +1,11 @@
-"""The quantized matmuls of a prefill step alone, on Qwen2.5-Coder-1.5B's linear shapes: G
-multiply-adds a second of `q4x16_matmul` (pagoda/kernels/cpu/quant_gemm.cpp) for Q4_K (qkv,
-gate/up, down) and Q6_K (the down projections the Q4_K_M file keeps in Q6_K), --rows activation
-rows at once, on random codes and scales of the file's forms (no model file needed). Each shape
-is timed --rounds times, the shapes in turn within a round; the median and range go to the JSON.
+"""The quantized matmuls of a step alone, on Qwen2.5-Coder-1.5B's linear shapes: G multiply-adds
+a second of `q4x16_matmul` (pagoda/kernels/cpu/quant_gemm.cpp) for Q4_K (qkv, gate/up, down) and
+Q6_K (the down projections the Q4_K_M file keeps in Q6_K), --rows activation rows at once, on
+random codes and scales of the file's forms (no model file needed), and the GB/s of weights read.
+Each shape is timed --rounds times, the shapes in turn within a round; the median and range go
+to the JSON. --copies N holds N copies of each weight and takes them in turn, as a model's
+layers are, so that a step reads its weights from memory, not from the cache: a decode step is
+`--rows 1 --copies 28` (the 1.5B's 28 layers).
 
 The python that runs it imports `pagoda` from its path, so a before / after comparison runs the
 same script with PYTHONPATH at each tree (and TORCH_EXTENSIONS_DIR apart, so that each keeps its
@@ -51,6 +54,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--copies", type=int, default=1, help="copies of each weight, taken in turn")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
@@ -64,19 +68,23 @@ def main() -> int:
     cases = []
     for name, n, k, form in SHAPES:
         x = torch.randn(args.rows, k, generator=gen)
-        cases.append((name, n, k, form, packed_weight(n, k, form, gen), x))
+        weight = packed_weight(n, k, form, gen)
+        cases.append((name, n, k, form, [weight.clone() for _ in range(args.copies)], x))
     isa = 9  # no cap: the best instruction set here
     times: dict[str, list[float]] = {c[0]: [] for c in cases}
-    for _, n, _, form, packed, x in cases:  # warm-up
-        ops.q4x16_matmul(x, packed, n, isa, NIBBLE_FORMS[form])
-    for _ in range(args.rounds):
-        for name, n, _, form, packed, x in cases:
-            t0 = time.perf_counter()
+    for _, n, _, form, copies, x in cases:  # warm-up
+        for packed in copies:
             ops.q4x16_matmul(x, packed, n, isa, NIBBLE_FORMS[form])
-            times[name].append(time.perf_counter() - t0)
+    for _ in range(args.rounds):
+        for name, n, _, form, copies, x in cases:
+            t0 = time.perf_counter()
+            for packed in copies:
+                ops.q4x16_matmul(x, packed, n, isa, NIBBLE_FORMS[form])
+            times[name].append((time.perf_counter() - t0) / len(copies))
     rows: list[dict[str, Any]] = []
-    for name, n, k, form, _, _ in cases:
+    for name, n, k, form, copies, _ in cases:
         rates = [args.rows * n * k / t / 1e9 for t in times[name]]
+        weight_bytes = copies[0].numel()
         rows.append(
             {
                 "shape": name,
@@ -85,14 +93,20 @@ def main() -> int:
                 "form": form,
                 "gmac_s_median": round(statistics.median(rates), 1),
                 "gmac_s_range": [round(min(rates), 1), round(max(rates), 1)],
-                "ms_median": round(statistics.median(times[name]) * 1e3, 2),
+                "ms_median": round(statistics.median(times[name]) * 1e3, 3),
+                "weight_mb": round(weight_bytes / 1e6, 2),
+                "weight_gb_s_median": round(weight_bytes / statistics.median(times[name]) / 1e9, 1),
             }
         )
-        print(f"{name:9s} {form:8s} N={n:5d} K={k:5d}: {rows[-1]['gmac_s_median']:6.1f} G MAC/s")
+        print(
+            f"{name:9s} {form:8s} N={n:5d} K={k:5d}: {rows[-1]['gmac_s_median']:6.1f} G MAC/s,"
+            f" weights {rows[-1]['weight_gb_s_median']:5.1f} GB/s"
+        )
     result = {
         "bench": "prefill_matmuls",
         "rows": args.rows,
         "rounds": args.rounds,
+        "copies": args.copies,
         "threads": torch.get_num_threads(),
         "pagoda": {**pagoda_version(), "path": str(sys.modules["pagoda"].__path__[0])},
         "machine": machine_record(),

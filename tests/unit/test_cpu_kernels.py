@@ -296,8 +296,9 @@ def test_aten_cpu_capability_caps_the_kernels_isa_for_the_process(
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
     """Every pass size (1 .. 8 rows on AVX-512 VNNI; on AVX2 1 .. 4, and 1 .. 8 for the forms
-    whose tiles take a block at a time: Q4_0, Q4_1, Q4_K, Q6_K) does each row's arithmetic
-    alone: a verification step's rows equal the plain steps' exactly."""
+    whose tiles take a block at a time: Q4_0, Q4_1, Q4_K, Q6_K; AVX2 passes of 1-2 rows walk a
+    tile once for both its 8-row halves, larger ones twice) does each row's arithmetic alone: a
+    verification step's rows equal the plain steps' exactly."""
     assert OPS is not None
     gen = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 16, (40, 96), dtype=torch.uint8, generator=gen)

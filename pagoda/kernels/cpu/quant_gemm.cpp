@@ -77,6 +77,8 @@ constexpr int64_t Q8_BYTES = 512;  // a tile's group of 8-bit codes
 constexpr int MAX_M_AVX2 = 4;
 constexpr int MAX_M_AVX2_BY_BLOCK = 8;
 constexpr int MAX_M_VNNI = 8;
+// Passes of up to this many rows take both 8-row halves of a tile in one walk over it.
+constexpr int FUSED_M_AVX2 = 2;
 
 // Activation rows [0, M) of one pass, and where their 16 outputs go.
 struct Pass {
@@ -449,8 +451,7 @@ PAGODA_AVX2 inline void group_scales_avx2(const uint8_t* tile, int64_t g, int h,
   }
 }
 
-// The AVX2 passes read a tile twice (rows 0-7, then 8-15, half of each 64-byte line at a time):
-// the first pass asks for the bytes PREFETCH_BYTES ahead of the group it reads, so that the next
+// The AVX2 tiles ask for the bytes PREFETCH_BYTES ahead of the group they read, so that the next
 // groups' lines (the next tile's past the end) stream in while this one is computed. Measured on
 // an AVX2 EPYC (Zen 3), batch 1, Q4_K weights from memory: without it one core ran at 6.4 GB/s
 // while its reads alone ran at 14 and its instructions from cache at 13 (the loads stalled the
@@ -464,91 +465,130 @@ inline void prefetch_lines(const uint8_t* from, int64_t bytes) {
   }
 }
 
+// Runs group(g, h, acc) over a tile's groups for its two 8-row halves (h: rows 8h .. 8h + 7; acc:
+// the pass's M rows' sums of that half) and stores the pass's rows. Passes of up to FUSED_M_AVX2
+// rows (decode) take both halves group by group: one walk over the tile's lines, in order, the
+// lines ahead prefetched all the while. Larger passes keep only one half's sums in registers:
+// rows 0-7 over every group (prefetching), then rows 8-15 from cache. Each row's arithmetic, in
+// its order, is the same either way, so its bits are too. Batch 1 on the AVX2 EPYC, the 1.5B's
+// Q4_K and Q6_K shapes from memory (benchmarks/prefill_matmuls.py --rows 1): the two walks read
+// 10.9-11.2 GB/s, since the second one leaves the memory idle; one walk 15.1-16.8 (3 alternating
+// rounds).
+template <int M, typename Group>
+PAGODA_AVX2 inline void walk_tile_avx2(const uint8_t* tile, const Pass& p, int64_t group_bytes, Group&& group) {
+  if constexpr (M <= FUSED_M_AVX2) {
+    __m256 acc[2][M];
+    for (int r = 0; r < M; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < p.groups; ++g) {
+      prefetch_lines(tile + g * group_bytes, group_bytes);
+      group(g, 0, acc[0]);
+      group(g, 1, acc[1]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[h][r]);
+    }
+  } else {
+    for (int h = 0; h < 2; ++h) {
+      __m256 acc[M];
+      for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < p.groups; ++g) {
+        if (h == 0) prefetch_lines(tile + g * group_bytes, group_bytes);
+        group(g, h, acc);
+      }
+      for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
+    }
+  }
+}
+
 // The AVX2 tiles of the forms not kByBlockAvx2 (those have plain4_tile_avx2 and
 // q6k_tile_avx2, below), up to 4 rows a pass with a group's 8 unpacked blocks in registers.
 // maddubs of a code and an activation (|q| <= 127) pair: <= 7874 for codes <= 31, so the 5-bit
 // forms' 4 blocks add up to <= 31496, inside int16, and a group's 8 blocks are widened to int32
 // in two halves; the 2- and 3-bit codes' halves (2 pairs) stay far inside int16; the IQ4 values
-// (|v| <= 127, signs on the activations) <= 32258 a pair, so they widen every block.
+// (|v| <= 127, signs on the activations) <= 32258 a pair, so they widen every block. One group of
+// rows 8h .. 8h + 7 against the pass's M rows, into acc:
 template <int M, Form F>
-PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
+PAGODA_AVX2 inline void nibble_group_avx2(const uint8_t* tile, const Pass& p, int64_t g, int h, __m256* acc) {
   static_assert(!kByBlockAvx2<F>);
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
-    __m256 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const uint8_t* b = codes_at<F>(tile, g);
-      constexpr int64_t kGroupBytes = unit_bytes(F) / unit_groups<F>();
-      if (h == 0) prefetch_lines(tile + g * kGroupBytes, kGroupBytes);
-      __m256i w[8];
-      if constexpr (kCrumb<F>) {
-        const __m256i three = _mm256_set1_epi8(3);
-        for (int t = 0; t < 2; ++t) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * t + 32 * h));
-          for (int c = 0; c < 4; ++c) w[4 * t + c] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * c), three);
-        }
-      } else {
-        for (int s = 0; s < 4; ++s) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
-          w[2 * s] = _mm256_and_si256(v, mask);
-          w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        }
-      }
-      if constexpr (kFifth<F>) {
-        for (int i = 0; i < 8; ++i) {
-          const auto word = static_cast<uint32_t>(fifth_mask<F>(b, i) >> (32 * h));
-          w[i] = _mm256_or_si256(w[i], fifth_bits_avx2(word, kMaskBit<F>));
-        }
-      } else if constexpr (kTable<F>) {
-        const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4)));
-        for (int i = 0; i < 8; ++i) w[i] = _mm256_shuffle_epi8(lut, w[i]);
-      }
-      __m256 s0, s1;
-      group_scales_avx2<F>(tile, g, h, &s0, &s1);
-      for (int r = 0; r < M; ++r) {
-        int32_t qw[8];
-        load_words(p.q + r * p.k + g * GROUP, qw, 8);
-        const int64_t i = r * p.groups + g;
-        const __m256 xd = _mm256_set1_ps(p.xd[i]);
-        if constexpr (kHalves<F>) {
-          const __m256i d0 = _mm256_sub_epi32(_mm256_add_epi32(dot_pair_avx2(w, qw, 0), dot_pair_avx2(w, qw, 2)),
-                                              _mm256_set1_epi32(kHalfOffset<F> * p.qsum16[2 * i]));
-          const __m256i d1 = _mm256_sub_epi32(_mm256_add_epi32(dot_pair_avx2(w, qw, 4), dot_pair_avx2(w, qw, 6)),
-                                              _mm256_set1_epi32(kHalfOffset<F> * p.qsum16[2 * i + 1]));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, xd), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, xd), acc[r]);
-          if constexpr (F == Form::kQ2K) {  // -dmin * m * (the half's sum of activations)
-            const uint8_t* meta = meta_of<F>(tile, g) + 8 * h;
-            const __m256 ndmin = fp16x8(unit_at<F>(tile, g) + d_at<F>() + 32 + 16 * h);
-            const float xd0 = p.xd[i] * static_cast<float>(p.qsum16[2 * i]);
-            const float xd1 = p.xd[i] * static_cast<float>(p.qsum16[2 * i + 1]);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ndmin, nibbles_x8(meta, 1)), _mm256_set1_ps(xd0), acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ndmin, nibbles_x8(meta + 16, 1)), _mm256_set1_ps(xd1), acc[r]);
-          }
-        } else if constexpr (kTable<F>) {
-          __m256i dot = _mm256_setzero_si256();
-          for (int s = 0; s < 8; ++s) {
-            const __m256i u = _mm256_sign_epi8(w[s], w[s]);
-            const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(qw[s]), w[s]);
-            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u, sq), ones));
-          }
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, xd), acc[r]);
-        } else {
-          __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-          for (int s = 0; s < 4; ++s) {
-            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[s], _mm256_set1_epi32(qw[s])));
-            hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w[s + 4], _mm256_set1_epi32(qw[s + 4])));
-          }
-          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, xd), acc[r]);
-          acc[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(p.xs[i]), acc[r]);
-        }
-      }
+  const uint8_t* b = codes_at<F>(tile, g);
+  __m256i w[8];
+  if constexpr (kCrumb<F>) {
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int t = 0; t < 2; ++t) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * t + 32 * h));
+      for (int c = 0; c < 4; ++c) w[4 * t + c] = _mm256_and_si256(_mm256_srli_epi16(v, 2 * c), three);
     }
-    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
+  } else {
+    for (int s = 0; s < 4; ++s) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
+      w[2 * s] = _mm256_and_si256(v, mask);
+      w[2 * s + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    }
   }
+  if constexpr (kFifth<F>) {
+    for (int i = 0; i < 8; ++i) {
+      const auto word = static_cast<uint32_t>(fifth_mask<F>(b, i) >> (32 * h));
+      w[i] = _mm256_or_si256(w[i], fifth_bits_avx2(word, kMaskBit<F>));
+    }
+  } else if constexpr (kTable<F>) {
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4)));
+    for (int i = 0; i < 8; ++i) w[i] = _mm256_shuffle_epi8(lut, w[i]);
+  }
+  __m256 s0, s1;
+  group_scales_avx2<F>(tile, g, h, &s0, &s1);
+  for (int r = 0; r < M; ++r) {
+    int32_t qw[8];
+    load_words(p.q + r * p.k + g * GROUP, qw, 8);
+    const int64_t i = r * p.groups + g;
+    const __m256 xd = _mm256_set1_ps(p.xd[i]);
+    if constexpr (kHalves<F>) {
+      const __m256i d0 = _mm256_sub_epi32(_mm256_add_epi32(dot_pair_avx2(w, qw, 0), dot_pair_avx2(w, qw, 2)),
+                                          _mm256_set1_epi32(kHalfOffset<F> * p.qsum16[2 * i]));
+      const __m256i d1 = _mm256_sub_epi32(_mm256_add_epi32(dot_pair_avx2(w, qw, 4), dot_pair_avx2(w, qw, 6)),
+                                          _mm256_set1_epi32(kHalfOffset<F> * p.qsum16[2 * i + 1]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, xd), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_mul_ps(s1, xd), acc[r]);
+      if constexpr (F == Form::kQ2K) {  // -dmin * m * (the half's sum of activations)
+        const uint8_t* meta = meta_of<F>(tile, g) + 8 * h;
+        const __m256 ndmin = fp16x8(unit_at<F>(tile, g) + d_at<F>() + 32 + 16 * h);
+        const float xd0 = p.xd[i] * static_cast<float>(p.qsum16[2 * i]);
+        const float xd1 = p.xd[i] * static_cast<float>(p.qsum16[2 * i + 1]);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ndmin, nibbles_x8(meta, 1)), _mm256_set1_ps(xd0), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(ndmin, nibbles_x8(meta + 16, 1)), _mm256_set1_ps(xd1), acc[r]);
+      }
+    } else if constexpr (kTable<F>) {
+      __m256i dot = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m256i u = _mm256_sign_epi8(w[s], w[s]);
+        const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(qw[s]), w[s]);
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u, sq), ones));
+      }
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, xd), acc[r]);
+    } else {
+      __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+      for (int s = 0; s < 4; ++s) {
+        lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(w[s], _mm256_set1_epi32(qw[s])));
+        hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(w[s + 4], _mm256_set1_epi32(qw[s + 4])));
+      }
+      const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, xd), acc[r]);
+      acc[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(p.xs[i]), acc[r]);
+    }
+  }
+}
+
+template <int M, Form F>
+PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
+  walk_tile_avx2<M>(tile, p, unit_bytes(F) / unit_groups<F>(),
+                    [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 { nibble_group_avx2<M, F>(tile, p, g, h, acc); });
+}
+
+PAGODA_AVX2 inline __m256i word_at(const int8_t* q) {
+  int32_t word;
+  std::memcpy(&word, q, 4);
+  return _mm256_set1_epi32(word);
 }
 
 // The plain 4-bit forms (kPlain4) on AVX2, for any number of rows: a group's 8 maddubs of a row
@@ -559,52 +599,43 @@ PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
 // their order, are those nibble_tile_avx2 ran for these forms before, so the bits are too.
 // Measured on an AVX2 EPYC (Zen 3), 2 threads, the 1.5B's Q4_K shapes at 512 rows
 // (benchmarks/prefill_matmuls.py, 3 alternating rounds): 75-78 G multiply-adds/s against 52-55
-// at 4 rows a pass (1.41-1.46x); decode's 1-row passes are bound by memory and unchanged.
-PAGODA_AVX2 inline __m256i word_at(const int8_t* q) {
-  int32_t word;
-  std::memcpy(&word, q, 4);
-  return _mm256_set1_epi32(word);
+// at 4 rows a pass (1.41-1.46x). One group of rows 8h .. 8h + 7 against the pass's M rows:
+template <int M, Form F>
+PAGODA_AVX2 inline void plain4_group_avx2(const uint8_t* tile, const Pass& p, int64_t g, int h, __m256* acc) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* b = codes_at<F>(tile, g);
+  const int8_t* q = p.q + g * GROUP;
+  __m256i sum[M];
+  for (int r = 0; r < M; ++r) sum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+  for (int s = 0; s < 4; ++s) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
+    const __m256i lo = _mm256_and_si256(v, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      const int8_t* qr = q + r * p.k + 8 * s;
+      const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, word_at(qr)),
+                                            _mm256_maddubs_epi16(hi, word_at(qr + 4)));
+      sum[r] = _mm256_add_epi16(sum[r], pair);
+    }
+  }
+  __m256 s0, s1;
+  group_scales_avx2<F>(tile, g, h, &s0, &s1);
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r) {
+    const int64_t i = r * p.groups + g;
+    const __m256i dot = _mm256_madd_epi16(sum[r], ones);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, _mm256_set1_ps(p.xd[i])), acc[r]);
+    acc[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(p.xs[i]), acc[r]);
+  }
 }
 
 template <int M, Form F>
 PAGODA_AVX2 void plain4_tile_avx2(const uint8_t* tile, const Pass& p) {
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
-    __m256 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const uint8_t* b = codes_at<F>(tile, g);
-      constexpr int64_t kGroupBytes = unit_bytes(F) / unit_groups<F>();
-      if (h == 0) prefetch_lines(tile + g * kGroupBytes, kGroupBytes);
-      const int8_t* q = p.q + g * GROUP;
-      __m256i sum[M];
-      for (int r = 0; r < M; ++r) sum[r] = _mm256_setzero_si256();
-#pragma GCC unroll 1
-      for (int s = 0; s < 4; ++s) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h));
-        const __m256i lo = _mm256_and_si256(v, mask);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-#pragma GCC unroll 8
-        for (int r = 0; r < M; ++r) {
-          const int8_t* qr = q + r * p.k + 8 * s;
-          const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, word_at(qr)),
-                                                _mm256_maddubs_epi16(hi, word_at(qr + 4)));
-          sum[r] = _mm256_add_epi16(sum[r], pair);
-        }
-      }
-      __m256 s0, s1;
-      group_scales_avx2<F>(tile, g, h, &s0, &s1);
-#pragma GCC unroll 8
-      for (int r = 0; r < M; ++r) {
-        const int64_t i = r * p.groups + g;
-        const __m256i dot = _mm256_madd_epi16(sum[r], ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, _mm256_set1_ps(p.xd[i])), acc[r]);
-        acc[r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(p.xs[i]), acc[r]);
-      }
-    }
-    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
-  }
+  walk_tile_avx2<M>(tile, p, unit_bytes(F) / unit_groups<F>(),
+                    [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 { plain4_group_avx2<M, F>(tile, p, g, h, acc); });
 }
 
 // kQ6K on AVX2, for any number of rows, as plain4_tile_avx2: a block's codes (low nibbles and
@@ -613,50 +644,48 @@ PAGODA_AVX2 void plain4_tile_avx2(const uint8_t* tile, const Pass& p) {
 // activation codes, scale and add as nibble_tile_avx2's did, the same bits. 1.06x at 512 rows
 // (45 against 42 G multiply-adds/s): widening every block costs what the unpacking saves.
 template <int M>
-PAGODA_AVX2 void q6k_tile_avx2(const uint8_t* tile, const Pass& p) {
+PAGODA_AVX2 inline void q6k_group_avx2(const uint8_t* tile, const Pass& p, int64_t g, int h, __m256* acc) {
   constexpr Form F = Form::kQ6K;
   const __m256i mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {  // rows 8h .. 8h + 7
-    __m256 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const uint8_t* b = codes_at<F>(tile, g);
-      constexpr int64_t kGroupBytes = unit_bytes(F) / unit_groups<F>();
-      if (h == 0) prefetch_lines(tile + g * kGroupBytes, kGroupBytes);
-      const int8_t* q = p.q + g * GROUP;
-      __m256 s[2];
-      group_scales_avx2<F>(tile, g, h, &s[0], &s[1]);
-      for (int half = 0; half < 2; ++half) {
-        __m256i sum[M];
-        for (int r = 0; r < M; ++r) sum[r] = _mm256_setzero_si256();
+  const uint8_t* b = codes_at<F>(tile, g);
+  const int8_t* q = p.q + g * GROUP;
+  __m256 s[2];
+  group_scales_avx2<F>(tile, g, h, &s[0], &s[1]);
+  for (int half = 0; half < 2; ++half) {
+    __m256i sum[M];
+    for (int r = 0; r < M; ++r) sum[r] = _mm256_setzero_si256();
 #pragma GCC unroll 1
-        for (int blk = 2 * half; blk < 2 * half + 2; ++blk) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * blk + 32 * h));
-          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * blk));
-          const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(hb, 4 * h), mask);
-          const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, mask),
-                                             _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(3)), 4));
-          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
-                                             _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(12)), 2));
+    for (int blk = 2 * half; blk < 2 * half + 2; ++blk) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * blk + 32 * h));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * blk));
+      const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(hb, 4 * h), mask);
+      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, mask),
+                                         _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(3)), 4));
+      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
+                                         _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(12)), 2));
 #pragma GCC unroll 8
-          for (int r = 0; r < M; ++r) {
-            const int8_t* qr = q + r * p.k + 8 * blk;
-            const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, word_at(qr)),
-                                                  _mm256_maddubs_epi16(hi, word_at(qr + 4)));
-            sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pair, ones));
-          }
-        }
-#pragma GCC unroll 8
-        for (int r = 0; r < M; ++r) {
-          const int64_t i = r * p.groups + g;
-          const __m256i d = _mm256_sub_epi32(sum[r], _mm256_set1_epi32(kHalfOffset<F> * p.qsum16[2 * i + half]));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s[half], _mm256_set1_ps(p.xd[i])), acc[r]);
-        }
+      for (int r = 0; r < M; ++r) {
+        const int8_t* qr = q + r * p.k + 8 * blk;
+        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, word_at(qr)),
+                                              _mm256_maddubs_epi16(hi, word_at(qr + 4)));
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pair, ones));
       }
     }
-    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
+#pragma GCC unroll 8
+    for (int r = 0; r < M; ++r) {
+      const int64_t i = r * p.groups + g;
+      const __m256i d = _mm256_sub_epi32(sum[r], _mm256_set1_epi32(kHalfOffset<F> * p.qsum16[2 * i + half]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s[half], _mm256_set1_ps(p.xd[i])), acc[r]);
+    }
   }
+}
+
+template <int M>
+PAGODA_AVX2 void q6k_tile_avx2(const uint8_t* tile, const Pass& p) {
+  constexpr Form F = Form::kQ6K;
+  walk_tile_avx2<M>(tile, p, unit_bytes(F) / unit_groups<F>(),
+                    [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 { q6k_group_avx2<M>(tile, p, g, h, acc); });
 }
 
 // Row j's code of block s, byte 4j + e, low (hi = 0) or high nibble (the crumb forms: the code
@@ -793,33 +822,27 @@ PAGODA_AVX2 void q8_tile_avx2(const uint8_t* tile, const float* scales, int64_t 
                               const Pass& p) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const uint8_t* b = tile + g * Q8_BYTES;
-      if (h == 0) prefetch_lines(b, Q8_BYTES);
-      __m256i w[8];
-      for (int s = 0; s < 8; ++s) {
-        w[s] = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h)), flip);
-      }
-      const __m256 scale = _mm256_loadu_ps(scales + g * sstep + 8 * h);
-      for (int r = 0; r < M; ++r) {
-        int32_t qw[8];
-        load_words(p.q + r * p.k + g * GROUP, qw, 8);
-        __m256i dot = _mm256_setzero_si256();
-        for (int s = 0; s < 8; ++s) {
-          const __m256i u = _mm256_sign_epi8(w[s], w[s]);
-          const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(qw[s]), w[s]);
-          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u, sq), ones));
-        }
-        const __m256 xd = _mm256_set1_ps(p.xd[r * p.groups + g]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, xd), acc[r]);
-      }
+  walk_tile_avx2<M>(tile, p, Q8_BYTES, [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 {
+    const uint8_t* b = tile + g * Q8_BYTES;
+    __m256i w[8];
+    for (int s = 0; s < 8; ++s) {
+      w[s] = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32 * h)), flip);
     }
-    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[r]);
-  }
+    const __m256 scale = _mm256_loadu_ps(scales + g * sstep + 8 * h);
+    for (int r = 0; r < M; ++r) {
+      int32_t qw[8];
+      load_words(p.q + r * p.k + g * GROUP, qw, 8);
+      __m256i dot = _mm256_setzero_si256();
+      for (int s = 0; s < 8; ++s) {
+        const __m256i u = _mm256_sign_epi8(w[s], w[s]);
+        const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(qw[s]), w[s]);
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u, sq), ones));
+      }
+      const __m256 xd = _mm256_set1_ps(p.xd[r * p.groups + g]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, xd), acc[r]);
+    }
+  });
 }
 
 void q8_tile_scalar(const uint8_t* tile, const float* scales, int64_t sstep, const Pass& p,
