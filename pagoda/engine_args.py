@@ -79,8 +79,8 @@ ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
             default=None,
             choices=range(4),
             help="0: every step eager; 1-3: decode steps replay CUDA graphs (CUDA) or run "
-            "through torch.compile (CPU; up to a minute of compiling at startup). Default: 2 on CUDA, "
-            "0 on CPU",
+            "through torch.compile (CPU; up to a minute of compiling at startup; 3 adds "
+            "inductor's C++ wrapper, minutes more the first time). Default: 2 on CUDA, 0 on CPU",
         ),
     ),
     (

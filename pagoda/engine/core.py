@@ -94,7 +94,9 @@ class EngineCore:
             config.kernel_backend,
             config.level,
             "on" if config.use_cuda_graphs else "off",
-            "on" if config.compile_decode else "off",
+            ("on, C++ wrapper" if config.decode_cpp_wrapper else "on")
+            if config.compile_decode
+            else "off",
             "on" if self.async_scheduling else "off",
         )
         if config.speculative_config is not None:

@@ -77,6 +77,7 @@ def build_runner(
         kernel_backend=config.kernel_backend,
         use_cuda_graphs=config.use_cuda_graphs,
         compile_decode=config.compile_decode,
+        decode_cpp_wrapper=config.decode_cpp_wrapper,
         speculative_config=spec,
         draft=draft,
         pp=pp,

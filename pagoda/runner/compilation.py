@@ -123,10 +123,13 @@ def _cache_entries(fn: StepFn) -> list[tuple[Callable[[dict[str, Any]], bool], S
 
 
 class CompiledDecode:
-    def __init__(self, model: CausalLM) -> None:
+    def __init__(self, model: CausalLM, cpp_wrapper: bool = False) -> None:
+        """cpp_wrapper: inductor's C++ wrapper runs each graph (EngineConfig.decode_cpp_wrapper);
+        the kernels it calls, hence the bits, are the Python wrapper's."""
         self.model = model.model
         options: dict[str, Any] = {
-            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe
+            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+            "cpp_wrapper": cpp_wrapper,
         }
         instance = next(_instances)
         self._one = _Dispatch(_own_code(_decode_one, instance), options)

@@ -77,6 +77,7 @@ class ModelRunner:
         kernel_backend: str = "torch",
         use_cuda_graphs: bool = False,
         compile_decode: bool = False,
+        decode_cpp_wrapper: bool = False,
         speculative_config: SpeculativeConfig | None = None,
         draft: DraftModel | None = None,
         pp: PipelineStage = WHOLE_MODEL,
@@ -84,7 +85,8 @@ class ModelRunner:
     ) -> None:
         """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay captured
         graphs for pure-decode batches (CUDA, triton). compile_decode: run pure-decode batches
-        through torch.compile (pagoda/runner/compilation.py). speculative_config: propose draft
+        through torch.compile (pagoda/runner/compilation.py), from inductor's C++ wrapper with
+        decode_cpp_wrapper. speculative_config: propose draft
         tokens for each decoding request and verify them (runner/speculative.py); needs sync
         scheduling. draft: the draft model of method draft_model (runner/draft_step.py). pp:
         this runner's pipeline stage, whose steps run as micro-batches (runner/pipeline.py). cp:
@@ -110,10 +112,10 @@ class ModelRunner:
         # without graphs runs the padded batches eagerly, the reference of a replay.
         self.decode_sizes = capture_sizes(max_num_seqs) if use_cuda_graphs else None
         self.graphs: DecodeGraphs | None = None
-        self.compiled = _compiled_decode(model) if compile_decode else None
+        self.compiled = _compiled_decode(model, decode_cpp_wrapper) if compile_decode else None
         self.draft_step: DraftModelStep | None = None
         if draft is not None:
-            self.draft_step = self._draft_step(draft, compile_decode)
+            self.draft_step = self._draft_step(draft, compile_decode, decode_cpp_wrapper)
         self.proposer: DraftProposer | None = None
         if speculative_config is not None:
             self.proposer = DraftProposer(
@@ -146,7 +148,9 @@ class ModelRunner:
         self.prev_rows: dict[str, int] = {}
         self.grammar_bitmask: dict[str, list[bytes]] = {}  # this step's (runner/grammar_mask.py)
 
-    def _draft_step(self, draft: DraftModel, compile_decode: bool) -> DraftModelStep:
+    def _draft_step(
+        self, draft: DraftModel, compile_decode: bool, cpp_wrapper: bool
+    ) -> DraftModelStep:
         """The draft model's forward over this runner's rows and buffers."""
         draft.model.set_kernel_backend(self.kernel_backend)
         return DraftModelStep(
@@ -156,7 +160,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.kv_dtype,
-            _compiled_decode(draft.model) if compile_decode else None,
+            _compiled_decode(draft.model, cpp_wrapper) if compile_decode else None,
         )
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
@@ -482,9 +486,9 @@ class ModelRunner:
         return self._sampling_columns[1]
 
 
-def _compiled_decode(model: CausalLM) -> CompiledDecode:
+def _compiled_decode(model: CausalLM, cpp_wrapper: bool) -> CompiledDecode:
     # Imported here: torch._dynamo takes over a second to import, and only -O1 and above on
     # CPU use it (every engine and server process would pay it otherwise).
     from pagoda.runner.compilation import CompiledDecode
 
-    return CompiledDecode(model)
+    return CompiledDecode(model, cpp_wrapper)

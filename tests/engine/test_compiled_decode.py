@@ -26,26 +26,35 @@ MAX_TOKENS = [6, 9, 12, 16, 20]  # requests finish one by one: the last steps de
 SMALL = {"num_gpu_blocks_override": 64, "block_size": 4, "max_num_batched_tokens": 16}
 
 
-def _compiled_llm(path: str, **kwargs: Any) -> LLM:
+def _compiled_llm(path: str, level: int = 2, **kwargs: Any) -> LLM:
     kwargs.setdefault("quantization", "none")
-    return LLM(path, optimization_level=2, max_model_len=64, **SMALL, **kwargs)
+    return LLM(path, optimization_level=level, max_model_len=64, **SMALL, **kwargs)
 
 
 # llama: llama3 rope, sharded checkpoint; qwen3: per-head q/k norm, here with an int8 KV cache
 # and async scheduling (as on a GPU by default): slow, for the default suite's time (its inductor
-# compile takes 40 s on a fresh machine); llama is its fast variant.
+# compile takes 40 s on a fresh machine); llama is its fast variant. Level 3: the graphs run from
+# inductor's C++ wrapper (slow: compiling the wrappers takes about a minute more).
 @pytest.mark.parametrize(
-    ("arch", "kv_cache_dtype"),
-    [("llama", "auto"), pytest.param("qwen3", "int8", marks=pytest.mark.slow)],
+    ("arch", "kv_cache_dtype", "level"),
+    [
+        ("llama", "auto", 2),
+        pytest.param("qwen3", "int8", 2, marks=pytest.mark.slow),
+        pytest.param("llama", "auto", 3, marks=pytest.mark.slow),
+    ],
 )
 def test_compiled_decode_greedy_matches_hf(
-    arch: str, kv_cache_dtype: str, tiny_model_dir: Any, tiny_hf_model: Any
+    arch: str, kv_cache_dtype: str, level: int, tiny_model_dir: Any, tiny_hf_model: Any
 ) -> None:
     async_scheduling = kv_cache_dtype != "auto"
     llm = _compiled_llm(
-        tiny_model_dir(arch), kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling
+        tiny_model_dir(arch),
+        level,
+        kv_cache_dtype=kv_cache_dtype,
+        async_scheduling=async_scheduling,
     )
     assert llm.engine.async_scheduling == async_scheduling
+    assert llm.engine.config.decode_cpp_wrapper == (level == 3)
     runner = llm.engine.executor.runner
     assert runner.compiled is not None
     compiled_batches: list[int] = []
@@ -125,6 +134,9 @@ def test_optimization_levels() -> None:
     assert cpu.level == 0 and not cpu.compile_decode and not cpu.use_cuda_graphs
     assert EngineConfig(device="cpu", optimization_level=1).compile_decode
     assert EngineConfig(device="cpu", optimization_level=3).level == 3
+    assert EngineConfig(device="cpu", optimization_level=3).decode_cpp_wrapper
+    assert not EngineConfig(device="cpu", optimization_level=2).decode_cpp_wrapper
+    assert not EngineConfig(device="cpu", optimization_level=3, enforce_eager=True).decode_cpp_wrapper
     forced = EngineConfig(device="cpu", optimization_level=2, enforce_eager=True)
     assert forced.level == 0 and not forced.compile_decode
     # compiled decode is the torch backend's: the triton interpreter path stays eager
