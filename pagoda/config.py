@@ -293,7 +293,7 @@ class EngineConfig:
     def decode_cpp_wrapper(self) -> bool:
         """Compiled decode steps (compile_decode) run from inductor's C++ wrapper, not its Python
         one: level 3. The wrapper calls a step's ~200 custom ops without Python between them
-        (SmolLM2's batch-1 step ~2-3 ms shorter on 2 cores) and takes ~2 minutes more to compile
+        (SmolLM2's batch-1 step 3-5 ms shorter on 2 cores) and takes ~2 minutes more to compile
         a graph the first time (inductor's cache keeps it)."""
         return self.compile_decode and self.level >= 3
 
