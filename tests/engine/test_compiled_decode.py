@@ -136,7 +136,9 @@ def test_optimization_levels() -> None:
     assert EngineConfig(device="cpu", optimization_level=3).level == 3
     assert EngineConfig(device="cpu", optimization_level=3).decode_cpp_wrapper
     assert not EngineConfig(device="cpu", optimization_level=2).decode_cpp_wrapper
-    assert not EngineConfig(device="cpu", optimization_level=3, enforce_eager=True).decode_cpp_wrapper
+    assert not EngineConfig(
+        device="cpu", optimization_level=3, enforce_eager=True
+    ).decode_cpp_wrapper
     forced = EngineConfig(device="cpu", optimization_level=2, enforce_eager=True)
     assert forced.level == 0 and not forced.compile_decode
     # compiled decode is the torch backend's: the triton interpreter path stays eager
