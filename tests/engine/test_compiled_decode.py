@@ -3,7 +3,9 @@
 decodes, decode batches shrink from five requests to one, and block tables grow from one block
 to several; no step after startup compiles again. Under async scheduling (Qwen3 with an int8
 KV cache) the compiled steps read the placeholder-filled inputs and give exactly the tokens of
-the synchronous eager engine. SmolLM2's GGUF (slow), compiled equal to eager bit for bit. Also the level arithmetic of EngineConfig and the CLI flag."""
+the synchronous eager engine. At -O3 (slow) the graphs run from inductor's C++ wrapper, with
+HF's tokens too. SmolLM2's GGUF (slow), compiled equal to eager bit for bit. Also the level
+arithmetic of EngineConfig and the CLI flag."""
 
 from __future__ import annotations
 
