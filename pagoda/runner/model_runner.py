@@ -87,10 +87,10 @@ class ModelRunner:
         graphs for pure-decode batches (CUDA, triton). compile_decode: run pure-decode batches
         through torch.compile (pagoda/runner/compilation.py), from inductor's C++ wrapper with
         decode_cpp_wrapper. speculative_config: propose draft tokens for each decoding request
-        and verify them (runner/speculative.py); needs sync scheduling. draft: the draft model of method draft_model (runner/draft_step.py). pp:
-        this runner's pipeline stage, whose steps run as micro-batches (runner/pipeline.py). cp:
-        its prefill-context-parallel rank, which computes and caches its share of each step's
-        rows (runner/context_parallel.py)."""
+        and verify them (runner/speculative.py); needs sync scheduling. draft: the draft model
+        of method draft_model (runner/draft_step.py). pp: this runner's pipeline stage, whose
+        steps run as micro-batches (runner/pipeline.py). cp: its prefill-context-parallel rank,
+        which computes and caches its share of each step's rows (runner/context_parallel.py)."""
         self.model = model
         self.pp, self.cp = pp, cp
         self.model_config = model_config
