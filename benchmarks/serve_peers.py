@@ -50,9 +50,10 @@ from pagoda.bench.vllm_peer import MEMORY_SHARE, export_float32, vllm_dtypes, vl
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "issue42")
 # burst: W-CPU's shape served, all at once; b1: one request at a time (batch 1 through the server)
 WORKLOADS = {
-    "burst": ["--num-prompts", "64", "--input-len-range", "16,256", "--output-len-range", "16,256"],
-    "b1": ["--num-prompts", "8", "--input-len-range", "128,128", "--output-len-range", "128,128"]
-    + ["--max-concurrency", "1"],
+    "burst": "--num-prompts 64 --input-len-range 16,256 --output-len-range 16,256".split(),
+    "b1": (
+        "--num-prompts 8 --input-len-range 128,128 --output-len-range 128,128 --max-concurrency 1"
+    ).split(),
 }
 COMMON = ["--temperature", "0", "--disable-tqdm"]
 SLOTS = 16
