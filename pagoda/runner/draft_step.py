@@ -21,6 +21,7 @@ from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers.forward_context import forward_context
 from pagoda.layers.kv_cache import allocate_kv_caches
 from pagoda.loading.draft import DraftModel
+from pagoda.runner.draft_sampling import DraftSampler
 from pagoda.runner.input_batch import InputBatch
 from pagoda.runner.speculative import one_token_rows
 from pagoda.runner.step_inputs import InputBuffers
@@ -60,6 +61,7 @@ class DraftModelStep:
         self.device = device
         self.kv_dtype = kv_dtype
         self.kv_caches: list[KVCache] = []
+        self.sampler: DraftSampler | None = None  # None: greedy drafts (the argmax)
 
     def allocate(self, num_blocks: int, target_caches: list[KVCache]) -> None:
         """The draft's KV cache: num_blocks blocks, the target's count; or the target's caches
@@ -80,7 +82,9 @@ class DraftModelStep:
     @torch.inference_mode()
     def __call__(self, rows: list[tuple[str, list[int], int]]) -> list[int]:
         """Feed each row's tokens at its positions (request id, tokens, first position) and
-        return each row's argmax after its last token. The rows' blocks must cover them."""
+        return each row's token after its last: the argmax, or the sampler's pick (a draft
+        sampled as the target samples; runner/draft_sampling.py). The rows' blocks must cover
+        them."""
         rids = [rid for rid, _, _ in rows]
         token_ids = [tokens for _, tokens, _ in rows]
         seq_lens = [start + len(tokens) for _, tokens, start in rows]
@@ -101,4 +105,6 @@ class DraftModelStep:
         if last != list(range(len(rows))):
             hidden = hidden.index_select(0, self.buffers.row_index(last))
         logits = self.model.compute_logits(hidden, float32=False)
-        return logits.argmax(dim=-1).tolist()
+        if self.sampler is None:
+            return logits.argmax(dim=-1).tolist()
+        return self.sampler.pick([(rid, start + len(t)) for rid, t, start in rows], logits)

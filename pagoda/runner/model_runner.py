@@ -34,6 +34,7 @@ from pagoda.runner.cuda_graphs import (
     padded_size,
 )
 from pagoda.runner.device import to_device
+from pagoda.runner.draft_sampling import DraftSampler
 from pagoda.runner.draft_step import DraftModelStep
 from pagoda.runner.grammar_mask import apply_grammar_bitmask
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
@@ -152,15 +153,11 @@ class ModelRunner:
     ) -> DraftModelStep:
         """The draft model's forward over this runner's rows and buffers."""
         draft.model.set_kernel_backend(self.kernel_backend)
-        return DraftModelStep(
-            draft,
-            self.batch,
-            self.buffers,
-            self.block_size,
-            self.device,
-            self.kv_dtype,
-            _compiled_decode(draft.model, cpp_wrapper) if compile_decode else None,
-        )
+        compiled = _compiled_decode(draft.model, cpp_wrapper) if compile_decode else None
+        args = (self.batch, self.buffers, self.block_size, self.device, self.kv_dtype)
+        step = DraftModelStep(draft, *args, compiled)
+        step.sampler = DraftSampler(self.batch, self.generators, self.device, self.eos_token_ids)
+        return step
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
         block_size = self.block_size // self.cp.size  # a rank's share of each block
@@ -338,6 +335,8 @@ class ModelRunner:
         if self.proposer is not None:  # a preempted request's blocks are gone
             for rid in out.finished_request_ids + out.preempted_request_ids:
                 self.proposer.remove(rid)
+                if self.draft_step is not None and self.draft_step.sampler is not None:
+                    self.draft_step.sampler.remove(rid)
         self.batch.apply(out)
         self._copy_blocks(out.block_copies)
         self.grammar_bitmask = out.grammar_bitmask
@@ -453,7 +452,11 @@ class ModelRunner:
         meta = SamplingMetadata.from_batch(
             columns, self.batch, positions, generators, self.eos_token_ids
         )
-        verified = verify_drafts(self.sampler, logits, meta, rows, drafts)
+        sampler = None if self.draft_step is None else self.draft_step.sampler
+        draft_probs = (
+            [] if sampler is None else list(map(sampler.draft_probs, rows.row_ids, drafts))
+        )
+        verified = verify_drafts(self.sampler, logits, meta, rows, drafts, draft_probs)
         self.proposer.record(drafts, rows, verified.counts)
         emitted = verified.emitted_rows
         self.batch.count_sampled(emitted, verified.sampled)

@@ -204,6 +204,7 @@ def rejection_sample(
     greedy: torch.Tensor | None = None,
     draft_probs: torch.Tensor | None = None,
     by_position: bool | None = None,
+    greedy_token_ids: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Verify drafts so each row's emitted tokens are distributed as sampling the target.
 
@@ -214,6 +215,8 @@ def rejection_sample(
         or None for deterministic drafts (one-hot q: n-gram, a greedy draft model).
     generators: row -> generator for seeded random rows (none for greedy rows).
     greedy: (R,) bool, the rows to verify by argmax; None when no row is greedy.
+    greedy_token_ids: (T,) the argmax of the processed logits (the plain sampler's greedy
+        token), for greedy rows with draft_probs; None: target_probs' argmax.
 
     With draft_probs, a draft x is accepted with probability min(1, p(x) / q(x)); at the first
     rejection the token is drawn from max(0, p - q) normalized; after k_r acceptances the bonus
@@ -238,7 +241,9 @@ def rejection_sample(
     )
     if greedy is None:
         return sampled
-    argmax = accept_greedy(target_probs.argmax(dim=-1), draft_token_ids, layout)
+    if greedy_token_ids is None:
+        greedy_token_ids = target_probs.argmax(dim=-1)
+    argmax = accept_greedy(greedy_token_ids, draft_token_ids, layout)
     return VerifyOutput(
         torch.where(greedy.unsqueeze(1), argmax.token_ids, sampled.token_ids),
         torch.where(greedy, argmax.num_accepted, sampled.num_accepted),

@@ -300,6 +300,19 @@ class Sampler:
         if meta.all_greedy:
             assert greedy is not None
             return greedy
+        sampled = random_sample(Sampler.probabilities(logits, meta, own), meta.generators)
+        if greedy is None:
+            return sampled
+        assert meta.is_greedy is not None
+        return torch.where(meta.is_greedy, greedy, sampled)
+
+    @staticmethod
+    def probabilities(
+        logits: torch.Tensor, meta: SamplingMetadata, own: bool = False
+    ) -> torch.Tensor:
+        """The random rows' final distributions (R, vocab) float32 from already penalized
+        logits: temperature -> top_k -> top_p -> min_p -> softmax (greedy rows: the softmax of
+        their logits, which nothing reads). own: as for sample."""
         temperature = meta.temperature
         if temperature is not None:  # greedy rows' is 1.0: they take the argmax below
             divisor = temperature.unsqueeze(1)
@@ -314,10 +327,6 @@ class Sampler:
             apply_top_p(logits, meta.top_p, inplace=True)
         if meta.min_p is not None:
             apply_min_p(logits, meta.min_p, inplace=True)
-        sampled = random_sample(logits.softmax(dim=-1, dtype=torch.float32), meta.generators)
-        if greedy is None:
-            return sampled
-        assert meta.is_greedy is not None
-        return torch.where(meta.is_greedy, greedy, sampled)
+        return logits.softmax(dim=-1, dtype=torch.float32)
 
     compute_logprobs_for = staticmethod(compute_logprobs_for)

@@ -9,11 +9,16 @@ penalties counting the drafts before the position, temperature, top-k/p, min-p),
 exponential race, a seeded request drawing its noise position by position from its generator.
 It keeps the longest prefix of drafts equal to those samples, then the sample after it
 (runner/rejection_sampler.py: accept_prefixes, on the host, where the step reads its samples
-anyway). Drafts here are deterministic (prompt lookup, or the draft model's argmax), so this
-is exactly rejection sampling (accept x with
+anyway). Drafts here are deterministic (prompt lookup, or a draft model's argmax for greedy
+requests), so this is exactly rejection sampling (accept x with
 min(1, p(x) / q(x)) for a one-hot q): the output is distributed as the target's, and greedy
 output is the target's argmax chain. A seeded request's generator is then rewound to a_r + 1
 draws, so it gives the tokens it gives without speculation.
+
+A draft model's drafts for random requests are draws from its processed distribution q
+(runner/draft_sampling.py), kept with q; a step where some row has one verifies by rejection
+sampling against q (_verify_against_q): draft x kept with min(1, p(x) / q(x)), the first one
+rejected replaced by a draw from max(0, p - q) normalised.
 
 Proposals (spec_decode/ngram.py, spec_decode/draft_model.py) are made when a step's tokens
 reach the host, from each request's prompt and outputs, within max_tokens and max_model_len;
@@ -28,15 +33,24 @@ from dataclasses import dataclass
 from typing import overload
 
 import torch
+from torch.nn.functional import one_hot
 
 from pagoda.runner.device import to_device
 from pagoda.runner.input_batch import InputBatch, RequestRow, SamplingRows
 from pagoda.runner.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    DraftLayout,
     accept_prefixes,
+    rejection_sample,
     rewind_generators,
     snapshot_generators,
 )
-from pagoda.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata
+from pagoda.runner.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    compute_logprobs_for,
+)
 from pagoda.spec_decode.draft_model import DraftStepFn
 from pagoda.spec_decode.methods import Proposer, ProposerContext, spec_method
 from pagoda.speculative_config import SpeculativeConfig
@@ -63,14 +77,19 @@ def verify_drafts(
     meta: SamplingMetadata,
     rows: SamplingRows,
     drafts: list[list[int]],
+    draft_probs: Sequence[torch.Tensor | None] = (),
 ) -> Verified:
     """Sample every draft position of `rows` (row i proposed drafts[i], maybe none) and keep
     what the target agrees with (module docstring). logits (T, vocab) and meta: those of
-    draft_positions(rows, drafts), as for a plain step of those rows."""
+    draft_positions(rows, drafts), as for a plain step of those rows. draft_probs: row i's q
+    at each of its drafts (len(drafts[i]), vocab), or None (one-hot drafts); where some row
+    has one, the step verifies by rejection sampling against q (_verify_against_q)."""
     num_drafts = [len(d) for d in drafts]
     starts = list(itertools.accumulate((k + 1 for k in num_drafts), initial=0))[:-1]
     if meta.output_counts is not None:
         _count_earlier_drafts(meta.output_counts, starts, drafts)
+    if any(q is not None for q in draft_probs):
+        return _verify_against_q(logits, meta, rows, drafts, draft_probs, starts)
     # Seeded random rows with drafts: their generators, keyed by row, before the draws.
     seeded = {
         i: meta.generators[starts[i]]
@@ -95,6 +114,56 @@ def verify_drafts(
         logprobs,
         rows.expanded(counts),
     )
+
+
+def _verify_against_q(
+    logits: torch.Tensor,
+    meta: SamplingMetadata,
+    rows: SamplingRows,
+    drafts: list[list[int]],
+    draft_probs: Sequence[torch.Tensor | None],
+    starts: list[int],
+) -> Verified:
+    """verify_drafts for drafts sampled from the draft's q (runner/draft_sampling.py): the
+    target's processed distribution p at every position (the plain sampler's own stages), then
+    rejection_sample: draft x kept with min(1, p(x) / q(x)), the first rejected one replaced by
+    a draw from max(0, p - q), a bonus draw from p after all were kept; a one-hot q for rows
+    without one. Greedy rows keep the drafts equal to the processed argmax. A seeded row draws
+    its acceptance and residual noise from its generator, after its draft's draws."""
+    device = logits.device
+    layout = DraftLayout.build([len(d) for d in drafts], device)
+    processed, own = Sampler.process(logits, meta)
+    greedy_ids = None if meta.all_random else processed.argmax(dim=-1)
+    probs = Sampler.probabilities(processed, meta, own)  # (T, vocab)
+    flat = [t for d in drafts for t in d]
+    draft_ids = to_device(flat, torch.int64, device)
+    vocab = logits.shape[1]
+    q = [
+        one_hot(to_device(d, torch.int64, device), vocab).float() if p is None else p
+        for d, p in itertools.zip_longest(drafts, draft_probs)
+        if d
+    ]
+    generators = {i: meta.generators[s] for i, s in enumerate(starts) if s in meta.generators}
+    greedy = None if meta.is_greedy is None else meta.is_greedy.index_select(0, layout.bonus_rows)
+    if meta.all_greedy:
+        greedy = torch.ones(layout.num_rows, dtype=torch.bool, device=device)
+    out = rejection_sample(
+        probs,
+        draft_ids,
+        layout,
+        generators,
+        greedy,
+        torch.cat(q) if q else probs.new_empty((0, vocab)),
+        greedy_token_ids=greedy_ids,
+    )
+    counts = [a + 1 for a in out.num_accepted.tolist()]  # the step's sync, as the race's
+    sampled = out.token_ids[out.token_ids != PLACEHOLDER_TOKEN_ID]  # (N,) rows in order
+    emitted = [start + j for start, count in zip(starts, counts) for j in range(count)]
+    logprobs = None
+    if meta.max_num_logprobs is not None:
+        at = logits.index_select(0, to_device(emitted, torch.int64, device))
+        logprobs = compute_logprobs_for(at, sampled, meta.max_num_logprobs)
+    return Verified(sampled, counts, logprobs, rows.expanded(counts))
 
 
 def one_token_rows(

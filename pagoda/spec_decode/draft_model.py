@@ -1,4 +1,4 @@
-"""DraftModelProposer: drafts from a smaller model's greedy continuation (vLLM's "draft_model").
+"""DraftModelProposer: drafts from a smaller model's continuation (vLLM's "draft_model").
 
 The draft has a paged KV cache of its own over the target's block ids (the same blocks, other
 tensors: runner/draft_step.py), so it reads and writes a request's positions where the target
@@ -7,8 +7,8 @@ does. Per request the proposer knows how many leading positions of the draft's c
 T tokens t[0:T] (the last just sampled by the target):
 
     catch up   feed t[valid:T] at positions valid..T-1 (the whole prompt the first time), in
-               passes of at most max_num_batched_tokens tokens; the last position's argmax is
-               d1; valid = T
+               passes of at most max_num_batched_tokens tokens; the token the step picks
+               after the last position is d1; valid = T
     decode     feed d1 at T, d2 at T+1, ... : k - 1 more one-token steps give d2..dk
 
 Positions T..T+k-2 lie past the target's computed tokens: the scheduler allocates k lookahead
@@ -16,9 +16,11 @@ slots beyond each step's tokens for them (Scheduler num_lookahead_tokens). When 
 accepts a of the drafts, the draft's KV at T..T+min(a, k-1)-1 was computed from accepted tokens
 and so is valid too (`record`). A preempted request's blocks are gone: `remove` forgets it and
 it catches up from position 0. A self-draft on the target's own KV cache (loading/draft.py)
-feeds only the last token: the target computed every position before it. Drafts are the
-draft's argmax (a one-hot q), so verification keeps the target's distribution exactly
-(runner/speculative.py).
+feeds only the last token: the target computed every position before it. The step picks
+each draft as the target samples: the argmax for greedy requests, a draw from the draft's
+processed distribution q otherwise, which verification checks by rejection sampling against
+the target's p (runner/draft_sampling.py, runner/speculative.py): the output is distributed
+exactly as the target's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pagoda.spec_decode.backoff import ProposalBackoff
 from pagoda.speculative_config import SpeculativeConfig
 
 # One draft forward: rows of (request id, tokens to feed, position of the first) -> each row's
-# greedy next token after its last fed token. The runner's DraftModelStep is one.
+# next token after its last fed token (the argmax, or a draw: runner/draft_sampling.py). The runner's DraftModelStep is one.
 DraftStepFn = Callable[[list[tuple[str, list[int], int]]], list[int]]
 
 

@@ -16,6 +16,7 @@ against the float engine.
 
 from __future__ import annotations
 
+import copy
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -172,6 +173,29 @@ def _check_logprobs(
                     assert lp_got[t].logprob == pytest.approx(lp_exp[t].logprob, abs=1e-4)
 
 
+def _scored(llm: LLM, outs: list[RequestOutput], params: SamplingParams) -> list[RequestOutput]:
+    """The target's logprobs at each token of `outs` (prompt logprobs of prompt + output), as
+    RequestOutputs of the same shape, for _check_logprobs."""
+    if params.logprobs is None:
+        return outs
+    scored = []
+    for prompt, o in zip(PROMPTS, outs):
+        for c in o.outputs:
+            ids = prompt + list(c.token_ids)
+            lp = SamplingParams(max_tokens=1, prompt_logprobs=params.logprobs)
+            out = llm.generate([{"prompt_token_ids": ids}], lp, use_tqdm=False)[0]
+            assert out.prompt_logprobs is not None
+            c_scored = copy.copy(c)
+            c_scored.logprobs = out.prompt_logprobs[len(prompt) :]
+            scored.append((o, c_scored))
+    result = []
+    for o in outs:
+        o_scored = copy.copy(o)
+        o_scored.outputs = [c for owner, c in scored if owner is o]
+        result.append(o_scored)
+    return result
+
+
 def test_preemption_and_stops(folder: str) -> None:
     """A pool too small for all three requests preempts; a stop token inside accepted drafts
     ends the request there; max_tokens is never passed."""
@@ -294,15 +318,27 @@ def self_draft(folder: str) -> Iterator[LLM]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_self_draft_changes_nothing(case: str, plain: LLM, self_draft: LLM) -> None:
-    """The target's weights kept int4 as its draft: every sampling mode gives the plain run's
-    tokens (and logprobs); the greedy drafts are partly accepted."""
+def test_self_draft(case: str, plain: LLM, self_draft: LLM) -> None:
+    """The target's weights kept int4 as its draft. Greedy: the plain run's tokens and
+    logprobs, the drafts partly accepted. Random rows sample their drafts from the draft's
+    processed q and are verified against it (runner/draft_sampling.py; exactness:
+    test_spec_sampling.py), so their tokens are other draws of the same distribution: seeded
+    requests give the same tokens again, and their logprobs are the target's at the tokens
+    they emit. (Not the same tokens alone as in a batch: a step's token budget may cut a
+    request's drafts, whose draws its generator has made, so its stream depends on the steps
+    that verified drafts; runner/draft_sampling.py.)"""
     params = CASES[case]
     expected = _run(plain, params)
     got, drafted, accepted = _spec_counts(self_draft, lambda: _run(self_draft, params))
-    assert _tokens(got) == _tokens(expected)
-    _check_logprobs(params, got, expected)
-    assert drafted > 0
+    assert drafted > 0 and accepted > 0
+    if case == "greedy":
+        assert _tokens(got) == _tokens(expected)
+        _check_logprobs(params, got, expected)
+        assert drafted > accepted
+    else:
+        assert _tokens(got) != _tokens(expected)
+        assert _tokens(_run(self_draft, params)) == _tokens(got)
+        _check_logprobs(params, got, _scored(plain, got, params))
     # the draft runs on the target's KV cache: it never catches up on a prompt
     runner = self_draft.engine.executor.runner
     assert runner.draft_step is not None and runner.draft_step.kv_caches is runner.kv_caches
