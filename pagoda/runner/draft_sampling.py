@@ -113,8 +113,7 @@ class DraftSampler:
         for i, ((row, _), token) in enumerate(zip(rows, tokens.tolist())):
             proposal = self._proposals[row.request_id]
             proposal.tokens.append(token)
-            random = probs is not None and not columns.greedy[i]
-            proposal.probs.append(probs[i] if probs is not None and random else None)
+            proposal.probs.append(None if probs is None or columns.greedy[i] else probs[i])
         return tokens
 
     def _count_drafts(self, counts: torch.Tensor, rids: list[str]) -> None:

@@ -24,7 +24,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import pagoda.runner.speculative as speculative
 from pagoda import LLM, SamplingParams
+from pagoda.runner.draft_sampling import DraftSampler
 from pagoda.runner.rejection_sampler import DraftLayout, VerifyOutput, rejection_sample
+from pagoda.runner.sampler import Sampler
+from tests.sampling_reference import metadata_from_rows
 from tests.unit.test_rejection_sampler import chi2_sf
 
 VOCAB = 16
@@ -161,3 +164,57 @@ def test_chi_square_catches_a_wrong_verifier_in_the_engine(
     p_value = _p_value(tokens, _next_token_probs(pair[0]))
     print(f"\nresampling from p: p = {p_value:.3g}")
     assert p_value < 1e-6, f"p = {p_value:.3g}: the test cannot tell this verifier is wrong"
+
+
+def test_drafts_are_draws_of_the_processed_q(
+    tiny_weights_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft's q at each draft is its logits processed as the target processes that
+    position (the reference builds the sampler's inputs the plain way, from token lists):
+    logit bias, min_tokens' bans at num_outputs + j outputs, penalties counting the drafts
+    before it, temperature, top-k/p, min-p. A greedy request keeps no q (one-hot drafts)."""
+    captured: list[tuple[torch.Tensor, list[tuple[list[int], list[int]]], list[Any]]] = []
+    sample = DraftSampler._sample
+
+    def spy(self: DraftSampler, logits: torch.Tensor, rows: list[Any]) -> torch.Tensor:
+        before = [self._proposals[r.request_id].tokens[:j] if j else [] for r, j in rows]
+        seen = [
+            (list(r.prompt_token_ids), list(r.output_token_ids) + d)
+            for (r, _), d in zip(rows, before)
+        ]
+        tokens = sample(self, logits, rows)
+        q = [self._proposals[r.request_id].probs[-1] for r, _ in rows]
+        captured.append((logits.float().clone(), seen, q))
+        return tokens
+
+    monkeypatch.setattr(DraftSampler, "_sample", spy)
+    llm = LLM(
+        tiny_weights_dir("llama"),
+        speculative_config={"model": "self", "quantization": "int4", "num_speculative_tokens": 3},
+        skip_tokenizer_init=True,
+        max_model_len=64,
+        num_gpu_blocks_override=64,
+        block_size=4,
+    )
+    eos = llm.engine.executor.runner.eos_token_ids
+    params = SamplingParams(
+        temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, presence_penalty=0.5,
+        frequency_penalty=0.3, repetition_penalty=1.2, logit_bias={5: 2.0, 17: -3.0},
+        min_tokens=6, stop_token_ids=[42], max_tokens=20, ignore_eos=True, seed=3,
+    )  # fmt: skip
+    llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT * 3}], params)
+    assert len(captured) > 4
+    vocab = captured[0][0].shape[1]
+    for logits, seen, q in captured:
+        prompts, outputs = [p for p, _ in seen], [o for _, o in seen]
+        banned = [[*eos, 42] if len(o) < params.min_tokens else [] for o in outputs]
+        meta = metadata_from_rows([params] * len(seen), outputs, prompts, {}, banned, vocab, "cpu")
+        processed, own = Sampler.process(logits, meta)
+        expected = Sampler.probabilities(processed, meta, own)
+        torch.testing.assert_close(torch.stack(q), expected, rtol=1e-5, atol=1e-7)
+    assert any(len(o) < params.min_tokens for _, seen, _ in captured for _, o in seen)
+
+    captured.clear()
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": PROMPT}], greedy)
+    assert captured and all(p is None for _, _, q in captured for p in q)

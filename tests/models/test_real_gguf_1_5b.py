@@ -11,7 +11,8 @@ few minutes of the suite's 30 on a 2-core machine. Its command is `make test-1.5
   whose arguments satisfy the tool's schema (it used to answer 200 with `content:
   "<tool_call>"`: the model writes its added token `<tool_call>`, which the grammar now takes).
 - Structured output: a JSON schema in `response_format` constrains the answer.
-- n-gram speculation keeps the greedy tokens and log-probs exactly (`LLM`, in-process).
+- n-gram speculation keeps the greedy tokens and log-probs exactly (`LLM`, in-process); so does
+  the 0.5B drafting for it, which samples its drafts at temperature 0.7.
 - `/ui`: a chat streams into the browser page and equals the API's answer.
 """
 
@@ -117,3 +118,37 @@ def test_ngram_speculation_keeps_the_plain_tokens(path: str) -> None:
     plain, got = outputs
     assert got.token_ids == plain.token_ids and got.logprobs == plain.logprobs
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0, stats
+
+
+def test_the_0_5b_drafts_for_the_1_5b(path: str) -> None:
+    """The real pair (issue 43): Qwen2.5-Coder-0.5B (its own Q4_K_M file, its own KV cache)
+    drafts for the 1.5B. Greedy: the plain engine's tokens and log-probs, most drafts accepted
+    on a code completion. At temperature 0.7 the drafts are draws from the 0.5B's q, verified
+    by rejection sampling: a seeded request gives the same tokens again, and drafts hold."""
+    draft = str(fetch("qwen2.5-coder-0.5b"))
+    prompt = [{"prompt_token_ids": _code_prompt(path)}]
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+    plain = LLM(path, max_model_len=1024, num_gpu_blocks_override=128)
+    expected = plain.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    del plain
+    gc.collect()
+    spec = {"model": draft, "num_speculative_tokens": 3}
+    llm = LLM(path, max_model_len=1024, num_gpu_blocks_override=128, speculative_config=spec)
+    got = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected.token_ids and got.logprobs == expected.logprobs
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens > stats.spec_num_draft_tokens // 2 > 0, stats
+    sampled = SamplingParams(temperature=0.7, seed=5, max_tokens=48, ignore_eos=True)
+    first, again = (llm.generate(prompt, sampled, use_tqdm=False)[0].outputs[0] for _ in "ab")
+    assert first.token_ids == again.token_ids
+    after = llm.engine.stats()
+    assert after.spec_num_accepted_tokens > stats.spec_num_accepted_tokens, after
+
+
+def _code_prompt(path: str) -> list[int]:
+    from pagoda.bench.spec_workloads import CODE, workload_prompts
+    from pagoda.loading.model_files import resolve_model
+    from pagoda.loading.tokenizer import load_tokenizer
+
+    assert len(CODE) >= 20
+    return workload_prompts(load_tokenizer(*resolve_model(path)), "code", 1)[0]
