@@ -2,7 +2,8 @@
 # The cost of speculation where proposals fail: W-CPU (64 requests of random token ids, T = 0.6,
 # SmolLM2 Q4_1 GGUF kept quantized, -O2), run without and with n-gram speculation alternately,
 # ROUNDS times each, on this machine. Usage:
-#     [SPEC='{...}'] benchmarks/spec_overhead.sh [OUT_DIR] [ROUNDS]
+#     [SPEC='{...}'] [MODEL=FILE] benchmarks/spec_overhead.sh [OUT_DIR] [ROUNDS]
+# MODEL: another model than the embedded SmolLM2 (e.g. the 1.5B with its 0.5B draft in SPEC).
 # Writes one JSON per run into OUT_DIR (default benchmarks/results/issue18/w_cpu_overhead) and
 # prints, then writes to OUT_DIR/summary.json, every run's output tok/s, each side's median and
 # best, and speculation / none for both.
@@ -19,7 +20,7 @@ run() {  # run SIDE ROUND [ARGS...]
     local side=$1 round=$2
     shift 2
     "$python" -m pagoda.cli bench throughput -O2 --num-prompts 64 --input-len-range 16,256 \
-        --output-len-range 16,256 "$@" --output-json "$out/${side}_${round}.json" >/dev/null
+        --output-len-range 16,256 ${MODEL:+--model "$MODEL"} "$@" --output-json "$out/${side}_${round}.json" >/dev/null
 }
 
 for round in $(seq 1 "$rounds"); do
@@ -27,7 +28,7 @@ for round in $(seq 1 "$rounds"); do
     run ngram "$round" --speculative-config "$spec"
 done
 "$python" - "$out" <<'PY'
-import json, statistics, sys
+import json, os, statistics, sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
@@ -38,7 +39,8 @@ for side in ("none", "ngram"):
 spec = [json.loads(p.read_text())["pagoda"].get("spec_decode") for p in sorted(out.glob("ngram_*.json"))]
 summary = {
     "bench": "spec_overhead_w_cpu",
-    "note": "same weights (SmolLM2 Q4_1 GGUF kept quantized), same workload and -O2, alternately",
+    "note": "same weights (MODEL, default SmolLM2's Q4_1 GGUF, kept quantized), same workload and -O2, alternately",
+    "model": os.environ.get("MODEL") or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
     "output_tok_s": sides,
     "median": {s: statistics.median(v) for s, v in sides.items()},
     "best": {s: max(v) for s, v in sides.items()},

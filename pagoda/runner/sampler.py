@@ -314,7 +314,7 @@ class Sampler:
         logits: temperature -> top_k -> top_p -> min_p -> softmax (greedy rows: the softmax of
         their logits, which nothing reads). own: as for sample."""
         temperature = meta.temperature
-        if temperature is not None:  # greedy rows' is 1.0: they take the argmax below
+        if temperature is not None:  # 1.0 in greedy rows, whose argmax the caller takes
             divisor = temperature.unsqueeze(1)
             logits = logits.div_(divisor) if own else logits / divisor
         elif not own and (

@@ -144,9 +144,8 @@ def _verify_against_q(
         if d
     ]
     generators = {i: meta.generators[s] for i, s in enumerate(starts) if s in meta.generators}
+    # some row is random (it has a q): the rows are all random, or is_greedy says which
     greedy = None if meta.is_greedy is None else meta.is_greedy.index_select(0, layout.bonus_rows)
-    if meta.all_greedy:
-        greedy = torch.ones(layout.num_rows, dtype=torch.bool, device=device)
     out = rejection_sample(
         probs,
         draft_ids,
