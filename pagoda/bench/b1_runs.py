@@ -45,11 +45,15 @@ def start_pagoda(
     return llm, {**weights_record(llm, gguf_type), "startup_s": round(time.perf_counter() - t0, 2)}
 
 
-def time_prompt(llm: Any, ids: list[int], output_len: int) -> tuple[IterTiming, list[int]]:
-    """One greedy request of output_len tokens (EOS ignored), streamed: its timing and tokens."""
+def time_prompt(
+    llm: Any, ids: list[int], output_len: int, params: Any = None
+) -> tuple[IterTiming, list[int]]:
+    """One request of output_len tokens (EOS ignored), streamed: its timing and tokens. params:
+    its SamplingParams (max_tokens output_len); None: greedy."""
     from pagoda.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    if params is None:
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     first = last = None
     n = cached = 0
     t0 = time.perf_counter()

@@ -42,11 +42,15 @@ PASSAGES = (
 
 def copy_prompts(tokenizer: Any, count: int) -> list[list[int]]:
     """`count` chat prompts (token ids), each asking to repeat one passage, in turn."""
-    prompts = []
-    for i in range(count):
-        messages = [{"role": "user", "content": INSTRUCTION + PASSAGES[i % len(PASSAGES)]}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        prompts.append([int(t) for t in ids])
-    return prompts
+    return [
+        chat_prompt_ids(tokenizer, INSTRUCTION + PASSAGES[i % len(PASSAGES)]) for i in range(count)
+    ]
+
+
+def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """One user message in the tokenizer's chat template, ready for the answer: token ids."""
+    messages = [{"role": "user", "content": text}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]

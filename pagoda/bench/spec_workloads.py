@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagoda.bench.copy_workload import chat_prompt_ids
+
 CODE = (
     ("def median(values: list[float]) -> float:", "Return the median of a non-empty list."),
     (
@@ -132,14 +134,9 @@ def workload_texts(kind: str, count: int) -> list[tuple[str, bool]]:
 
 def workload_prompts(tokenizer: Any, kind: str, count: int) -> list[list[int]]:
     """The workload's prompts as token ids: code as plain text, chat in the chat template."""
-    prompts = []
-    for text, chat in workload_texts(kind, count):
-        if chat:
-            messages = [{"role": "user", "content": text}]
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        prompts.append([int(t) for t in ids])
-    return prompts
+    return [
+        chat_prompt_ids(tokenizer, text)
+        if chat
+        else [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+        for text, chat in workload_texts(kind, count)
+    ]
