@@ -7,6 +7,7 @@ first difference (0 where the runs agree bit for bit).
 
     python benchmarks/determinism.py --output-json benchmarks/results/issue39/determinism.json
     python benchmarks/determinism.py -q none          # the float path
+    python benchmarks/determinism.py -q none --dtype bfloat16
     PAGODA_CPU_KERNELS=0 python benchmarks/determinism.py   # torch's quantized ops
 """
 
@@ -76,6 +77,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
     parser.add_argument("-q", "--quantization", default=None)
+    parser.add_argument("--dtype", default="auto", help="with -q none: bfloat16, float16")
     parser.add_argument("-O", "--optimization-level", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--only", default=None, help="comma-separated variations")
@@ -86,6 +88,7 @@ def main() -> int:
 
     base: dict[str, Any] = {
         "quantization": args.quantization,
+        "dtype": args.dtype,
         "optimization_level": args.optimization_level,
         "enable_prefix_caching": False,
     }
@@ -119,6 +122,7 @@ def main() -> int:
         "bench": "determinism",
         "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
         "quantization": args.quantization,
+        "dtype": args.dtype,
         "optimization_level": args.optimization_level,
         "cpu_kernels": os.environ.get("PAGODA_CPU_KERNELS", "1") != "0",
         "reference": "each prompt alone, prefix caching off, a roomy KV pool",

@@ -7,7 +7,8 @@ latency` figures are turned into tok/s (output_len / avg latency), so it is the 
 beside vLLM's B1 anchor.
 
 --workload copy asks the model to repeat a passage (bench/copy_workload.py), the case prompt
-lookup is made for. With --speculative-config, pagoda also runs without it in the same run (its
+lookup is made for; --workload code and chat are the draft-model workloads
+(bench/spec_workloads.py). With --speculative-config, pagoda also runs without it in the same run (its
 own baseline: the ratio and whether the greedy outputs are identical; both engines are up at
 once and take each prompt in turn, bench/b1_runs.py), --peer hf decodes with
 HF's prompt lookup (prompt_lookup_num_tokens = num_speculative_tokens,
@@ -60,10 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-iters-warmup", type=int, default=1)
     g.add_argument(
         "--workload",
-        choices=["random", "copy"],
+        choices=["random", "copy", "code", "chat"],
         default="random",
         help="random: --input-len random token ids; copy: chat prompts asking to repeat a "
-        "passage (needs the model's tokenizer; --input-len is ignored)",
+        "passage; code: function signatures with docstrings to complete; chat: questions in "
+        "the chat template (bench/spec_workloads.py). All but random need the model's "
+        "tokenizer and ignore --input-len",
     )
     p = parser.add_argument_group("peer")
     p.add_argument(
@@ -287,14 +290,19 @@ def rates_line(summary: dict[str, Any], output_len: int) -> str:
 def workload_prompts(
     kind: str, model: str | None, input_len: int, seed: int, count: int
 ) -> list[list[int]]:
-    """random: `count` random prompts of input_len tokens (seed + i); copy: copy_workload's."""
+    """random: `count` random prompts of input_len tokens (seed + i); copy: copy_workload's;
+    code, chat: spec_workloads'."""
     if kind == "random":
         return [random_prompt(input_len, seed + i) for i in range(count)]
+    from pagoda.bench import spec_workloads
     from pagoda.bench.copy_workload import copy_prompts
     from pagoda.loading.model_files import resolve_model
     from pagoda.loading.tokenizer import load_tokenizer
 
-    return copy_prompts(load_tokenizer(*resolve_model(model)), count)
+    tokenizer = load_tokenizer(*resolve_model(model))
+    if kind == "copy":
+        return copy_prompts(tokenizer, count)
+    return spec_workloads.workload_prompts(tokenizer, kind, count)
 
 
 def profile_decode_steps(llm: Any, prompt: list[int], num_steps: int) -> dict[str, Any]:

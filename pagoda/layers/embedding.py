@@ -24,7 +24,13 @@ from pagoda.layers.cpu_forms import cpu_q8_rows
 from pagoda.layers.gguf import GGUFWeight
 from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import gguf_cpu_form
-from pagoda.layers.quant_forms import apply_stored, cpu_kernels_for, set_int8, take_float_weight
+from pagoda.layers.quant_forms import (
+    apply_stored,
+    cpu_kernels_for,
+    keep_cpu_float16,
+    set_int8,
+    take_float_weight,
+)
 
 
 class _VocabRows(nn.Module):
@@ -143,6 +149,12 @@ class LMHead(_VocabRows):
         ):
             return
         set_int8(self, w)
+
+    def keep_half_on_cpu(self) -> None:
+        """An untied float head's half-precision weight takes the CPU kernels' rows-alone form
+        (quant_forms.keep_cpu_float16); a tied one stays the embedding's float matrix."""
+        if not self._tied:
+            keep_cpu_float16(self)
 
     def forward(self, hidden_states: torch.Tensor, float32: bool = True) -> torch.Tensor:
         # hidden_states: (n, embedding_dim) -> logits (n, num_embeddings) float32, or in the

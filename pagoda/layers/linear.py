@@ -23,6 +23,7 @@ from torch import nn
 from pagoda.layers.cpu_forms import CPU_KERNELS, cpu_matmul_norm, cpu_matmul_silu
 from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import QuantMethod
+from pagoda.layers.quant_forms import apply_stored, keep_cpu_float16
 
 Part = tuple[int, int]  # (start, length) along one dimension of a checkpoint tensor
 
@@ -45,6 +46,8 @@ class Linear(nn.Module):
     """
 
     quant_method: QuantMethod | None = None
+    # A float layer's stored form when it has one (quant_forms.keep_cpu_float16), else None.
+    kernel: str | None = None
 
     def __init__(
         self,
@@ -72,13 +75,14 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, input_size) -> (num_tokens, output_size)
-        if self.quant_method is None and self.in_part is None:
+        if self.quant_method is None and self.kernel is None and self.in_part is None:
             return F.linear(x, self.weight, self.bias)
-        y = (
-            F.linear(x, self.weight)
-            if self.quant_method is None
-            else self.quant_method.apply(self, x)
-        )
+        if self.quant_method is not None:
+            y = self.quant_method.apply(self, x)
+        elif self.kernel is not None:
+            y = apply_stored(self, x)
+        else:
+            y = F.linear(x, self.weight)
         if self.in_part is not None:  # row-parallel: sum the ranks' partial products, then bias
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -165,9 +169,12 @@ class Linear(nn.Module):
         self.weight_loader(param, tensor, shard_id)
 
     def finalize(self) -> None:
-        """After every tensor is loaded: let the method build its stored form."""
+        """After every tensor is loaded: let the method build its stored form; a half-precision
+        float weight on CPU takes the CPU kernels' float16 form."""
         if self.quant_method is not None:
             self.quant_method.finalize(self)
+        else:
+            keep_cpu_float16(self)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None

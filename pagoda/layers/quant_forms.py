@@ -30,13 +30,14 @@ before the matmul (correct, not fast).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.cpu_forms import CPU_KERNELS, cpu_matmul, set_cpu_q8
+from pagoda.layers.cpu_forms import CPU_KERNELS, cpu_matmul, set_cpu_float16, set_cpu_q8
 
 # ---------------------------------------------------------------------------------------------
 # Kernels
@@ -214,6 +215,33 @@ def cpu_kernels_for(layer: Any) -> Any | None:
     from pagoda.kernels.cpu import kernels
 
     return kernels()
+
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Opt-in: half-precision float layers on pagoda's CPU kernels (keep_cpu_float16).
+HALF_KERNELS_SWITCH = "PAGODA_CPU_HALF_KERNELS"
+
+
+def keep_cpu_float16(module: Any) -> bool:
+    """With PAGODA_CPU_HALF_KERNELS=1: move a float layer's bfloat16 / float16 `weight` into
+    pagoda's CPU kernels' float16 form (cpu_forms: cpu_bf16 / cpu_f16, 2 bytes a weight as
+    before) where the layer lives on CPU and the kernels are built. Whether it did. The kernels
+    compute each row alone (float32 accumulation in a fixed order), so a position's output does
+    not depend on the rows beside it, as torch's half GEMMs' does (they block rows by the
+    batch): a token verified among drafts or decoded in a batch gets the bits it gets alone.
+    Opt-in because prefill pays: without AMX tiles the kernels' float32 FMAs take the 1.5B's
+    TTFT at 512 tokens from 1.64 to 8.42 s on an AMX CPU (docs/determinism.md)."""
+    w = module.weight
+    if os.environ.get(HALF_KERNELS_SWITCH, "0") != "1":
+        return False
+    if w.dtype not in HALF_DTYPES or w.device.type != "cpu":
+        return False
+    from pagoda.kernels.cpu import kernels
+
+    if kernels() is None:
+        return False
+    set_cpu_float16(module, take_float_weight(module))
+    return True
 
 
 def take_float_weight(module: Any) -> torch.Tensor:

@@ -152,6 +152,8 @@ def _load_weights(
         # a few large operators: every thread helps
         for vocab in model.vocab_layers():
             vocab.quantize_int8()
+    elif model.lm_head is not None:
+        model.lm_head.keep_half_on_cpu()
 
 
 @contextlib.contextmanager

@@ -38,6 +38,16 @@ PROMPTS = [
     [(13 * j + 1) % 900 + 5 for j in range(9)],
 ]
 MAX_TOKENS = 24
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis briefly.",
+    "List three prime numbers.",
+    "Who wrote Hamlet?",
+    "Give me a tip for learning Python.",
+    "What is 17 times 3?",
+    "Describe a cat in two sentences.",
+]
 
 
 def _llm(folder: str, spec: dict[str, Any] | None, **kwargs: Any) -> LLM:
@@ -346,6 +356,33 @@ def test_self_draft(case: str, plain: LLM, self_draft: LLM) -> None:
     assert proposer.num_catch_up_tokens == proposer.num_proposals > 0
     if case == "greedy":
         assert drafted > accepted > 0
+
+
+def test_a_bfloat16_target_with_its_gguf_self_draft(
+    smollm2_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's float-output-at-4-bit-speed row on SmolLM2: the target in bfloat16 (-q none)
+    with its GGUF kept Q4_1 as the draft. With PAGODA_CPU_HALF_KERNELS=1 (the CPU kernels'
+    float16 form computes each row alone, layers/quant_forms.keep_cpu_float16) greedy tokens
+    equal the bfloat16 engine's, its prompts batched there and alone here. Without it torch's
+    bf16 GEMMs block rows by the batch, and a position verified among drafts, or decoded in a
+    batch of 8, gets other bits than alone: 6 of the 8 answers differed without the switch on
+    the AVX-512 machine."""
+    monkeypatch.setenv("PAGODA_CPU_HALF_KERNELS", "1")
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    chats: list[Any] = [[{"role": "user", "content": q}] for q in CHAT_PROMPTS]
+    common: dict[str, Any] = dict(quantization="none", dtype="bfloat16", max_model_len=512)
+    plain = LLM(smollm2_path, **common)
+    expected = [o.outputs[0].token_ids for o in plain.chat(chats, params, use_tqdm=False)]
+    del plain
+    spec = {"model": "self", "quantization": "gguf", "num_speculative_tokens": 4}
+    llm = LLM(smollm2_path, speculative_config=spec, **common)
+    run = lambda: [llm.chat([c], params, use_tqdm=False)[0].outputs[0] for c in chats]  # noqa: E731
+    got, drafted, accepted = _spec_counts(llm, run)
+    assert accepted > drafted // 2
+    assert [o.token_ids for o in got] == expected
+    layer = llm.engine.executor.runner.model.model.layers[0]  # type: ignore[union-attr]
+    assert layer.mlp.down_proj.kernel == "cpu_bf16"
 
 
 @pytest.mark.parametrize("num_blocks", [64, 12])

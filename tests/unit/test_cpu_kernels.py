@@ -426,6 +426,60 @@ def test_an_untied_gguf_head_keeps_the_file_s_form_a_tied_matrix_int8_rows() -> 
     torch.testing.assert_close(own(x).double(), exact, rtol=0, atol=2e-6 * exact.abs().max())
 
 
+@pytest.fixture
+def half_kernels_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "1")
+    monkeypatch.setenv("PAGODA_CPU_HALF_KERNELS", "1")
+
+
+@pytest.mark.usefixtures("half_kernels_on")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_float_layer_keeps_the_rows_alone_float16_form(dtype: torch.dtype) -> None:
+    """-q none in bfloat16 / float16 with PAGODA_CPU_HALF_KERNELS=1: a layer's weight and an
+    untied head's take the kernels' float16 form (the same 2 bytes a weight): float32 products
+    of the half weights and the activations, rounded to the model's dtype once, each row the
+    same bits in any batch."""
+    kernel = "cpu_bf16" if dtype == torch.bfloat16 else "cpu_f16"
+    g = torch.Generator().manual_seed(0)
+    layer, head = MergedLinear(64, {"a": 48, "b": 40}, dtype=dtype), LMHead(100, 64, dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(88, 64, generator=g))
+        head.weight.copy_(torch.randn(100, 64, generator=g))
+    weights = (layer.weight.detach().clone(), head.weight.detach().clone())
+    layer.finalize()
+    head.keep_half_on_cpu()
+    assert layer.kernel == head.kernel == kernel
+    assert not list(layer.parameters()) and not list(head.parameters())
+    x = torch.randn(9, 64, generator=g).to(dtype)
+    for module, w, out_dtype in ((layer, weights[0], dtype), (head, weights[1], torch.float32)):
+        y = module(x)
+        assert y.dtype == out_dtype
+        # rounded to the dtype once: at most an ulp apart (eps relative), or float32's
+        # accumulation error of 64 products where a sum cancels (atol)
+        exact = (x.double() @ w.double().T).to(dtype).double()
+        torch.testing.assert_close(y.double(), exact, rtol=torch.finfo(dtype).eps, atol=1e-4)
+        for m in (1, 2, 5):
+            assert torch.equal(module(x[:m]), y[:m])
+
+
+@pytest.mark.usefixtures("kernels_on")
+def test_half_float_layers_stay_torch_s_by_default() -> None:
+    layer = MergedLinear(64, {"a": 48}, dtype=torch.bfloat16)
+    layer.finalize()
+    assert layer.kernel is None and layer.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.usefixtures("half_kernels_on")
+def test_a_float32_or_tied_float_layer_stays_torch_s() -> None:
+    layer = MergedLinear(64, {"a": 48})
+    layer.finalize()
+    assert layer.kernel is None and layer.weight.dtype == torch.float32
+    emb, head = VocabEmbedding(100, 64, torch.bfloat16), LMHead(100, 64, torch.bfloat16)
+    head.tie_to(emb)
+    head.keep_half_on_cpu()
+    assert head.kernel == emb.kernel == "float"
+
+
 @pytest.mark.usefixtures("kernels_on")
 def test_the_tied_vocabulary_is_int8_rows_once() -> None:
     emb, head = VocabEmbedding(1000, 64), LMHead(1000, 64)
