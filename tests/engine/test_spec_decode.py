@@ -27,6 +27,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.bench.copy_workload import copy_prompts
+from pagoda.bench.spec_workloads import CHAT
 from pagoda.outputs import RequestOutput
 from tests.drafts import FixedDrafts
 
@@ -38,16 +39,6 @@ PROMPTS = [
     [(13 * j + 1) % 900 + 5 for j in range(9)],
 ]
 MAX_TOKENS = 24
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis briefly.",
-    "List three prime numbers.",
-    "Who wrote Hamlet?",
-    "Give me a tip for learning Python.",
-    "What is 17 times 3?",
-    "Describe a cat in two sentences.",
-]
 
 
 def _llm(folder: str, spec: dict[str, Any] | None, **kwargs: Any) -> LLM:
@@ -366,11 +357,11 @@ def test_a_bfloat16_target_with_its_gguf_self_draft(
     float16 form computes each row alone, layers/quant_forms.keep_cpu_float16) greedy tokens
     equal the bfloat16 engine's, its prompts batched there and alone here. Without it torch's
     bf16 GEMMs block rows by the batch, and a position verified among drafts, or decoded in a
-    batch of 8, gets other bits than alone: 6 of the 8 answers differed without the switch on
+    batch of 8, gets other bits than alone: 6 of these 8 answers differed without the switch on
     the AVX-512 machine."""
     monkeypatch.setenv("PAGODA_CPU_HALF_KERNELS", "1")
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    chats: list[Any] = [[{"role": "user", "content": q}] for q in CHAT_PROMPTS]
+    chats: list[Any] = [[{"role": "user", "content": q}] for q in CHAT[:8]]
     common: dict[str, Any] = dict(quantization="none", dtype="bfloat16", max_model_len=512)
     plain = LLM(smollm2_path, **common)
     expected = [o.outputs[0].token_ids for o in plain.chat(chats, params, use_tqdm=False)]
