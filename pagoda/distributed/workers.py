@@ -30,6 +30,7 @@ from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
+from pagoda.runner.draft_sampling import DraftGrammar
 from pagoda.scheduling.messages import KVConnectorOps, KVFetchDone, RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -119,6 +120,9 @@ class WorkerGroup:
 
     def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
         return 0  # no draft model on parallel ranks (EngineConfig refuses one)
+
+    def set_draft_grammar(self, masks: DraftGrammar) -> None:
+        return None  # no draft model on parallel ranks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.call_all("allocate_kv_cache", num_blocks)

@@ -266,6 +266,7 @@ class EngineCore:
             vocab = self.model_config.vocab_size
             compiler = GrammarCompiler(tokenizer, vocab, self.eos_token_ids)
             self.structured = StructuredOutputs(compiler, vocab)
+            self.executor.set_draft_grammar(self.structured.draft_mask)
         return self.structured
 
     def check_health(self) -> None:

@@ -211,6 +211,31 @@ class StructuredOutputs:
             for i, (sid, _, _) in enumerate(rows)
         }
 
+    def draft_mask(self, sample_id: str, output_token_ids: Sequence[int]) -> bytes | None:
+        """A draft model's mask (runner/draft_sampling.py): the sample's allowed tokens after
+        `output_token_ids`, its outputs as the runner holds them (those the engine has, then
+        the step's new ones) and the drafts drawn so far. The matcher walks the tokens past the
+        engine's and rolls back. None without a grammar, or where it refuses one of them."""
+        entry = self.matchers.get(sample_id)
+        if entry is None or entry[1].is_stopped():
+            return None
+        request, matcher = entry
+        ahead = list(output_token_ids[len(request.output_token_ids) :])
+        walked = matcher.try_consume_tokens(ahead) if ahead else 0
+        try:
+            if walked < len(ahead):
+                return None
+            mask = np.full((1, self.words), -1, dtype=np.int32)
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(
+                [(matcher, 0)], mask.ctypes.data, self.words * 4, 1
+            )
+            return mask.tobytes()
+        finally:
+            if walked:
+                matcher.rollback(walked)
+
     def accept(self, outputs: Iterable[Any]) -> tuple[dict[str, int], dict[str, int]]:
         """Advance each sample's matcher with its new tokens. Returns the samples whose grammar
         has now ended, then those whose grammar refused a token (logged), each with how many of

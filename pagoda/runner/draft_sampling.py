@@ -16,21 +16,29 @@ tokens. Unlike greedy and n-gram drafts (runner/speculative.py), not the tokens 
 speculation, nor always those it gives in another batch: a step's token budget may cut drafts
 whose draws were made.
 
-The structured-output mask is not in q: the engine computes a grammar's masks for the target's
-positions only (engine/grammar.py). That is still exact, only slower: a draft the grammar
-refuses has p(x) = 0 and is rejected, the token then drawn from the residual, which is masked.
+A request with structured outputs samples its drafts under its grammar's mask too: `grammar`
+(the engine's StructuredOutputs.draft_mask, set through the executor) gives the allowed tokens
+after the request's outputs and the drafts before draft j, as the target's mask at that
+position will be, so q is the distribution the target's processing gives the draft's logits.
+Where the grammar refuses a token already drawn (none should be) it gives no mask: such a draft
+is rejected in verification whatever q is (its p is 0 there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from pagoda.runner.device import to_device
+from pagoda.runner.grammar_mask import apply_grammar_bitmask
 from pagoda.runner.input_batch import BatchColumns, InputBatch, RequestRow, SamplingRows
 from pagoda.runner.sampler import Sampler, SamplingMetadata, random_sample
+
+# (request id, its output tokens as the runner holds them, then its drafts so far) -> the
+# grammar's bitmask row after them (runner/grammar_mask.py), or None (no grammar, or refused).
+DraftGrammar = Callable[[str, Sequence[int]], bytes | None]
 
 
 @dataclass
@@ -58,6 +66,7 @@ class DraftSampler:
         self.device = device
         self.eos_token_ids = list(eos_token_ids)
         self._proposals: dict[str, _Proposal] = {}
+        self.grammar: DraftGrammar | None = None  # set where requests may have a grammar
 
     def pick(self, rows: Sequence[tuple[str, int]], logits: torch.Tensor) -> list[int]:
         """The draft's token after each row: rows[i] = (request id, the draft's sequence length
@@ -98,6 +107,7 @@ class DraftSampler:
         )
         if meta.output_counts is not None:
             self._count_drafts(meta.output_counts, [r.request_id for r, _ in rows])
+        self._mask(logits, [row for row, _ in rows])
         processed, own = Sampler.process(logits, meta)
         greedy = None if meta.all_random else processed.argmax(dim=-1)
         probs = None
@@ -115,6 +125,19 @@ class DraftSampler:
             proposal.tokens.append(token)
             proposal.probs.append(None if probs is None or columns.greedy[i] else probs[i])
         return tokens
+
+    def _mask(self, logits: torch.Tensor, rows: list[RequestRow]) -> None:
+        """Each grammar row's mask after its outputs and its drafts so far, on logits (R, vocab)
+        in place."""
+        if self.grammar is None:
+            return
+        masks: dict[str, list[bytes]] = {}
+        for row in rows:
+            tokens = [*row.output_token_ids, *self._proposals[row.request_id].tokens]
+            mask = self.grammar(row.request_id, tokens)
+            if mask is not None:
+                masks[row.request_id] = [mask]
+        apply_grammar_bitmask(logits, [row.request_id for row in rows], masks)
 
     def _count_drafts(self, counts: torch.Tensor, rids: list[str]) -> None:
         """Add each row's drafts so far to its output counts (R, vocab): penalties see them."""

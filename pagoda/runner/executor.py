@@ -22,6 +22,7 @@ from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.loading.draft import DraftModel
 from pagoda.model_config import ModelConfig
 from pagoda.runner.builder import build_runner, profiled_kv_budget
+from pagoda.runner.draft_sampling import DraftGrammar
 from pagoda.runner.model_runner import ModelRunner
 from pagoda.scheduling.messages import KVConnectorOps, KVFetchDone, RunnerOutput, SchedulerOutput
 from pagoda.spec_decode.methods import spec_method
@@ -48,6 +49,11 @@ class Executor(Protocol):
 
     def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
         """Bytes per token of a draft model's own KV cache, sized beside the target's."""
+        ...
+
+    def set_draft_grammar(self, masks: DraftGrammar) -> None:
+        """Where a draft model samples its drafts: the structured-output masks to sample them
+        under (runner/draft_sampling.py)."""
         ...
 
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
@@ -110,6 +116,11 @@ class LocalExecutor:
         if spec is None:
             return 0
         return spec_method(spec).draft_kv_bytes_per_token(self.draft, kv_quant)
+
+    def set_draft_grammar(self, masks: DraftGrammar) -> None:
+        step = self.runner.draft_step
+        if step is not None and step.sampler is not None:
+            step.sampler.grammar = masks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)

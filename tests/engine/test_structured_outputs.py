@@ -12,10 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
+import torch
 
 from pagoda import LLM
 from pagoda.client.tool_calls import parse_tool_calls
+from pagoda.engine.grammar import GrammarCompiler
+from pagoda.runner.draft_sampling import DraftSampler
 from pagoda.sampling_params import SamplingParams
 from pagoda.server.protocol import ChatCompletionRequest
 from pagoda.server.tools import tool_plan
@@ -366,3 +370,67 @@ def test_speculative_drafts_are_checked_against_the_grammar(
         drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
         accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
         assert oracle.proposed > 0 and 0 < accepted < drafted, (accepted, drafted)
+
+
+def test_a_draft_model_samples_its_drafts_under_the_grammar(
+    tiny_model_dir: Callable[[str], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft model's drafts are drawn under the request's grammar (engine/grammar.py
+    draft_mask, runner/draft_sampling.py): at draft j the mask after the request's outputs and
+    drafts 0..j-1, as the target's mask at that position. Checked against a fresh matcher
+    walked over the same tokens: every draft is a token the grammar allows there, and a sampled
+    request's q has no mass outside it. Random weights: unmasked, the drafts would be refused."""
+    captured: list[tuple[str, list[int], int, torch.Tensor | None]] = []
+    sample = DraftSampler._sample
+
+    def spy(self: DraftSampler, logits: torch.Tensor, rows: list[Any]) -> torch.Tensor:
+        before = [self._proposals[r.request_id].tokens[:j] if j else [] for r, j in rows]
+        tokens = sample(self, logits, rows)
+        for (row, _), drafts, token in zip(rows, before, tokens.tolist()):
+            q = self._proposals[row.request_id].probs[-1]
+            captured.append((row.request_id, list(row.output_token_ids) + drafts, token, q))
+        return tokens
+
+    monkeypatch.setattr(DraftSampler, "_sample", spy)
+    llm = LLM(
+        tiny_model_dir("llama"),
+        num_gpu_blocks_override=512,
+        speculative_config={"model": "self", "quantization": "int4", "num_speculative_tokens": 3},
+    )
+    grammar = _structured(regex="[a-f]{5,40}")
+    cases = {
+        "greedy": SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=grammar),
+        "sampled": SamplingParams(
+            temperature=1.0, seed=4, max_tokens=30, structured_outputs=grammar
+        ),
+    }
+    tokenizer = llm.get_tokenizer()
+    runner = llm.engine.executor.runner
+    vocab = runner.model_config.vocab_size
+    compiler = GrammarCompiler(lambda: tokenizer, vocab, runner.eos_token_ids)
+    template = compiler.compile(grammar).result(timeout=60)
+    words = (runner.model_config.vocab_size + 31) // 32
+    for name, params in cases.items():
+        captured.clear()
+        before = llm.engine.stats()
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        for o in outs:
+            assert re.fullmatch("[a-f]{5,40}", o.outputs[0].text), o.outputs[0].text
+        accepted = llm.engine.stats().spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        assert captured and accepted > 0
+        checked = 0
+        for _, tokens, token, q in captured:
+            if set(tokens) & set(runner.eos_token_ids):
+                continue  # ended this step: the scheduler drops its drafts, unverified
+            checked += 1
+            matcher = template.deep_copy()
+            assert matcher.consume_tokens(tokens)
+            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)[:words]
+            bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+            allowed = torch.from_numpy(bits[: runner.model_config.vocab_size].astype(bool))
+            assert allowed[token], (name, tokens, token)
+            assert (q is None) == (name == "greedy")
+            if q is not None:
+                assert q[~allowed].sum().item() == 0.0
+        assert checked > len(captured) // 2
+    compiler.shutdown()
