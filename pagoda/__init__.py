@@ -16,9 +16,12 @@ from pagoda.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
     CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
     Logprob,
     RequestOutput,
 )
+from pagoda.pooler_config import PoolerConfig, PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
 from pagoda.scheduling.messages import EngineRequest
 from pagoda.version import __version__
@@ -45,9 +48,13 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineCore",
     "EngineRequest",
     "Logprob",
+    "PoolerConfig",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -12,6 +12,7 @@ from typing import Any
 
 from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.model_config import QUANTIZATION_METHODS
+from pagoda.pooler_config import RUNNERS, PoolerConfig
 from pagoda.speculative_config import SpeculativeConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -135,6 +136,11 @@ class EngineConfig:
     # vLLM's --kv-transfer-config: prefill/decode disaggregation (kv_transfer_config.py); a
     # KVTransferConfig, its dict or its JSON text (parsed here).
     kv_transfer_config: KVTransferConfig | None = None
+    # vLLM's --runner: "pooling" serves embeddings (runner/pooler.py) instead of generating;
+    # "auto" generates (every registered architecture is a causal LM).
+    runner: str = "auto"
+    # vLLM's --pooler-config (pooler_config.py): a PoolerConfig, its dict or its JSON text.
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -178,6 +184,7 @@ class EngineConfig:
         self._check_pipeline(spec)
         self._check_context_parallel(spec)
         self._check_kv_transfer()
+        self._check_pooling(spec)
         if spec is not None and spec.model is not None and self.tensor_parallel_size > 1:
             raise ValueError(
                 "a draft model with tensor_parallel_size > 1 is not supported yet; use "
@@ -223,6 +230,30 @@ class EngineConfig:
                 "prefill_context_parallel_size > 1 runs the torch attention backend with "
                 "synchronous scheduling and no speculative decoding for now"
             )
+
+    def _check_pooling(self, spec: SpeculativeConfig | None) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
+        pooler = PoolerConfig.parse(self.pooler_config)
+        object.__setattr__(self, "pooler_config", pooler)
+        if not self.is_pooling:
+            if pooler is not None:
+                raise ValueError("pooler_config applies to --runner pooling only")
+            return
+        if spec is not None or self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "--runner pooling computes each prompt once and samples nothing: drop "
+                "--speculative-config and --pipeline-parallel-size"
+            )
+        if self.kv_transfer_config is not None or self.prefill_context_parallel_size > 1:
+            raise ValueError(
+                "--runner pooling with --kv-transfer-config or context parallelism is not supported"
+            )
+
+    @property
+    def is_pooling(self) -> bool:
+        """Whether the engine pools prompts into embeddings (runner "pooling")."""
+        return self.runner == "pooling"
 
     def _check_kv_transfer(self) -> None:
         kv = KVTransferConfig.parse(self.kv_transfer_config)

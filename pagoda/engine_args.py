@@ -147,6 +147,31 @@ ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ),
     ),
     (
+        ("--runner",),
+        dict(
+            default=None,
+            choices=["auto", "generate", "pooling"],
+            help="pooling: serve embeddings (/v1/embeddings) instead of generating text",
+        ),
+    ),
+    (
+        ("--task",),
+        dict(
+            default=None,
+            choices=["generate", "embed"],
+            help="vLLM's older name for --runner: embed is --runner pooling",
+        ),
+    ),
+    (
+        ("--pooler-config",),
+        dict(
+            default=None,
+            help='with --runner pooling, a JSON object: \'{"pooling_type": "LAST" | "MEAN" | '
+            '"CLS", "normalize": true}\' (default: the checkpoint\'s sentence-transformers files, '
+            "else LAST, normalized)",
+        ),
+    ),
+    (
         ("--speculative-config",),
         dict(
             default=None,
@@ -175,4 +200,9 @@ ENGINE_ARG_NAMES = tuple(_dest(names) for names, _ in ENGINE_FLAGS if names != (
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """Engine arguments the user set (None means: the engine's default)."""
     out = {k: getattr(args, k) for k in ENGINE_ARG_NAMES if getattr(args, k, None) is not None}
+    task = out.pop("task", None)
+    if task is not None:
+        runner = "pooling" if task == "embed" else "generate"
+        if out.setdefault("runner", runner) != runner:
+            raise ValueError(f"--task {task} contradicts --runner {out['runner']}")
     return out

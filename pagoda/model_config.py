@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.pooler_config import PoolerConfig
+
 # Weight schemes (--quantization; layers/quant.py).
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
 
@@ -67,6 +69,9 @@ class ModelConfig:
     rank_layers: int = 0  # layers in this rank's stage (PipelineStage.layers); 0: all of them
     # ranks sharing each request's KV along the sequence (layers/context_parallel.py)
     prefill_context_parallel_size: int = 1
+    # --runner pooling: the pooling in effect (--pooler-config over the checkpoint's own,
+    # loading/pooling.py), fields all set; None: the model generates
+    pooler: PoolerConfig | None = None
 
     @property
     def num_layers(self) -> int:

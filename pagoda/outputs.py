@@ -70,3 +70,25 @@ class BeamSearchSequence:
 @dataclass
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One prompt's vector (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What LLM.embed returns per prompt (vLLM's EmbeddingRequestOutput)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from pagoda.client.finished import Explanations, finish_line
 from pagoda.client.output_processor import RequestState
+from pagoda.client.pooling import check_runner
 from pagoda.client.tokenizer import (
     CompletionPrompt,
     Conversation,
@@ -254,9 +255,9 @@ class AsyncEngine:
             tools,
         )
 
-    def completion_prompts(self, prompt: CompletionPrompt) -> list[Prompt]:
-        """The (text, token ids) prompts of a completion request's `prompt`."""
-        return completion_prompts(self.tokenizer, prompt)
+    def completion_prompts(self, prompt: CompletionPrompt, field: str = "prompt") -> list[Prompt]:
+        """The (text, token ids) prompts of a completion request's `prompt` (or other field)."""
+        return completion_prompts(self.tokenizer, prompt, field)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -287,12 +288,16 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        pooling: bool = False,
     ) -> RequestStream:
         """Send a request and wait until the engine accepts it (within one step). ValueError if
         the engine refuses it, EngineDeadError if the engine is gone. The caller must then read
-        `outputs(stream)` or `release(stream)`."""
+        `outputs(stream)` or `release(stream)`. pooling: an embedding request (--runner pooling;
+        its vector is `stream.state.pooled` once finished)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        assert self.info is not None
+        check_runner(self.info, pooling)
         if params.structured_outputs is not None:
             from pagoda.engine.grammar import check_structured_outputs
 
@@ -300,7 +305,6 @@ class AsyncEngine:
             await asyncio.to_thread(check_structured_outputs, params.structured_outputs)
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        assert self.info is not None
         max_num_seqs = self.config.scheduler.max_num_seqs
         check_request(self.info, max_num_seqs, prompt_token_ids, params, kv_transfer_params)
         arrival = time.time()

@@ -11,11 +11,18 @@ from tqdm.auto import tqdm
 
 from pagoda.client.beam_search import beam_search
 from pagoda.client.output_processor import RequestState
+from pagoda.client.pooling import POOLING_SAMPLING, check_pooling_params, check_runner, embedding
 from pagoda.client.tokenizer import Conversation, apply_chat_template, as_conversations
 from pagoda.client.validation import check_request
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
-from pagoda.outputs import BeamSearchOutput, RequestOutput
+from pagoda.outputs import (
+    BeamSearchOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from pagoda.pooler_config import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
 from pagoda.scheduling.messages import EngineRequest
 
@@ -130,12 +137,15 @@ class LLM:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        pooling: bool = False,
     ) -> RequestState:
-        """kv_transfer_params: a kv_consumer's remote prefill (kv_transfer_config.py)."""
+        """kv_transfer_params: a kv_consumer's remote prefill (kv_transfer_config.py). pooling:
+        an embedding request (a model run with runner="pooling"), else a generation."""
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
         if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
             raise ValueError("kv_transfer_params must be a dict")
+        check_runner(self._info, pooling)
         if params.stop:
             self._require_tokenizer("a stop string")
         check_request(
@@ -174,6 +184,38 @@ class LLM:
         finally:
             bar.close()
         return [s.make_output() for s in states]
+
+    # ---- embed -------------------------------------------------------------------------
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: one vector per prompt, from a model run with runner="pooling"
+        (pooled as its pooler config says, runner/pooler.py). ValueError on a generating model."""
+        prompt_list = _as_list(prompts)
+        params = _pooling_params_per_prompt(pooling_params, len(prompt_list))
+        check_runner(self._info, pooling=True)
+        states: list[RequestState] = []
+        try:
+            for prompt, p in zip(prompt_list, params):
+                check_pooling_params(self._info, p)
+                text, ids = self._tokenize(prompt)
+                states.append(self._add(text, ids, POOLING_SAMPLING, pooling=True))
+        except Exception:
+            self.engine.abort_request([s.request_id for s in states])
+            raise
+        self._run(states, use_tqdm)
+        return [
+            EmbeddingRequestOutput(
+                s.request_id,
+                s.prompt_token_ids,
+                EmbeddingOutput(embedding(s.pooled or b"", p, self._info)),
+                num_cached_tokens=s.num_cached_tokens,
+            )
+            for s, p in zip(states, params)
+        ]
 
     def generate_stream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
@@ -279,6 +321,22 @@ def _params_type_error(
     what = f"a {name} or a list of {name} (one per prompt)" if per_prompt else f"a {name}"
     hint = f"; for a dict d, pass {name}(**d)" if isinstance(got, dict) else ""
     return TypeError(f"{arg} must be {what}, got {type(got).__name__}{hint}")
+
+
+def _pooling_params_per_prompt(
+    pooling_params: PoolingParams | Sequence[PoolingParams] | None, n: int
+) -> list[PoolingParams]:
+    if pooling_params is None or isinstance(pooling_params, PoolingParams):
+        return [pooling_params or PoolingParams()] * n
+    if not isinstance(pooling_params, Sequence) or not all(
+        isinstance(p, PoolingParams) for p in pooling_params
+    ):
+        raise _params_type_error("pooling_params", PoolingParams, pooling_params, True)
+    if len(pooling_params) != n:
+        raise ValueError(
+            f"got {len(pooling_params)} PoolingParams for {n} prompts: give one or one per prompt"
+        )
+    return list(pooling_params)
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -46,6 +46,7 @@ class RequestState:
         self.tokenizer = tokenizer
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.num_cached_tokens = 0
+        self.pooled: bytes | None = None  # --runner pooling: the engine's vector
         self.prompt_logprobs: PromptLogprobs | None = None
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
@@ -90,6 +91,8 @@ class RequestState:
         """Fold one engine output in; returns the sample's engine id if it must be aborted."""
         now = time.time()
         self.num_cached_tokens = out.num_cached_tokens
+        if out.pooled is not None:
+            self.pooled = out.pooled
         if self.metrics.first_scheduled_time is None:
             self.metrics.first_scheduled_time = out.first_scheduled_time
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:

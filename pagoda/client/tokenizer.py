@@ -99,24 +99,25 @@ def chat_prompt(
     return text, tokenizer.encode(text, add_special_tokens=False)
 
 
-def completion_prompts(tokenizer: Any, prompt: CompletionPrompt) -> list[Prompt]:
+def completion_prompts(
+    tokenizer: Any, prompt: CompletionPrompt, field: str = "prompt"
+) -> list[Prompt]:
     """The prompts of a completion request: one per string or token-id list, one for a flat
-    list of token ids. PromptError on field "prompt" if one is empty or of another type."""
+    list of token ids. PromptError on `field` (/v1/embeddings: "input") if one is empty or of
+    another type."""
     items: list[Any] = [prompt] if isinstance(prompt, str) else list(prompt)
     if not items:
-        raise PromptError("prompt must not be empty", "prompt")
+        raise PromptError(f"{field} must not be empty", field)
     if all(isinstance(p, int) for p in items):
         return [(None, items)]
     out: list[Prompt] = []
     for p in items:
         if isinstance(p, str):
             if not p:
-                raise PromptError("prompt must not be empty", "prompt")
+                raise PromptError(f"{field} must not be empty", field)
             out.append((p, tokenizer.encode(p)))
         elif isinstance(p, list) and all(isinstance(t, int) for t in p):
             out.append((None, list(p)))
         else:
-            raise PromptError(
-                "prompt must be a string, a list of strings or of token ids", "prompt"
-            )
+            raise PromptError(f"{field} must be a string, a list of strings or of token ids", field)
     return out

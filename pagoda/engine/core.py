@@ -18,6 +18,7 @@ from pagoda.config import EngineConfig
 from pagoda.distributed.executor import make_executor
 from pagoda.engine.remote_prefill import RemotePrefill
 from pagoda.kv_transfer_config import remote_prefill_source
+from pagoda.loading.pooling import matryoshka_dimensions
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import SCALED_KV_DTYPES, ModelConfig
 from pagoda.runner.device import resolve_device
@@ -61,7 +62,7 @@ class EngineCore:
         self.tokenizer: Any = self.executor.tokenizer
         self.num_blocks = self._num_blocks()
         self.executor.allocate_kv_cache(self.num_blocks)
-        pool = BlockPool(self.num_blocks, enable_caching=config.cache.enable_prefix_caching)
+        pool = BlockPool(self.num_blocks, enable_caching=self._prefix_caching())
         self.kv_cache_manager = KVCacheManager(pool, self.block_size)
         lookahead = kv_lookahead(config.speculative_config)  # past a step's tokens
         self.scheduler = Scheduler(
@@ -85,6 +86,19 @@ class EngineCore:
         self.executor.capture_cuda_graphs()
         self.executor.compile_decode_step()
         self._log_kernels()
+
+    def _prefix_caching(self) -> bool:
+        """--enable-prefix-caching, but off for MEAN and CLS pooling, which read every prompt
+        row (runner/pooler.py)."""
+        pooler = self.model_config.pooler
+        if pooler is not None and pooler.pooling_type != "LAST":
+            if self.config.cache.enable_prefix_caching:
+                logger.info(
+                    "prefix caching is off: %s pooling reads every prompt token",
+                    pooler.pooling_type,
+                )
+            return False
+        return self.config.cache.enable_prefix_caching
 
     def _log_kernels(self) -> None:
         config = self.config
@@ -322,7 +336,7 @@ class EngineCore:
         contract); ValueError only for a request id already in use."""
         self._check_id_free(req.request_id)
         params = req.sampling_params
-        max_tokens = params.max_tokens
+        max_tokens = 1 if self.model_config.pooler is not None else params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(req.prompt_token_ids)
         first = self._samples(req, max_tokens)
@@ -359,6 +373,18 @@ class EngineCore:
             vocab_size=self.model_config.vocab_size,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
+            **self._pooling_info(),
+        )
+
+    def _pooling_info(self) -> dict[str, Any]:
+        pooler, hf_config = self.model_config.pooler, self.model_config.hf_config
+        if pooler is None:
+            return {}
+        return dict(
+            pooling_type=pooler.pooling_type,
+            normalize=bool(pooler.normalize),
+            hidden_size=int(hf_config.hidden_size),
+            matryoshka_dimensions=matryoshka_dimensions(hf_config),
         )
 
     def _samples(self, req: EngineRequest, max_tokens: int) -> Request:

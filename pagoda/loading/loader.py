@@ -27,11 +27,13 @@ from pagoda.layers.quant_forms import stored_bytes
 from pagoda.loading.gguf import iter_gguf
 from pagoda.loading.hf_config import load_hf_config, max_positions
 from pagoda.loading.model_files import resolve_model
+from pagoda.loading.pooling import checkpoint_pooler
 from pagoda.loading.safetensors import iter_safetensors
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
 from pagoda.models import MODEL_REGISTRY, architectures_of, get_model_class
 from pagoda.models.interface import CausalLM
+from pagoda.pooler_config import PoolerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +104,17 @@ def load_model(
         pipeline_parallel_size=pp.size,
         rank_layers=model.num_held_layers(),
         prefill_context_parallel_size=config.prefill_context_parallel_size,
+        pooler=_pooler(config, folder if gguf_file is None else None),
     )
     return model, model_config, tokenizer
+
+
+def _pooler(config: EngineConfig, folder: str | None) -> PoolerConfig | None:
+    """--runner pooling: --pooler-config's fields over the checkpoint's own pooling."""
+    if not config.is_pooling:
+        return None
+    base = checkpoint_pooler(folder)
+    return base if config.pooler_config is None else config.pooler_config.over(base)
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:

@@ -25,6 +25,7 @@ from pagoda.loading.tokenizer import tokenizer_eos_token_id
 from pagoda.model_config import ModelConfig
 from pagoda.runner.device import torch_dtype
 from pagoda.runner.model_runner import ModelRunner
+from pagoda.runner.pooler import Pooler
 from pagoda.spec_decode.methods import spec_method
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ def build_runner(
         pp=pp,
         cp=cp,
     )
+    if model_config.pooler is not None:
+        runner.pooler = Pooler(str(model_config.pooler.pooling_type))
     return RankSetup(runner, model_config, tokenizer, eos_token_ids, draft)
 
 

@@ -41,6 +41,7 @@ from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.kernel_warmup import decode_split_counts, matmul_row_counts, prefill_lens
 from pagoda.runner.pending_output import PendingOutput, fill_placeholders
 from pagoda.runner.pipeline import StageTimeline, pipelined_forward
+from pagoda.runner.pooler import Pooler
 from pagoda.runner.prompt_logprobs import compute_prompt_logprobs
 from pagoda.runner.sampler import (
     LogprobsTensors,
@@ -84,14 +85,13 @@ class ModelRunner:
         pp: PipelineStage = WHOLE_MODEL,
         cp: ContextParallel = NO_CONTEXT_PARALLEL,
     ) -> None:
-        """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay captured
-        graphs for pure-decode batches (CUDA, triton). compile_decode: run pure-decode batches
-        through torch.compile (pagoda/runner/compilation.py), from inductor's C++ wrapper with
-        decode_cpp_wrapper. speculative_config: propose draft tokens for each decoding request
-        and verify them (runner/speculative.py); needs sync scheduling. draft: the draft model
-        of method draft_model (runner/draft_step.py). pp: this runner's pipeline stage, whose
-        steps run as micro-batches (runner/pipeline.py). cp: its prefill-context-parallel rank,
-        which computes and caches its share of each step's rows (runner/context_parallel.py)."""
+        """kernel_backend: "torch" (reference) or "triton". use_cuda_graphs: replay graphs for
+        pure-decode batches (CUDA, triton). compile_decode: pure-decode batches through
+        torch.compile (runner/compilation.py), from inductor's C++ wrapper with decode_cpp_wrapper.
+        speculative_config: propose drafts and verify them (runner/speculative.py; sync
+        scheduling). draft: method draft_model's model (runner/draft_step.py). pp: the pipeline
+        stage, its steps as micro-batches (runner/pipeline.py). cp: the prefill-context-parallel
+        rank, which computes its share of each step's rows (runner/context_parallel.py)."""
         self.model = model
         self.pp, self.cp = pp, cp
         self.model_config = model_config
@@ -113,6 +113,7 @@ class ModelRunner:
         self.decode_sizes = capture_sizes(max_num_seqs) if use_cuda_graphs else None
         self.graphs: DecodeGraphs | None = None
         self.compiled = _compiled_decode(model, decode_cpp_wrapper) if compile_decode else None
+        self.pooler: Pooler | None = None  # --runner pooling (runner/builder.py sets it)
         self.draft_step: DraftModelStep | None = None
         if draft is not None:
             self.draft_step = self._draft_step(draft, compile_decode, decode_cpp_wrapper)
@@ -325,13 +326,16 @@ class ModelRunner:
         if decoded is not None:
             hidden = decoded.hidden
         hidden = hidden[:num_tokens]
-
+        if self.pooler is not None:
+            return self.pooler.pool(out.scheduled, hidden)
         return self._sample(out.scheduled, hidden, self._prompt_logprobs(out, hidden), decoded)
 
     def _apply(self, out: SchedulerOutput) -> None:
         """The step's deltas to the rows, the proposer, the generators and the blocks."""
         for rid in out.finished_request_ids:
             self.generators.pop(rid, None)
+        if self.pooler is not None:
+            self.pooler.drop(out.finished_request_ids + out.preempted_request_ids)
         if self.proposer is not None:  # a preempted request's blocks are gone
             for rid in out.finished_request_ids + out.preempted_request_ids:
                 self.proposer.remove(rid)

@@ -35,12 +35,14 @@ class PendingOutput:
         prompt_logprobs: dict[str, LogprobsTensors],
         on_host: Callable[[list[int]], None] | None = None,
         propose: Callable[[dict[str, list[int]]], dict[str, list[int]]] | None = None,
+        pooled: dict[str, bytes] | None = None,
     ) -> None:
         """row_ids[i] sampled sampled[i] and asked for num_logprobs[i] top logprobs (a row id
         repeats, in order, for each token it emitted); get() hands the sampled ids to on_host
         (the runner's rows record them), then the new tokens by request to `propose`, whose
-        drafts it returns too."""
+        drafts it returns too. pooled: the step's embeddings (runner/pooler.py), on the host."""
         self.on_host = on_host
+        self.pooled = pooled or {}
         self.propose = propose
         self.row_ids = row_ids
         self.num_logprobs = num_logprobs
@@ -77,7 +79,7 @@ class PendingOutput:
                     logprobs.setdefault(rid, []).append((ids[: k + 1], lps[: k + 1], rank))
         prompt = {rid: _logprob_entries(t) for rid, t in self.prompt_logprobs.items()}
         drafts = self.propose(sampled) if self.propose is not None else {}
-        return RunnerOutput(sampled, logprobs, prompt, drafts)
+        return RunnerOutput(sampled, logprobs, prompt, drafts, self.pooled)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -174,6 +174,8 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: dict[str, list[LogprobEntry]]
     # Speculative decoding: proposals for each request's next step (none: plain decoding).
     draft_token_ids: dict[str, list[int]] = {}
+    # --runner pooling: the vectors of the requests whose prompts ended this step (float32 bytes)
+    pooled: dict[str, bytes] = {}
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -190,6 +192,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # finish_reason "stop" because the sample's grammar ended (structured outputs), not on a
     # stop token: the last token is text like any other.
     grammar_ended: bool = False
+    pooled: bytes | None = None  # --runner pooling: the prompt's vector, float32, native order
     # with finish_reason: the sample's timeline (scheduling/explain.py), for explain
     explain: dict[str, Any] | None = None
 
@@ -265,3 +268,9 @@ class EngineInfo(msgspec.Struct):
     vocab_size: int
     num_blocks: int
     block_size: int
+    # --runner pooling: the pooler in effect and a Matryoshka model's output sizes
+    # (loading/pooling.py: None, not Matryoshka; [], any size)
+    pooling_type: str | None = None
+    normalize: bool = False
+    hidden_size: int = 0
+    matryoshka_dimensions: list[int] | None = None

@@ -405,6 +405,10 @@ class Scheduler:
                     outputs.append(self._output(request, [], [], prompt_lps))
                 continue
             request.num_output_placeholders -= 1
+            if s.request_id in runner.pooled:  # --runner pooling: its vector, and no token
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                outputs.append(self._output(request, [], [], [], runner.pooled[s.request_id]))
+                continue
             for r in samples:
                 tokens = self._append_outputs(r, runner.sampled_token_ids[r.request_id])
                 lps = runner.logprobs.get(r.request_id, [])[: len(tokens)]
@@ -474,6 +478,7 @@ class Scheduler:
         tokens: list[int],
         logprobs: list[LogprobEntry],
         prompt_logprobs: list[LogprobEntry],
+        pooled: bytes | None = None,
     ) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=request.request_id,
@@ -486,13 +491,10 @@ class Scheduler:
             first_scheduled_time=request.first_scheduled_time,
             parent_id=request.parent_id,
             sample_index=request.sample_index,
+            pooled=pooled,
         )
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
     """The first index at which a and b differ (the shorter length if one is a prefix)."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -2,7 +2,8 @@
 running it under uvicorn (the first SIGTERM drains).
 
 Routes: /health, /metrics, /version and /ui (open; webui.py), /v1/models, /tokenize, /detokenize,
-/v1/completions (completions.py) and /v1/chat/completions (chat.py). Every error leaves in
+/v1/completions (completions.py), /v1/chat/completions (chat.py) and /v1/embeddings
+(embeddings.py, --runner pooling). Every error leaves in
 OpenAI's shape (errors.py).
 """
 
@@ -24,6 +25,8 @@ from pagoda.config import EngineConfig
 from pagoda.server.auth import bearer_matches, key_digest
 from pagoda.server.chat import conversation, create_chat_completion
 from pagoda.server.completions import create_completion
+from pagoda.server.embeddings import create_embedding
+from pagoda.server.embeddings_protocol import EmbeddingRequest
 from pagoda.server.errors import APIError, error_response, install_error_handlers
 from pagoda.server.live import MIN_INTERVAL_S, Watchers, event_stream
 from pagoda.server.protocol import (
@@ -78,6 +81,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=deps)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(state, body, request)
+
+    @app.post("/v1/embeddings", dependencies=deps)
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embedding(state, body, request)
 
     return app
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -22,14 +22,29 @@ from pagoda.server.state import ServerState
 T = TypeVar("T")
 
 
+class RequestFields(Protocol):
+    """What add_all reads of a request body (SamplingFields, EmbeddingRequest)."""
+
+    @property
+    def priority(self) -> int: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
+    @property
+    def grammar_field(self) -> str: ...
+
+
 async def add_all(
     state: ServerState,
     prefix: str,
     prompts: list[Prompt],
     params: SamplingParams,
-    body: SamplingFields,
+    body: RequestFields,
+    pooling: bool = False,
 ) -> list[RequestStream]:
-    """Send every prompt to the engine; a refusal aborts the ones already accepted."""
+    """Send every prompt to the engine; a refusal aborts the ones already accepted. pooling:
+    embedding requests (--runner pooling)."""
     state.admit()
     streams: list[RequestStream] = []
     try:
@@ -37,7 +52,14 @@ async def add_all(
             rid = prefix if len(prompts) == 1 else f"{prefix}-{i}"
             streams.append(
                 await state.engine.add(
-                    rid, text, ids, params, body.priority, body.cache_salt, body.kv_transfer_params
+                    rid,
+                    text,
+                    ids,
+                    params,
+                    body.priority,
+                    body.cache_salt,
+                    body.kv_transfer_params,
+                    pooling,
                 )
             )
     except BaseException as e:

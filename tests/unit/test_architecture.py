@@ -52,6 +52,7 @@ PLAIN_ROOT = {
     "pagoda.model_config",
     "pagoda.kv_transfer_config",
     "pagoda.speculative_config",
+    "pagoda.pooler_config",
     "pagoda.sampling_params",
     "pagoda.structured_outputs",
     "pagoda.outputs",
