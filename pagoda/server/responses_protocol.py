@@ -149,8 +149,9 @@ class ResponsesRequest(SamplingFields):
         return "structured_outputs" if self.structured_outputs is not None else "text.format"
 
     def input_messages(self) -> list[ChatMessage]:
-        """The input items as chat messages: consecutive function calls become one assistant
-        message with those tool calls, a call's output a tool message."""
+        """The input items as chat messages: function calls join the assistant message before
+        them (or make one), as a response's output continues its conversation
+        (response_output.as_message); a call's output is a tool message."""
         if isinstance(self.input, str):
             return [ChatMessage(role="user", content=self.input)]
         out: list[ChatMessage] = []
@@ -164,8 +165,8 @@ class ResponsesRequest(SamplingFields):
                     id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
                 )
                 last = out[-1] if out else None
-                if last is not None and last.role == "assistant" and last.tool_calls:
-                    last.tool_calls.append(call)
+                if last is not None and last.role == "assistant":
+                    last.tool_calls = [*(last.tool_calls or []), call]
                 else:
                     out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
         return out
