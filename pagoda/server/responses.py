@@ -16,6 +16,7 @@ import uuid
 from fastapi import FastAPI, Request, params
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagoda.client.tokenizer import PromptError
 from pagoda.client.tool_calls import parse_tool_calls
 from pagoda.server.chat import conversation
 from pagoda.server.errors import APIError, bad_field
@@ -40,6 +41,7 @@ _FIELD_NAMES = {
     "response_format": "text.format",
     "messages": "input",
     "prompt": "input",
+    "tokens": "input",
 }
 
 
@@ -85,6 +87,8 @@ async def create_response(
         return await _create(state, store, body, request)
     except APIError as e:
         raise _renamed(e) from e
+    except PromptError as e:  # the chat template's
+        raise _renamed(APIError(400, str(e), e.field)) from e
 
 
 async def _create(
@@ -99,6 +103,8 @@ async def _create(
     if body.previous_response_id is not None:
         history = list(_stored(store, body.previous_response_id, "previous_response_id").messages)
     messages = [*history, *body.input_messages()]
+    if not messages:
+        raise APIError(400, "input must not be empty", "input")
     chat = body.chat_request(messages)
     tokenizer = state.engine.tokenizer
     added = tokenizer.get_added_vocab() if chat.tools and tokenizer is not None else {}

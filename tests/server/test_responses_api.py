@@ -137,6 +137,19 @@ def test_item_input_equals_the_chat_completion(tiny: tuple[ServerProcess, str]) 
     assert r.usage is not None and r.usage.input_tokens == _prompt_tokens(server, messages)
 
 
+def test_sampling_fields_carry_over(tiny: tuple[ServerProcess, str]) -> None:
+    server, model = tiny
+    extra = {"seed": 5, "top_k": 20, "ignore_eos": True}
+    fields: dict[str, Any] = {"temperature": 1.0, "top_p": 0.9, "extra_body": extra}
+    r = server.client().responses.create(
+        model=model, input="Pick a word.", max_output_tokens=10, **fields
+    )
+    messages = [{"role": "user", "content": "Pick a word."}]
+    chat = _chat(server, model, messages, max_tokens=10, **fields)
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.temperature, r.top_p) == (1.0, 0.9)
+
+
 def test_previous_response_id_continues_the_conversation(tiny: tuple[ServerProcess, str]) -> None:
     server, model = tiny
     client = server.client()
@@ -404,6 +417,7 @@ def test_text_format_json_schema(tiny: tuple[ServerProcess, str]) -> None:
 # ---- bad input ---------------------------------------------------------------------------------
 BAD: list[tuple[dict[str, Any], str]] = [
     ({"input": 5}, "input"),
+    ({"input": []}, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role"),
     (
         {"input": [{"type": "function_call_output", "output": "x"}]},
