@@ -2,8 +2,8 @@
 running it under uvicorn (the first SIGTERM drains).
 
 Routes: /health, /metrics, /version and /ui (open; webui.py), /v1/models, /tokenize, /detokenize,
-/v1/completions (completions.py), /v1/chat/completions (chat.py) and /v1/embeddings
-(embeddings.py, --runner pooling). Every error leaves in
+/v1/completions (completions.py), /v1/chat/completions (chat.py), /v1/embeddings
+(embeddings.py, --runner pooling) and /v1/responses (responses.py). Every error leaves in
 OpenAI's shape (errors.py).
 """
 
@@ -37,6 +37,8 @@ from pagoda.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagoda.server.response_store import ResponseStore
+from pagoda.server.responses import add_response_routes
 from pagoda.server.state import ServerConfig, ServerState
 from pagoda.server.webui import add_ui_routes
 from pagoda.version import __version__
@@ -86,6 +88,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await create_embedding(state, body, request)
 
+    add_response_routes(app, state, deps, ResponseStore())
     return app
 
 

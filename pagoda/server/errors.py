@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -74,6 +75,23 @@ def bad_field(e: ValueError) -> APIError:
     return APIError(400, message, first if first in _REQUEST_FIELDS else None)
 
 
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _union_member(part: str) -> bool:
+    """Whether a validation error's location part names the member of a union that pydantic
+    tried (`str`, `list[...]`, a model's class name, a tag spelled as one), not a field."""
+    return "[" in part or part in _TYPE_NAMES or part[:1].isupper()
+
+
+def _field_path(error: Any) -> list[str]:
+    """The field a validation error is about, as the parts of its location."""
+    loc = [str(p) for p in error.get("loc", ())]
+    if loc and loc[0] in ("body", "query", "path"):  # where it came from, not its name
+        loc = loc[1:]
+    return [p for p in loc if not _union_member(p)]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -87,10 +105,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
         first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ())]
-        if loc and loc[0] in ("body", "query", "path"):  # where it came from, not its name
-            loc = loc[1:]
-        param = ".".join(loc) or None
+        # of the errors in the first bad field (one per union member tried), the deepest
+        path = _field_path(first)
+        for other in errors[1:]:
+            deeper = _field_path(other)
+            if deeper[:1] == path[:1] and len(deeper) > len(path):
+                first, path = other, deeper
+        param = ".".join(path) or None
         message = str(first.get("msg", "invalid request"))
         if first.get("type") == "json_invalid":
             message, param = "the request body is not valid JSON", None

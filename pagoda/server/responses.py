@@ -1,0 +1,169 @@
+"""/v1/responses (OpenAI's Responses API): create, retrieve and delete a response.
+
+A request is served as the chat request it amounts to (ResponsesRequest.chat_request): its
+input items, after the conversation of `previous_response_id` and under its `instructions`,
+become chat messages under the model's chat template; `tools` and `tool_choice` take chat's tool
+machinery (tools.py), `text.format` chat's response_format grammar. So a greedy response equals
+the greedy chat completion of the same conversation. Output: a message item with the text, then
+one function_call item per tool call. Stored responses live in a ResponseStore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from fastapi import FastAPI, Request, params
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagoda.client.tokenizer import PromptError
+from pagoda.client.tool_calls import parse_tool_calls
+from pagoda.server.chat import conversation
+from pagoda.server.errors import APIError, bad_field
+from pagoda.server.generation import add_all, collect, until_disconnect
+from pagoda.server.protocol import ChatMessage
+from pagoda.server.response_events import stream_events
+from pagoda.server.response_output import as_message, finished, output_items
+from pagoda.server.response_store import ResponseStore, StoredResponse
+from pagoda.server.responses_protocol import (
+    DeletedResponse,
+    FunctionChoice,
+    ResponseObject,
+    ResponsesRequest,
+    TextConfig,
+)
+from pagoda.server.state import ServerState
+from pagoda.server.tools import tool_plan
+
+# chat's field names in errors -> the Responses field that carries them
+_FIELD_NAMES = {
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "messages": "input",
+    "prompt": "input",
+    "tokens": "input",
+}
+
+
+def add_response_routes(
+    app: FastAPI, state: ServerState, deps: list[params.Depends], store: ResponseStore
+) -> None:
+    @app.post("/v1/responses", dependencies=deps)
+    async def create(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(state, store, body, request)
+
+    @app.get("/v1/responses/{response_id}", dependencies=deps)
+    async def retrieve(response_id: str) -> ResponseObject:
+        return _stored(store, response_id, "response_id").response
+
+    @app.delete("/v1/responses/{response_id}", dependencies=deps)
+    async def delete(response_id: str) -> DeletedResponse:
+        _stored(store, response_id, "response_id")
+        store.delete(response_id)
+        return DeletedResponse(id=response_id)
+
+
+def _stored(store: ResponseStore, rid: str, param: str) -> StoredResponse:
+    found = store.get(rid)
+    if found is None:
+        raise APIError(
+            404,
+            f"Response with id {rid!r} not found (responses are kept in memory, the last "
+            f"{store.max_count}, unless created with store: false)",
+            param,
+        )
+    return found
+
+
+def _renamed(e: APIError) -> APIError:
+    param = _FIELD_NAMES.get(e.param or "", e.param)
+    return APIError(e.status, e.message, param, e.headers)
+
+
+async def create_response(
+    state: ServerState, store: ResponseStore, body: ResponsesRequest, request: Request
+) -> Response:
+    try:
+        return await _create(state, store, body, request)
+    except APIError as e:
+        raise _renamed(e) from e
+    except PromptError as e:  # the chat template's
+        raise _renamed(APIError(400, str(e), e.field)) from e
+
+
+async def _create(
+    state: ServerState, store: ResponseStore, body: ResponsesRequest, request: Request
+) -> Response:
+    state.check_model(body.model)
+    if body.n != 1:
+        raise APIError(400, "n: a response has one output (n must be 1)", "n")
+    if body.max_output_tokens is not None and body.max_output_tokens < 1:
+        raise APIError(400, "max_output_tokens must be >= 1", "max_output_tokens")
+    history: list[ChatMessage] = []
+    if body.previous_response_id is not None:
+        history = list(_stored(store, body.previous_response_id, "previous_response_id").messages)
+    messages = [*history, *body.input_messages()]
+    if not messages:
+        raise APIError(400, "input must not be empty", "input")
+    chat = body.chat_request(messages)
+    tokenizer = state.engine.tokenizer
+    added = tokenizer.get_added_vocab() if chat.tools and tokenizer is not None else {}
+    config = state.config
+    plan = tool_plan(chat, config.enable_auto_tool_choice, config.tool_call_parser, added)
+    text, ids = state.engine.chat_prompt(conversation(chat.messages), None, True, False, plan.tools)
+    try:
+        sampling = chat.sampling_params(body.max_output_tokens, None)
+    except ValueError as e:
+        raise bad_field(e) from e
+    if plan.grammar is not None:
+        sampling = dataclasses.replace(sampling, structured_outputs=plan.grammar)
+    rid = body.request_id or f"resp_{uuid.uuid4().hex}"
+    base = _base(state, body, rid)
+    streams = await add_all(state, rid, [(text, ids)], sampling, body)
+
+    def keep(response: ResponseObject) -> None:
+        if body.store:
+            store.put(StoredResponse(response, [*messages, as_message(response.output)]))
+
+    if body.stream:
+        events = stream_events(state.engine, streams[0], plan.parse, base, keep)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def work() -> Response:
+        out = (await collect(state.engine, streams))[0]
+        c = out.outputs[0]
+        content, calls = parse_tool_calls(c.text) if plan.parse else (c.text, [])
+        items = output_items(content or "", calls, c.finish_reason)
+        response = finished(
+            base,
+            items,
+            c.finish_reason,
+            len(out.prompt_token_ids),
+            len(c.token_ids),
+            out.num_cached_tokens,
+        )
+        keep(response)
+        return JSONResponse(response.model_dump())
+
+    return await until_disconnect(request, work)
+
+
+def _base(state: ServerState, body: ResponsesRequest, rid: str) -> ResponseObject:
+    """The response before its output: the request's settings, status in_progress."""
+    choice: str | FunctionChoice = body.tool_choice or ("auto" if body.tools else "none")
+    return ResponseObject(
+        id=rid,
+        status="in_progress",
+        model=state.model_name,
+        instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens,
+        previous_response_id=body.previous_response_id,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        tools=body.tools or [],
+        tool_choice=choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        text=body.text or TextConfig(),
+        store=body.store,
+        metadata=body.metadata or {},
+    )
