@@ -68,7 +68,7 @@ class ToolChoice(AnthropicModel):
 
 class CountTokensRequest(AnthropicModel):
     model: str
-    messages: list[InputMessage]
+    messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None

@@ -327,6 +327,7 @@ BASE: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_to
     [
         ({"max_tokens": None}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
+        ({"messages": []}, "messages"),
         ({"messages": [{"role": "system", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content.0"),
         ({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages.0.content.0"),
