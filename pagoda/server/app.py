@@ -3,8 +3,9 @@ running it under uvicorn (the first SIGTERM drains).
 
 Routes: /health, /metrics, /version and /ui (open; webui.py), /v1/models, /tokenize, /detokenize,
 /v1/completions (completions.py), /v1/chat/completions (chat.py), /v1/embeddings
-(embeddings.py, --runner pooling) and /v1/responses (responses.py). Every error leaves in
-OpenAI's shape (errors.py).
+(embeddings.py, --runner pooling), /v1/responses (responses.py), and Anthropic's /v1/messages
+and /v1/messages/count_tokens (messages.py). Every error leaves in OpenAI's shape (errors.py),
+except on the Messages routes: Anthropic's (anthropic_errors.py).
 """
 
 from __future__ import annotations
@@ -22,13 +23,20 @@ from fastapi.responses import Response
 
 from pagoda.client.async_client import EngineLaunch
 from pagoda.config import EngineConfig
-from pagoda.server.auth import bearer_matches, key_digest
+from pagoda.server.anthropic_errors import install_anthropic_error_handlers, on_messages_path
+from pagoda.server.anthropic_protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+)
+from pagoda.server.auth import bearer_matches, header_key_matches, key_digest
 from pagoda.server.chat import conversation, create_chat_completion
 from pagoda.server.completions import create_completion
 from pagoda.server.embeddings import create_embedding
 from pagoda.server.embeddings_protocol import EmbeddingRequest
 from pagoda.server.errors import APIError, error_response, install_error_handlers
 from pagoda.server.live import MIN_INTERVAL_S, Watchers, event_stream
+from pagoda.server.messages import count_tokens, create_message
 from pagoda.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,6 +72,7 @@ def build_app(state: ServerState) -> FastAPI:
         title="pagoda", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
     )
     install_error_handlers(app)
+    install_anthropic_error_handlers(app)
     deps = [Depends(_guard(state))]
     _add_open_routes(app, state)
     add_ui_routes(app)
@@ -89,6 +98,15 @@ def build_app(state: ServerState) -> FastAPI:
         return await create_embedding(state, body, request)
 
     add_response_routes(app, state, deps, ResponseStore())
+
+    @app.post("/v1/messages", dependencies=deps)
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await create_message(state, body, request)
+
+    @app.post("/v1/messages/count_tokens", dependencies=deps)
+    async def messages_count_tokens(body: CountTokensRequest) -> CountTokensResponse:
+        return await count_tokens(state, body)
+
     return app
 
 
@@ -98,11 +116,19 @@ def _guard(state: ServerState) -> Callable[[Request], Awaitable[None]]:
     digest = None if key is None else key_digest(key.encode())
 
     async def guard(request: Request) -> None:
-        """401 without the API key, 503 while unavailable (open paths excepted)."""
-        if request.url.path in OPEN_PATHS:
+        """401 without the API key, 503 while unavailable (open paths excepted). The Messages
+        routes take the key as Anthropic's clients send it (`x-api-key`) too."""
+        path = request.url.path
+        if path in OPEN_PATHS:
             return
-        if digest is not None and not bearer_matches(request.headers.get("authorization"), digest):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")
+        headers = request.headers
+        if digest is not None and not bearer_matches(headers.get("authorization"), digest):
+            if not on_messages_path(path):
+                raise APIError(
+                    401, "invalid or missing API key: send 'Authorization: Bearer <key>'"
+                )
+            if not header_key_matches(headers.get("x-api-key"), digest):
+                raise APIError(401, "invalid or missing API key: send 'x-api-key: <key>'")
         reason = state.unavailable_reason
         if reason is not None:
             raise APIError(503, reason)

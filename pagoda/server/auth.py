@@ -24,3 +24,11 @@ def bearer_matches(authorization: str | None, digest: bytes) -> bool:
     scheme, _, token = authorization.partition(" ")
     presented = key_digest(token.encode("latin-1"))
     return hmac.compare_digest(presented, digest) and scheme.lower() == "bearer"
+
+
+def header_key_matches(value: str | None, digest: bytes) -> bool:
+    """Whether a header that carries the key alone (Anthropic's `x-api-key`) is the key whose
+    SHA-256 is `digest`, compared as bearer_matches compares."""
+    if value is None:
+        return False
+    return hmac.compare_digest(key_digest(value.encode("latin-1")), digest)
