@@ -16,6 +16,26 @@ Conversation = list[dict[str, Any]]
 CompletionPrompt = str | list[str] | list[int] | list[list[int]]
 # (text if given as text, token ids) of one prompt.
 Prompt = tuple[str | None, list[int]]
+# What apply_chat_template sets itself: chat_template_kwargs may not override them.
+RENDER_NAMES = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class PromptError(ValueError):
@@ -34,10 +54,16 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The prompt text of a conversation under the tokenizer's (or the given) chat template.
     With `tools`, or tool calls and results in the conversation, a template that does not
-    render tools itself gets them written out in the Hermes format (client/tool_calls.py)."""
+    render tools itself gets them written out in the Hermes format (client/tool_calls.py).
+    `template_kwargs`: extra variables of the render (vLLM's chat_template_kwargs, such as
+    Qwen3's enable_thinking); ValueError where one is a name the render itself sets."""
+    clash = sorted(set(template_kwargs or ()) & RENDER_NAMES)
+    if clash:
+        raise ValueError(f"chat_template_kwargs must not set {clash}: the server sets them")
     if not conversation:
         raise ValueError("messages must not be empty")
     for m in conversation:
@@ -60,6 +86,7 @@ def apply_chat_template(
         tokenize=False,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
         continue_final_message=continue_final_message,
+        **(template_kwargs or {}),
     )
     return str(text)
 
@@ -79,10 +106,12 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
     """A conversation's prompt text and its token ids (the template already holds the special
     tokens). PromptError on field "messages" for a conversation the template refuses, on
-    "chat_template" for a template that fails."""
+    "chat_template" for a template that fails, on "chat_template_kwargs" for a name the render
+    sets itself."""
     try:
         text = apply_chat_template(
             tokenizer,
@@ -91,9 +120,11 @@ def chat_prompt(
             add_generation_prompt,
             continue_final_message,
             tools,
+            template_kwargs,
         )
     except ValueError as e:
-        raise PromptError(str(e), "messages") from e
+        field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise PromptError(str(e), field) from e
     except Exception as e:  # a broken template given by the client
         raise PromptError(f"the chat template failed: {e}", "chat_template") from e
     return text, tokenizer.encode(text, add_special_tokens=False)
