@@ -3,6 +3,7 @@ come from the checkpoint via pagoda/loading/)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from pagoda.client.tool_calls import (
@@ -16,31 +17,11 @@ Conversation = list[dict[str, Any]]
 CompletionPrompt = str | list[str] | list[int] | list[list[int]]
 # (text if given as text, token ids) of one prompt.
 Prompt = tuple[str | None, list[int]]
-# What apply_chat_template sets itself: chat_template_kwargs may not override them.
-RENDER_NAMES = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
 
 
 class PromptError(ValueError):
     """Invalid prompt input. `field` names the input at fault ("prompt", "messages",
-    "chat_template", "tokens"), which the server reports as the error's `param`."""
+    "chat_template", "chat_template_kwargs", "tokens"), which the server reports as the error's `param`."""
 
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
@@ -61,7 +42,7 @@ def apply_chat_template(
     render tools itself gets them written out in the Hermes format (client/tool_calls.py).
     `template_kwargs`: extra variables of the render (vLLM's chat_template_kwargs, such as
     Qwen3's enable_thinking); ValueError where one is a name the render itself sets."""
-    clash = sorted(set(template_kwargs or ()) & RENDER_NAMES)
+    clash = sorted(set(template_kwargs) & _render_names(tokenizer)) if template_kwargs else []
     if clash:
         raise ValueError(f"chat_template_kwargs must not set {clash}: the server sets them")
     if not conversation:
@@ -89,6 +70,14 @@ def apply_chat_template(
         **(template_kwargs or {}),
     )
     return str(text)
+
+
+def _render_names(tokenizer: Any) -> set[str]:
+    """The names apply_chat_template sets itself (its own parameters, and the template's
+    `messages`): chat_template_kwargs may not override them."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return named | {"messages"}
 
 
 def as_conversations(messages: Conversation | list[Conversation]) -> list[Conversation]:

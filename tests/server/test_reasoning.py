@@ -196,7 +196,7 @@ def test_enable_thinking_false_reaches_the_template(server: ServerProcess, token
 
 
 def test_a_template_kwarg_the_render_sets_is_refused(server: ServerProcess) -> None:
-    for kwargs in ({"add_generation_prompt": False}, "not an object"):
+    for kwargs in ({"add_generation_prompt": False}, {"messages": []}, "not an object"):
         response = server.post(
             "/v1/chat/completions",
             {"messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": kwargs},
