@@ -81,7 +81,9 @@ async def create_chat_completion(
         body.chat_template_kwargs,
     )
     parser = config.reasoning_parser
-    reasoning = None if parser is None else Reasoning(parser, text, tokenizer)
+    reasoning = (
+        None if parser is None else Reasoning(parser, text, tokenizer, body.include_reasoning)
+    )
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )

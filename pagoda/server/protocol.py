@@ -232,6 +232,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     # extra variables for the chat template's render, e.g. {"enable_thinking": false} (Qwen3)
     chat_template_kwargs: dict[str, Any] | None = None
+    # with --reasoning-parser: false leaves the reasoning out (the content is the same)
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(OpenAIModel):

@@ -29,9 +29,12 @@ class Reasoning:
     """How one chat request's outputs are split: the parser's opening phase after its prompt,
     and the tokenizer that counts reasoning tokens."""
 
-    def __init__(self, parser: str, prompt: str, tokenizer: Any) -> None:
+    def __init__(self, parser: str, prompt: str, tokenizer: Any, include: bool = True) -> None:
+        """`include`: whether the reasoning is returned (vLLM's include_reasoning); it is split
+        from the content either way."""
         self.phase: Phase = opening_phase(parser, prompt)
         self.tokenizer = tokenizer
+        self.include = include
         self.end_ids: list[int] = list(tokenizer.encode(END, add_special_tokens=False))
         self._streams: dict[int, tuple[ReasoningStream, list[int]]] = {}
         self.tokens = 0  # reasoning tokens of the samples split so far
@@ -49,17 +52,17 @@ class Reasoning:
         """A whole sample's (reasoning, content); counts its reasoning tokens."""
         reasoning, content, stream = split_reasoning(self.phase, c.text)
         self.tokens += self._count(stream, c.token_ids, skip_special)
-        return reasoning, content
+        return (reasoning if self.include else None), content
 
     def feed(self, c: CompletionOutput, skip_special: bool) -> tuple[str, str]:
         """(reasoning, content) of a streamed sample's new output (`c` is its delta)."""
         stream, ids = self._streams.setdefault(c.index, (ReasoningStream(self.phase), []))
         ids.extend(c.token_ids)
         final = c.finish_reason is not None
-        out = stream.feed(c.text, final)
+        reasoning, content = stream.feed(c.text, final)
         if final:
             self.tokens += self._count(stream, ids, skip_special)
-        return out
+        return (reasoning if self.include else ""), content
 
     def _count(self, stream: ReasoningStream, ids: Sequence[int], skip_special: bool) -> int:
         end_id = self.end_ids[0] if len(self.end_ids) == 1 else None

@@ -136,6 +136,17 @@ def test_the_answer_and_the_reasoning_come_apart(server: ServerProcess, tokenize
         assert out.usage is not None and out.usage.completion_tokens_details is not None
         assert out.usage.completion_tokens_details.reasoning_tokens == counted
         assert out.usage.prompt_tokens == len(prompt)
+        left_out = client.chat.completions.create(
+            model=None,  # type: ignore[arg-type]
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=12,
+            temperature=1.0,
+            seed=seed,
+            logit_bias=bias,  # type: ignore[arg-type]
+            extra_body={"include_reasoning": False},
+        )
+        assert _reasoning(left_out.choices[0].message) == (None, None)
+        assert left_out.choices[0].message.content == content
     assert thought_before_the_tag >= 1  # some seed put text before the tag
 
 
