@@ -44,7 +44,7 @@ def apply_chat_template(
     Qwen3's enable_thinking); ValueError where one is a name the render itself sets."""
     clash = sorted(set(template_kwargs) & _render_names(tokenizer)) if template_kwargs else []
     if clash:
-        raise ValueError(f"chat_template_kwargs must not set {clash}: the server sets them")
+        raise ValueError(f"chat_template_kwargs must not set {clash}: the render of the chat template sets them")
     if not conversation:
         raise ValueError("messages must not be empty")
     for m in conversation:
@@ -77,7 +77,7 @@ def _render_names(tokenizer: Any) -> set[str]:
     `messages`): chat_template_kwargs may not override them."""
     params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
     named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return named | {"messages"}
+    return named | {"self", "messages"}
 
 
 def as_conversations(messages: Conversation | list[Conversation]) -> list[Conversation]:
