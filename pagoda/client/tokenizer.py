@@ -44,7 +44,9 @@ def apply_chat_template(
     Qwen3's enable_thinking); ValueError where one is a name the render itself sets."""
     clash = sorted(set(template_kwargs) & _render_names(tokenizer)) if template_kwargs else []
     if clash:
-        raise ValueError(f"chat_template_kwargs must not set {clash}: the render of the chat template sets them")
+        raise ValueError(
+            f"chat_template_kwargs must not set {clash}: the render of the chat template sets them"
+        )
     if not conversation:
         raise ValueError("messages must not be empty")
     for m in conversation:
