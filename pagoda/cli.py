@@ -8,6 +8,7 @@ import logging
 import sys
 from typing import Any
 
+from pagoda.client.reasoning import REASONING_PARSERS
 from pagoda.engine_args import add_engine_args, engine_kwargs
 from pagoda.sampling_params import SamplingParams
 
@@ -152,6 +153,7 @@ def server_config(args: argparse.Namespace) -> Any:
         uvicorn_log_level=args.uvicorn_log_level,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 
@@ -248,6 +250,15 @@ SERVER_FLAGS: Flags = (
             choices=["hermes"],
             help="how tool calls are read from the output: hermes (<tool_call> JSON, Qwen2.5's "
             "format; a template without tools gets it in its system prompt)",
+        ),
+    ),
+    (
+        ("--reasoning-parser",),
+        dict(
+            default=None,
+            choices=REASONING_PARSERS,
+            help="split <think>...</think> from the answer into message.reasoning_content (and "
+            "reasoning); grammars apply after </think>",
         ),
     ),
     (("--disable-log-requests",), dict(action="store_true")),

@@ -3,7 +3,8 @@
 Exactly one of `json` (a JSON schema), `regex`, `choice`, `grammar` (Lark, or GBNF as
 llama.cpp writes it) or `json_object` (any JSON object) is given. The schema is kept as its
 canonical JSON text, so the params are hashable and `key` names the compiled grammar in the
-engine's cache. Nothing here imports the grammar engine: the client, the contract and the
+engine's cache. `reasoning_end` (set by the server's reasoning parser, not a request field): the
+token ids of `</think>`; the grammar applies only to the tokens after them, as vLLM does. Nothing here imports the grammar engine: the client, the contract and the
 scheduler read this type; pagoda/engine/grammar.py compiles it.
 """
 
@@ -24,6 +25,7 @@ class StructuredOutputsParams:
     grammar: str | None
     json_object: bool
     disable_any_whitespace: bool
+    reasoning_end: tuple[int, ...] | None
 
     def __init__(
         self,
@@ -33,6 +35,7 @@ class StructuredOutputsParams:
         grammar: str | None = None,
         json_object: bool | None = None,
         disable_any_whitespace: bool = False,
+        reasoning_end: tuple[int, ...] | None = None,
     ) -> None:
         given = [
             name
@@ -60,6 +63,13 @@ class StructuredOutputsParams:
                 f"disable_any_whitespace must be a bool, got {disable_any_whitespace!r}"
             )
         object.__setattr__(self, "disable_any_whitespace", disable_any_whitespace)
+        if reasoning_end is not None and not (
+            reasoning_end and all(isinstance(t, int) and t >= 0 for t in reasoning_end)
+        ):
+            raise ValueError(f"reasoning_end must be token ids, got {reasoning_end!r}")
+        object.__setattr__(
+            self, "reasoning_end", None if reasoning_end is None else tuple(reasoning_end)
+        )
 
     @property
     def kind(self) -> str:

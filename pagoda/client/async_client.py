@@ -244,6 +244,7 @@ class AsyncEngine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """A conversation's prompt text and token ids under the model's (or the given) template."""
         return chat_prompt(
@@ -253,6 +254,7 @@ class AsyncEngine:
             add_generation_prompt,
             continue_final_message,
             tools,
+            template_kwargs,
         )
 
     def completion_prompts(self, prompt: CompletionPrompt, field: str = "prompt") -> list[Prompt]:

@@ -3,6 +3,7 @@ come from the checkpoint via pagoda/loading/)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from pagoda.client.tool_calls import (
@@ -20,7 +21,7 @@ Prompt = tuple[str | None, list[int]]
 
 class PromptError(ValueError):
     """Invalid prompt input. `field` names the input at fault ("prompt", "messages",
-    "chat_template", "tokens"), which the server reports as the error's `param`."""
+    "chat_template", "chat_template_kwargs", "tokens"), which the server reports as the error's `param`."""
 
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
@@ -34,10 +35,18 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The prompt text of a conversation under the tokenizer's (or the given) chat template.
     With `tools`, or tool calls and results in the conversation, a template that does not
-    render tools itself gets them written out in the Hermes format (client/tool_calls.py)."""
+    render tools itself gets them written out in the Hermes format (client/tool_calls.py).
+    `template_kwargs`: extra variables of the render (vLLM's chat_template_kwargs, such as
+    Qwen3's enable_thinking); ValueError where one is a name the render itself sets."""
+    clash = sorted(set(template_kwargs) & _render_names(tokenizer)) if template_kwargs else []
+    if clash:
+        raise ValueError(
+            f"chat_template_kwargs must not set {clash}: the render of the chat template sets them"
+        )
     if not conversation:
         raise ValueError("messages must not be empty")
     for m in conversation:
@@ -60,8 +69,17 @@ def apply_chat_template(
         tokenize=False,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
         continue_final_message=continue_final_message,
+        **(template_kwargs or {}),
     )
     return str(text)
+
+
+def _render_names(tokenizer: Any) -> set[str]:
+    """The names apply_chat_template sets itself (its own parameters, and the template's
+    `messages`): chat_template_kwargs may not override them."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return named | {"self", "messages"}
 
 
 def as_conversations(messages: Conversation | list[Conversation]) -> list[Conversation]:
@@ -79,10 +97,12 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
     """A conversation's prompt text and its token ids (the template already holds the special
     tokens). PromptError on field "messages" for a conversation the template refuses, on
-    "chat_template" for a template that fails."""
+    "chat_template" for a template that fails, on "chat_template_kwargs" for a name the render
+    sets itself."""
     try:
         text = apply_chat_template(
             tokenizer,
@@ -91,9 +111,11 @@ def chat_prompt(
             add_generation_prompt,
             continue_final_message,
             tools,
+            template_kwargs,
         )
     except ValueError as e:
-        raise PromptError(str(e), "messages") from e
+        field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise PromptError(str(e), field) from e
     except Exception as e:  # a broken template given by the client
         raise PromptError(f"the chat template failed: {e}", "chat_template") from e
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -17,6 +17,11 @@ a preempted request keeps its output tokens. A request verifying speculative dra
 at each position: after the drafts before it, computed by walking them and rolling back. A draft
 the grammar refuses is then rejected (the target's masked distribution gives it no mass), so the
 positions after it need no mask, and verification stays exact.
+
+A grammar with `reasoning_end` (the token ids of `</think>`, set by the server's reasoning parser)
+starts only after the sample's output holds them: until then its positions get no mask and its
+matcher sees no token (a `ReasoningGate` per sample watches for the end), as vLLM's structured
+outputs leave a reasoning model's thinking free.
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ class StructuredOutputs:
         # Requests whose grammar is compiling: the leader (its n > 1 siblings hang off it).
         self.pending: list[tuple[Request, Future[llguidance.LLMatcher]]] = []
         self.matchers: dict[str, tuple[Request, llguidance.LLMatcher]] = {}
+        self.gates: dict[str, ReasoningGate] = {}  # samples whose grammar waits for `</think>`
         self._executor: llguidance.LLExecutor | None = None
 
     @property
@@ -174,8 +180,11 @@ class StructuredOutputs:
                 failed.append((leader, str(error)))
                 continue
             template = future.result()
+            end = leader.sampling_params.structured_outputs
             for sample in (leader, *leader.siblings):
                 self.matchers[sample.request_id] = (sample, template.deep_copy())
+                if end is not None and end.reasoning_end:
+                    self.gates[sample.request_id] = ReasoningGate(end.reasoning_end)
             ready.append(leader)
         self.pending = still
         return ready, failed
@@ -184,31 +193,36 @@ class StructuredOutputs:
         """Each grammar sample's allowed tokens at the positions it samples this step (bitmask
         rows as bytes, bit t of word t // 32 set when token t is allowed): one, or with k
         drafts up to k + 1, stopping after the first draft the grammar refuses."""
-        rows: list[tuple[str, llguidance.LLMatcher, list[int]]] = [
-            (sid, self.matchers[sid][1], _drafts(s))
-            for s in scheduled
-            for sid in s.sample_ids
-            if sid in self.matchers
-        ]
+        # (sample, matcher, drafts, free: its leading positions still in the reasoning)
+        rows: list[tuple[str, llguidance.LLMatcher, list[int], int]] = []
+        for s in scheduled:
+            for sid in s.sample_ids:
+                if sid not in self.matchers:
+                    continue
+                drafts, gate = _drafts(s), self.gates.get(sid)
+                free = 0 if gate is None else gate.free_positions(drafts)
+                if free <= len(drafts) or drafts:  # a row with no mask at all is left out
+                    rows.append((sid, self.matchers[sid][1], drafts, free))
         if not rows:
             return {}
-        offsets = np.cumsum([0] + [1 + len(d) for _, _, d in rows]).tolist()
+        offsets = np.cumsum([0] + [1 + len(d) for _, _, d, _ in rows]).tolist()
         masks = np.full((offsets[-1], self.words), -1, dtype=np.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        plain = [(m, offsets[i]) for i, (_, m, d) in enumerate(rows) if not d]
+        masked = [(m, offsets[i] + f, d[f:]) for i, (_, m, d, f) in enumerate(rows) if f <= len(d)]
+        plain = [(m, at) for m, at, rest in masked if not rest]
         if plain:
             self._executor.unsafe_compute_mask_ptr(
                 plain, masks.ctypes.data, self.words * 4, offsets[-1]
             )
-        drafted = [(m, offsets[i], d) for i, (_, m, d) in enumerate(rows) if d]
+        drafted = [(m, at, rest) for m, at, rest in masked if rest]
         if drafted:  # rows after a refused draft stay all-allowed: nothing is emitted there
             self._executor.unsafe_compute_mask_ptr_with_draft_token(
                 drafted, masks.ctypes.data, self.words * 4, offsets[-1]
             )
         return {
             sid: [masks[j].tobytes() for j in range(offsets[i], offsets[i + 1])]
-            for i, (sid, _, _) in enumerate(rows)
+            for i, (sid, _, _, _) in enumerate(rows)
         }
 
     def draft_mask(self, sample_id: str, output_token_ids: Sequence[int]) -> bytes | None:
@@ -221,6 +235,12 @@ class StructuredOutputs:
             return None
         request, matcher = entry
         ahead = list(output_token_ids[len(request.output_token_ids) :])
+        gate = self.gates.get(sample_id)
+        if gate is not None:  # the grammar starts after the reasoning, if it ends in `ahead`
+            free = gate.free_positions(ahead)
+            if free > len(ahead):
+                return None
+            ahead = ahead[free:]
         walked = matcher.try_consume_tokens(ahead) if ahead else 0
         try:
             if walked < len(ahead):
@@ -250,7 +270,8 @@ class StructuredOutputs:
                 continue  # swept once finished
             matcher = entry[1]
             tokens = out.new_token_ids
-            for i, token in enumerate(tokens):
+            start = self._past_reasoning(out.request_id, tokens)
+            for i, token in enumerate(tokens[start:], start):
                 if out.finish_reason is not None and token in self.compiler.eos:
                     break  # the sample's own end: its matcher is swept
                 if not matcher.consume_token(token):
@@ -268,11 +289,49 @@ class StructuredOutputs:
                     break
         return ended, broken
 
+    def _past_reasoning(self, sample_id: str, tokens: Sequence[int]) -> int:
+        """How many of a sample's new tokens its grammar skips: those up to and including the
+        end of its reasoning (all of them while it goes on)."""
+        gate = self.gates.get(sample_id)
+        if gate is None:
+            return 0
+        for i, token in enumerate(tokens):
+            if gate.feed(token):
+                del self.gates[sample_id]
+                return i + 1
+        return len(tokens)
+
     def sweep(self) -> None:
         """Forget the matchers of finished samples."""
         done = [sid for sid, (r, _) in self.matchers.items() if r.status.is_finished]
         for sid in done:
             del self.matchers[sid]
+            self.gates.pop(sid, None)
+
+
+class ReasoningGate:
+    """Watches a sample's output tokens for `end` (the token ids of `</think>`), after which its
+    grammar applies."""
+
+    def __init__(self, end: Sequence[int]) -> None:
+        self.end = tuple(end)
+        self.tail: tuple[int, ...] = ()  # the last len(end) tokens seen
+
+    def feed(self, token: int) -> bool:
+        """Take the sample's next token; True when it completes `end`."""
+        self.tail = (*self.tail, token)[-len(self.end) :]
+        return self.tail == self.end
+
+    def free_positions(self, tokens: Sequence[int]) -> int:
+        """How many positions starting now stay free of the grammar if `tokens` follow: up to
+        and including the one that completes `end` (len(tokens) + 1: the end is not among
+        them, and every position there is free). Leaves the gate as it was."""
+        tail = self.tail
+        for i, token in enumerate(tokens):
+            tail = (*tail, token)[-len(self.end) :]
+            if tail == self.end:
+                return i + 1
+        return len(tokens) + 1
 
 
 def _drafts(s: ScheduledRequest) -> list[int]:

@@ -33,12 +33,15 @@ from pagoda.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
+    CompletionTokensDetails,
     DeltaMessage,
+    DeltaToolCall,
     ResponseMessage,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
+from pagoda.server.reasoning import Reasoning
 from pagoda.server.sse import sse_stream
 from pagoda.server.state import ServerState
 from pagoda.server.tools import StreamedCalls, ToolPlan, tool_calls_out, tool_plan
@@ -75,6 +78,11 @@ async def create_chat_completion(
         body.add_generation_prompt,
         body.continue_final_message,
         plan.tools,
+        body.chat_template_kwargs,
+    )
+    parser = config.reasoning_parser
+    reasoning = (
+        None if parser is None else Reasoning(parser, text, tokenizer, body.include_reasoning)
     )
     max_tokens = (
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -86,29 +94,45 @@ async def create_chat_completion(
         raise bad_field(e) from e
     if plan.grammar is not None:
         params = dataclasses.replace(params, structured_outputs=plan.grammar)
+    if reasoning is not None:
+        params = reasoning.grammar_after_reasoning(params)
     rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     streams = await add_all(state, rid, [(text, ids)], params, body)
     if body.stream:
-        events = _stream(state, body, plan, rid, streams)
+        events = _stream(state, body, plan, reasoning, rid, streams)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def work() -> Response:
         out = (await collect(state.engine, streams))[0]
-        return JSONResponse(_response(state, body, plan, rid, out).model_dump())
+        return JSONResponse(_response(state, body, plan, reasoning, rid, out).model_dump())
 
     return await until_disconnect(request, work)
 
 
 def _response(
-    state: ServerState, body: ChatCompletionRequest, plan: ToolPlan, rid: str, out: RequestOutput
+    state: ServerState,
+    body: ChatCompletionRequest,
+    plan: ToolPlan,
+    reasoning: Reasoning | None,
+    rid: str,
+    out: RequestOutput,
 ) -> ChatCompletionResponse:
     choices = []
     for c in out.outputs:
-        content, calls = parse_tool_calls(c.text) if plan.parse else (c.text, [])
+        thought, text = (
+            (None, c.text) if reasoning is None else reasoning.split(c, body.skip_special_tokens)
+        )
+        content, calls = parse_tool_calls(text or "") if plan.parse else (text, [])
+        message = ResponseMessage(
+            content=content,
+            tool_calls=tool_calls_out(calls),
+            reasoning_content=thought,
+            reasoning=thought,
+        )
         choices.append(
             ChatChoice(
                 index=c.index,
-                message=ResponseMessage(content=content, tool_calls=tool_calls_out(calls)),
+                message=message,
                 logprobs=_logprobs(state.engine, c, body.top_logprobs or 0),
                 finish_reason=plan.finish_reason(c.finish_reason, len(calls)),
                 stop_reason=c.stop_reason,
@@ -120,9 +144,20 @@ def _response(
         id=rid,
         model=state.model_name,
         choices=choices,
-        usage=usage(prompt_tokens, completion_tokens, out.num_cached_tokens),
+        usage=_with_reasoning(
+            usage(prompt_tokens, completion_tokens, out.num_cached_tokens), reasoning
+        ),
         kv_transfer_params=kv_transfer_response(state, body),
     )
+
+
+def _with_reasoning(totals: Usage, reasoning: Reasoning | None) -> Usage:
+    """The usage with its reasoning tokens counted, under a reasoning parser."""
+    if reasoning is not None:
+        totals.completion_tokens_details = CompletionTokensDetails(
+            reasoning_tokens=reasoning.tokens
+        )
+    return totals
 
 
 def _logprobs(engine: AsyncEngine, c: CompletionOutput, top: int) -> ChatLogprobs | None:
@@ -150,6 +185,7 @@ def _stream(
     state: ServerState,
     body: ChatCompletionRequest,
     plan: ToolPlan,
+    reasoning: Reasoning | None,
     rid: str,
     streams: list[RequestStream],
 ) -> AsyncIterator[str]:
@@ -159,13 +195,20 @@ def _stream(
 
     def choice(i: int, index: int, c: CompletionOutput) -> ChatChunkChoice | None:
         finish_reason = c.finish_reason
-        delta = DeltaMessage(content=c.text)
         logprobs = _logprobs(state.engine, c, top)
+        if reasoning is None:
+            thought, text = "", c.text
+            delta = DeltaMessage(content=text)
+        else:
+            thought, text = reasoning.feed(c, body.skip_special_tokens)
+            if not (thought or text or finish_reason or logprobs or plan.parse):
+                return None  # text held back until it shows whether a tag begins
+            delta = _delta(thought, text or None)
         if plan.parse:
-            content, deltas, n_calls = calls.feed(index, c.text, finish_reason is not None)
-            if not (content or deltas or finish_reason or logprobs):
+            content, deltas, n_calls = calls.feed(index, text, finish_reason is not None)
+            if not (content or deltas or finish_reason or logprobs or thought):
                 return None  # text held back until it shows whether a call begins
-            delta = DeltaMessage(content=content or None, tool_calls=deltas)
+            delta = _delta(thought, content or None, deltas)
             finish_reason = plan.finish_reason(finish_reason, n_calls)
         return ChatChunkChoice(
             index=index,
@@ -176,9 +219,23 @@ def _stream(
         )
 
     def chunk(choices: list[ChatChunkChoice], totals: Usage | None) -> ChatCompletionChunk:
+        if totals is not None:
+            totals = _with_reasoning(totals, reasoning)
         return ChatCompletionChunk(id=rid, model=model, choices=choices, usage=totals)
 
     n = streams[0].state.params.n
     role = DeltaMessage(role="assistant", content="")
     first = chunk([ChatChunkChoice(index=j, delta=role) for j in range(n)], None)
     return sse_stream(state.engine, rid, streams, choice, chunk, body.include_usage, first)
+
+
+def _delta(
+    thought: str, content: str | None, calls: list[DeltaToolCall] | None = None
+) -> DeltaMessage:
+    """A streamed choice's delta: its reasoning (under both names) where it has some."""
+    return DeltaMessage(
+        content=content,
+        reasoning_content=thought or None,
+        reasoning=thought or None,
+        tool_calls=calls or [],
+    )

@@ -230,6 +230,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    # extra variables for the chat template's render, e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # with --reasoning-parser: false leaves the reasoning out (the content is the same)
+    include_reasoning: bool = True
 
 
 class TokenizeRequest(OpenAIModel):
@@ -251,11 +255,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = 0
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # with --reasoning-parser: how many completion tokens were reasoning
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -311,6 +321,9 @@ class ToolCallOut(BaseModel):
 class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # with --reasoning-parser: the thinking, under vLLM's older and newer names (the same text)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
@@ -349,6 +362,8 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 

@@ -32,6 +32,8 @@ class ServerConfig:
     # tool_choice "auto" (vLLM's --enable-auto-tool-choice, --tool-call-parser)
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # <think> apart from the answer (vLLM's --reasoning-parser: qwen3 or deepseek_r1)
+    reasoning_parser: str | None = None
 
 
 class ServerState:
