@@ -172,7 +172,8 @@ CASES: dict[str, tuple[str, str, dict[str, Any] | bytes | None, int]] = {
     # -- routes and methods
     "unknown_route": ("POST", "/v1/no-such-route", {}, 404),
     "unknown_get_route": ("GET", "/v1/engines", None, 404),
-    "embeddings_not_served": ("POST", "/v1/embeddings", {"input": "x"}, 404),
+    # a generating server: 400 naming --runner pooling (vLLM: "does not support Embeddings API")
+    "embeddings_not_served": ("POST", "/v1/embeddings", {"input": "x"}, 400),
     "get_on_completions": ("GET", C, None, 405),
     "delete_models": ("DELETE", "/v1/models", None, 405),
 }

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.pooling_reference import check_close, hf_vectors, with_files
+from tests.server.browser import Page
 from tests.server.conftest import SMALL_POOL, ServerProcess
 
 INPUTS = ["Paged attention keeps the KV cache in blocks.", "A", "Embeddings map text to vectors."]
@@ -134,3 +135,21 @@ def test_each_runner_refuses_the_other_s_endpoints(
         )
     r = tiny_server.post("/v1/embeddings", {"input": "hi"})
     assert r.status_code == 400 and "embeddings need" in r.json()["error"]["message"]
+
+
+def test_the_ui_playground_embeds(
+    embed_server: ServerProcess, open_page: Callable[[str], Page]
+) -> None:
+    """/ui's playground in embedding mode shows the vector the API gives for the same input."""
+    ui = open_page(embed_server.url)
+    page = ui.page
+    page.wait_for_selector("#feed-state.live", timeout=30_000)
+    page.check("input[name=mode][value=embedding]")
+    page.fill("#prompt", INPUTS[0])
+    page.click("#send")
+    page.wait_for_selector(".message.embedding .content")
+    shown = json.loads(ui.data(".message.embedding .content", "embedding"))
+    want = embed_server.post("/v1/embeddings", {"input": INPUTS[0], "encoding_format": "float"})
+    assert shown == want.json()["data"][0]["embedding"]  # one input alone: the same bits
+    assert page.text_content(".message.embedding .content").startswith("64 values, length 1.0000")
+    assert ui.errors == []

@@ -1,5 +1,5 @@
 // pagoda's browser view: the playground (streams chat and completions with the API's sampling
-// fields), the live engine view fed by GET /v1/engine/events (server-sent events read with
+// fields; embeddings on a --runner pooling server), the live engine view fed by GET /v1/engine/events (server-sent events read with
 // fetch, so the API key goes in a header), and a request's explanation
 // (GET /v1/requests/{id}/explain). Behind Ray Serve, the x-pagoda-replica header pins the feed
 // and the explanation to one replica (GET /v1/replicas lists them).
@@ -426,9 +426,36 @@ function mode() {
   return document.querySelector("input[name=mode]:checked").value;
 }
 
+// An embedding of the prompt (a server started with --runner pooling): its size, length and
+// first values in the transcript, the whole vector in the node's data-embedding.
+async function embed(text) {
+  addMessage("input", text);
+  $("prompt").value = "";
+  $("send").disabled = true;
+  try {
+    const r = await fetch("/v1/embeddings", {
+      method: "POST", headers: headers(true, ""),
+      body: JSON.stringify({ model: state.model, input: text, encoding_format: "float" }),
+    });
+    if (!r.ok) throw await failure(r);
+    const body = await r.json();
+    const vector = body.data[0].embedding;
+    const norm = Math.sqrt(vector.reduce((s, x) => s + x * x, 0));
+    const head = vector.slice(0, 4).map((x) => x.toFixed(4)).join(", ");
+    const node = addMessage("embedding", `${vector.length} values, length ${norm.toFixed(4)}: [${head}, ...]`);
+    node.dataset.embedding = JSON.stringify(vector);
+    $("request-info").textContent = `${body.id}: ${body.usage.prompt_tokens} prompt tokens`;
+  } catch (e) {
+    addMessage("error", e.message);
+  } finally {
+    $("send").disabled = false;
+  }
+}
+
 async function send() {
   const text = $("prompt").value;
   if (!text.trim()) return;
+  if (mode() === "embedding") return embed(text);
   const chat = mode() === "chat";
   const body = { model: state.model, stream: true, stream_options: { include_usage: true }, ...samplingFields() };
   if (chat) {
