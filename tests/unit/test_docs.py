@@ -6,7 +6,8 @@
   (there is no shared setup: a block is a whole program), on the embedded default model. Blocks
   that talk to a server (their text names `127.0.0.1:8000`) run against one `pagoda serve`
   this module starts as the README's serving example does, on a free port written in place of
-  8000. A block whose first line is a comment naming a Python file of the repository
+  8000; those naming `127.0.0.1:8002`, against a second one with `--runner pooling` (the
+  embeddings examples). A block whose first line is a comment naming a Python file of the repository
   (`# pagoda/models/mistral.py`) is that file's code, and must stay so: it also runs, and its
   syntax tree must equal the file's (without the module docstring and `__future__` imports).
 - Every command line of the ```bash / ```console blocks is checked by what it calls:
@@ -67,6 +68,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 DOC_SERVER = "127.0.0.1:8000"  # the address the examples use for `pagoda serve`
+# ... and for `pagoda serve --runner pooling --port 8002` (the embeddings examples)
+POOLING_SERVER = "127.0.0.1:8002"
 RUN_TIMEOUT_S = 180.0
 # Three examples and a server share the cores: a thread each wastes less than torch's pools
 # contending (about a fifth less time for the module on two cores).
@@ -299,7 +302,7 @@ def test_every_command_line_is_checked() -> None:
             except (AssertionError, ValueError) as e:
                 problems.append(str(e))
         elif name == "curl":
-            if not any(DOC_SERVER in w for w in argv):
+            if not any(DOC_SERVER in w or POOLING_SERVER in w for w in argv):
                 problems.append(f"{command.where}: not the address of the module's server")
         elif name == "make":
             missing = [t for t in argv[1:] if t not in targets]
@@ -329,14 +332,14 @@ def _free_port() -> int:
 
 
 class DocServer:
-    """The README's `pagoda serve` (the embedded model), on a free port."""
+    """The README's `pagoda serve` (the embedded model), with `flags`, on a free port."""
 
-    def __init__(self) -> None:
+    def __init__(self, flags: tuple[str, ...] = ()) -> None:
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - lives as the server
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pagoda.cli", "serve", "--port", str(self.port)],
+            [sys.executable, "-m", "pagoda.cli", "serve", "--port", str(self.port), *flags],
             cwd=ROOT,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -369,14 +372,20 @@ class DocServer:
 
 
 def uses_server(text: str) -> bool:
-    return DOC_SERVER in text
+    return DOC_SERVER in text or POOLING_SERVER in text
 
 
-def run_python(block: Block, server: DocServer) -> str:
-    code = block.code
-    if uses_server(code):
-        server.wait_ready()
-        code = code.replace(DOC_SERVER, server.address)
+def _on_servers(text: str, servers: dict[str, DocServer]) -> str:
+    """`text` with each documented address it names replaced by its server's, once it is up."""
+    for documented, server in servers.items():
+        if documented in text:
+            server.wait_ready()
+            text = text.replace(documented, server.address)
+    return text
+
+
+def run_python(block: Block, servers: dict[str, DocServer]) -> str:
+    code = _on_servers(block.code, servers)
     return _run([sys.executable, "-c", code], f"{block.page}:{block.line}")
 
 
@@ -389,9 +398,8 @@ def _run(argv: list[str], where: str) -> str:
     return out.stdout
 
 
-def run_curl(command: Command, server: DocServer) -> str:
-    server.wait_ready()
-    argv = [w.replace(DOC_SERVER, server.address) for w in command.argv[1:]]
+def run_curl(command: Command, servers: dict[str, DocServer]) -> str:
+    argv = [_on_servers(w, servers) for w in command.argv[1:]]
     headers: dict[str, str] = {}
     body: str | None = None
     url = ""
@@ -437,21 +445,22 @@ def _id(example: Block | Command) -> str:
 
 @pytest.fixture(scope="module")
 def results(smollm2_path: str) -> Iterator[dict[str, concurrent.futures.Future[str]]]:
-    """Every runnable example started at once, three at a time, beside the server."""
-    server = DocServer()
+    """Every runnable example started at once, three at a time, beside the servers."""
+    servers = {DOC_SERVER: DocServer(), POOLING_SERVER: DocServer(("--runner", "pooling"))}
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=3)
     futures: dict[str, concurrent.futures.Future[str]] = {}
     # the ones that need no server first, while it starts
     for _text, example in sorted(RUNNABLE.items(), key=lambda kv: uses_server(kv[0])):
         if isinstance(example, Block):
-            futures[_id(example)] = pool.submit(run_python, example, server)
+            futures[_id(example)] = pool.submit(run_python, example, servers)
         elif program(example.argv) == "curl":
-            futures[_id(example)] = pool.submit(run_curl, example, server)
+            futures[_id(example)] = pool.submit(run_curl, example, servers)
         else:
             futures[_id(example)] = pool.submit(run_pagoda, example)
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
-    server.stop()
+    for server in servers.values():
+        server.stop()
 
 
 @pytest.mark.parametrize("example_id", sorted({_id(e) for e in RUNNABLE.values()}))
