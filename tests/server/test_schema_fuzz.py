@@ -109,3 +109,33 @@ def test_no_body_drawn_from_the_schema_gets_a_5xx(
     assert answers.get(200), f"{path}: no drawn body was valid ({answers})"
     assert sum(answers.values()) >= EXAMPLES
     assert server.get("/health").status_code == 200
+
+
+def test_the_metrics_count_every_endpoint_s_requests(servers: dict[str, ServerProcess]) -> None:
+    """A request on each new endpoint is a finished request and its prompt tokens in /metrics,
+    as a chat completion is."""
+    hi = [{"role": "user", "content": "Hi"}]
+    two = {"max_tokens": 2, "ignore_eos": True}
+    cases = [  # path, server, body, finish reason
+        ("/v1/chat/completions", "generate", {"messages": hi, **two}, "length"),
+        (
+            "/v1/responses",
+            "generate",
+            {"input": "Hi", "max_output_tokens": 2, "ignore_eos": True},
+            "length",
+        ),
+        ("/v1/messages", "generate", {"messages": hi, **two}, "length"),
+        ("/v1/embeddings", "pooling", {"input": "Hi"}, "stop"),
+    ]
+    for path, kind, body, reason in cases:
+        server = servers[kind]
+        counters = (
+            f'pagoda:request_success_total{{finished_reason="{reason}"',
+            "pagoda:prompt_tokens_total",
+        )
+        before = [server.metric(c) for c in counters]
+        r = server.post(path, {"model": _model(server), **body})
+        assert r.status_code == 200, r.text
+        after = [server.metric(c) for c in counters]
+        assert after[0] - before[0] == 1, path
+        assert after[1] - before[1] > 0, path
