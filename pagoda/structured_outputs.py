@@ -4,8 +4,9 @@ Exactly one of `json` (a JSON schema), `regex`, `choice`, `grammar` (Lark, or GB
 llama.cpp writes it) or `json_object` (any JSON object) is given. The schema is kept as its
 canonical JSON text, so the params are hashable and `key` names the compiled grammar in the
 engine's cache. `reasoning_end` (set by the server's reasoning parser, not a request field): the
-token ids of `</think>`; the grammar applies only to the tokens after them, as vLLM does. Nothing here imports the grammar engine: the client, the contract and the
-scheduler read this type; pagoda/engine/grammar.py compiles it.
+token ids of `</think>`; the grammar applies only to the tokens after them, as vLLM does.
+Nothing here imports the grammar engine: the client, the contract and the scheduler read this
+type; pagoda/engine/grammar.py compiles it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ Prompt = tuple[str | None, list[int]]
 
 class PromptError(ValueError):
     """Invalid prompt input. `field` names the input at fault ("prompt", "messages",
-    "chat_template", "chat_template_kwargs", "tokens"), which the server reports as the error's `param`."""
+    "chat_template", "chat_template_kwargs", "tokens"), which the server reports as the error's
+    `param`."""
 
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)

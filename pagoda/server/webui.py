@@ -2,8 +2,8 @@
 nothing fetched from outside): a streaming chat and completion playground (embeddings on a
 --runner pooling server), the KV block pool and the queues live, and plots of the /metrics
 numbers, all fed by the server's own API (/v1/models, /v1/chat/completions, /v1/completions,
-/v1/embeddings, /v1/engine/events, /v1/requests/{id}/explain). The files are open like /health; the API calls behind them carry
-the key the page is given (--api-key)."""
+/v1/embeddings, /v1/engine/events, /v1/requests/{id}/explain). The files are open like
+/health; the API calls behind them carry the key the page is given (--api-key)."""
 
 from __future__ import annotations
 
