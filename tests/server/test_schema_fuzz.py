@@ -19,7 +19,7 @@ from tests.server.conftest import SMALL_POOL, ServerProcess
 
 CONTEXT = ("--max-model-len", "64")
 NEW_ENDPOINTS = {"/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
-EXAMPLES = 25
+EXAMPLES = 15
 
 
 @pytest.fixture(scope="module")
