@@ -28,6 +28,15 @@ def check_runner(info: EngineInfo, pooling: bool) -> None:
         )
 
 
+def check_embedder(info: EngineInfo) -> None:
+    """ValueError for a classifier: its pooled values are label logits, not an embedding."""
+    if info.num_labels:
+        raise ValueError(
+            "this model is a classifier: it serves scores (/v1/score, /v1/rerank, LLM.score, "
+            "LLM.classify), not embeddings"
+        )
+
+
 def check_pooling_params(info: EngineInfo, params: PoolingParams) -> None:
     """ValueError for a `dimensions` the model cannot give (vLLM's rule and words)."""
     dims, allowed = params.dimensions, info.matryoshka_dimensions
