@@ -236,7 +236,7 @@ class LLM:
         """vLLM's LLM.score: one score per pair of a one-label classifier (sigmoid of its logit),
         pairing one data_1 with each data_2 or element-wise; each pair is the tokenizer's text
         pair (client/scoring.py)."""
-        check_classifier(self._info, "scores", one_label=True)
+        check_classifier(self._info, "LLM.score", one_label=True)
         pairs = score_pairs(data_1, data_2)
         tokenizer = self._require_tokenizer("a score")
         states = self._pool([pair_prompt(tokenizer, a, b) for a, b in pairs], use_tqdm)
@@ -255,7 +255,7 @@ class LLM:
     ) -> list[ClassificationRequestOutput]:
         """vLLM's LLM.classify: each prompt's label probabilities (softmax; the sigmoid of a
         one-label classifier's logit)."""
-        check_classifier(self._info, "classifications", one_label=False)
+        check_classifier(self._info, "LLM.classify", one_label=False)
         states = self._pool([self._tokenize(p) for p in _as_list(prompts)], use_tqdm)
         return [
             ClassificationRequestOutput(

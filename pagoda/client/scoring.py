@@ -31,10 +31,10 @@ def check_classifier(info: EngineInfo, what: str, one_label: bool) -> None:
     score): `what` names the call in the message."""
     if info.num_labels == 0:
         runs = "generates text" if info.pooling_type is None else "embeds"
-        raise ValueError(f"{what} need {NEEDS_CLASSIFIER}; this model {runs}")
+        raise ValueError(f"{what} needs {NEEDS_CLASSIFIER}; this model {runs}")
     if one_label and info.num_labels != 1:
         raise ValueError(
-            f"{what} need one score per input, but this classifier has {info.num_labels} labels "
+            f"{what} needs one score per input, but this classifier has {info.num_labels} labels "
             "(LLM.classify gives their probabilities)"
         )
 

@@ -63,14 +63,9 @@ def load_model(
     holds this rank's 1/N of each layer: every checkpoint tensor is cut to its slice as it is
     read (layers/parallel.py); dummy weights are drawn per rank. With `pp` it holds only its
     stage's layers, and reads only their tensors."""
-    folder, gguf_file = resolve_model(config.model)
-    if config.load_format == "gguf" and gguf_file is None:
-        raise ValueError(f"load_format='gguf' but {folder} is an HF folder; pass a .gguf file")
-    if config.load_format == "safetensors" and gguf_file is not None:
-        raise ValueError(f"load_format='safetensors' but the model is a GGUF file ({gguf_file})")
-
+    folder, gguf_file = _checkpoint(config)
     hf_config = load_hf_config(folder, gguf_file, config.trust_remote_code)
-    for key, value in (config.hf_overrides or {}).items():
+    for key, value in (config.hf_overrides or {}).items():  # vLLM's --hf-overrides
         setattr(hf_config, key, value)
     # Before the weights, so that a missing tokenizer fails in seconds, not after loading.
     tokenizer = None
@@ -115,6 +110,16 @@ def load_model(
         classifier=classifier,
     )
     return model, model_config, tokenizer
+
+
+def _checkpoint(config: EngineConfig) -> tuple[str, str | None]:
+    """The model's folder and GGUF file (None: an HF folder); ValueError against load_format."""
+    folder, gguf_file = resolve_model(config.model)
+    if config.load_format == "gguf" and gguf_file is None:
+        raise ValueError(f"load_format='gguf' but {folder} is an HF folder; pass a .gguf file")
+    if config.load_format == "safetensors" and gguf_file is not None:
+        raise ValueError(f"load_format='safetensors' but the model is a GGUF file ({gguf_file})")
+    return folder, gguf_file
 
 
 def _pooler(

@@ -45,7 +45,7 @@ def add_scoring_routes(app: FastAPI, state: ServerState, deps: list[params.Depen
 
 
 async def create_score(state: ServerState, body: ScoreRequest, request: Request) -> Response:
-    _check(state, "scores", body.model)
+    _check(state, "/v1/score", body.model)
     try:
         pairs = score_pairs(body.text_1, body.text_2)
     except ValueError as e:
@@ -69,7 +69,7 @@ async def create_score(state: ServerState, body: ScoreRequest, request: Request)
 
 
 async def create_rerank(state: ServerState, body: RerankRequest, request: Request) -> Response:
-    _check(state, "reranking", body.model)
+    _check(state, "/v1/rerank", body.model)
     if not body.documents:
         raise APIError(400, "documents must not be empty", "documents")
     if body.top_n is not None and body.top_n < 0:

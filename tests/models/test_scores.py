@@ -118,7 +118,7 @@ def test_wrong_calls_for_a_classifier_are_value_errors(
     with pytest.raises(ValueError, match="does not generate: run it with --runner pooling"):
         LLM(classifier_dir("qwen3"), runner="generate", num_gpu_blocks_override=64)
     embedder = LLM(tiny_model_dir("qwen3"), runner="pooling", num_gpu_blocks_override=64)
-    with pytest.raises(ValueError, match="scores need a sequence-classification model"):
+    with pytest.raises(ValueError, match="LLM.score needs a sequence-classification model"):
         embedder.score("a", "b", use_tqdm=False)
     with pytest.raises(ValueError, match="'yes!\\?' is not a token"):
         LLM(
