@@ -70,15 +70,15 @@ def check_close(got: list[list[float]], want: list[np.ndarray]) -> None:
         assert np.linalg.norm(g_arr) == pytest.approx(float(np.linalg.norm(w)), rel=1e-4)
 
 
-def save_classifier(folder: Path, arch: str, tokenizer: Any) -> str:
-    """A tiny random *ForSequenceClassification checkpoint (one label, the tiny `arch`'s
-    config) with the SmolLM2 tokenizer: HF's base model and `score` head, no LM head."""
+def save_classifier(folder: Path, arch: str, tokenizer: Any, num_labels: int = 1) -> str:
+    """A tiny random *ForSequenceClassification checkpoint (the tiny `arch`'s config) with the
+    SmolLM2 tokenizer: HF's base model and `score` head, no LM head."""
     from transformers import AutoModelForSequenceClassification
 
     from tests.conftest import _randomize, _tiny_config
 
     config = _tiny_config(arch)
-    config.num_labels = 1
+    config.num_labels = num_labels
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     _randomize(model, seed=7)

@@ -101,6 +101,23 @@ def test_the_qwen3_reranker_recipe_equals_hf_s_yes_probability(
     _close([o.outputs.score for o in outs], want)
 
 
+def test_classify_gives_the_softmax_over_several_labels(
+    tmp_path: Path, smollm2_tokenizer: Any
+) -> None:
+    folder = save_classifier(tmp_path / "m", "llama", smollm2_tokenizer, num_labels=3)
+    hf = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(folder, **CHUNKED)
+    outs = llm.classify(DOCUMENTS, use_tqdm=False)
+    for doc, out in zip(DOCUMENTS, outs, strict=True):
+        ids = torch.tensor([smollm2_tokenizer.encode(doc)])
+        with torch.no_grad():
+            want = torch.softmax(hf(input_ids=ids).logits[0], dim=-1).tolist()
+        assert out.outputs.num_classes == 3
+        _close(out.outputs.probs, want)
+    with pytest.raises(ValueError, match="needs one score per input, but this classifier has 3"):
+        llm.score("a", "b", use_tqdm=False)
+
+
 def test_wrong_calls_for_a_classifier_are_value_errors(
     tmp_path: Path,
     classifier_dir: Callable[[str], str],
