@@ -24,7 +24,8 @@ def check_runner(info: EngineInfo, pooling: bool) -> None:
     if not pooling and info.pooling_type is not None:
         raise ValueError(
             "this model runs with --runner pooling: it serves embeddings (/v1/embeddings, "
-            "LLM.embed), not generation"
+            "LLM.embed) or, a classifier, scores (/v1/score, /v1/rerank, LLM.score), not "
+            "generation"
         )
 
 
