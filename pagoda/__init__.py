@@ -15,11 +15,15 @@ from typing import TYPE_CHECKING, Any
 from pagoda.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     Logprob,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from pagoda.pooler_config import PoolerConfig, PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
@@ -47,6 +51,8 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
@@ -57,4 +63,6 @@ __all__ = [
     "PoolingParams",
     "RequestOutput",
     "SamplingParams",
+    "ScoringOutput",
+    "ScoringRequestOutput",
 ]

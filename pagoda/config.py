@@ -12,7 +12,13 @@ from typing import Any
 
 from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.model_config import QUANTIZATION_METHODS
-from pagoda.pooler_config import RUNNERS, PoolerConfig
+from pagoda.pooler_config import (
+    RUNNERS,
+    PoolerConfig,
+    folder_architectures,
+    is_classifier,
+    parse_hf_overrides,
+)
 from pagoda.speculative_config import SpeculativeConfig
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -137,10 +143,12 @@ class EngineConfig:
     # KVTransferConfig, its dict or its JSON text (parsed here).
     kv_transfer_config: KVTransferConfig | None = None
     # vLLM's --runner: "pooling" serves embeddings (runner/pooler.py) instead of generating;
-    # "auto" generates (every registered architecture is a causal LM).
+    # "auto" pools for a *ForSequenceClassification checkpoint (scores, rerank), else generates.
     runner: str = "auto"
     # vLLM's --pooler-config (pooler_config.py): a PoolerConfig, its dict or its JSON text.
     pooler_config: PoolerConfig | None = None
+    # vLLM's --hf-overrides: fields set on the checkpoint's config (a dict or its JSON text).
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -234,6 +242,11 @@ class EngineConfig:
     def _check_pooling(self, spec: SpeculativeConfig | None) -> None:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
+        overrides = parse_hf_overrides(self.hf_overrides)
+        object.__setattr__(self, "hf_overrides", overrides)
+        architectures = (overrides or {}).get("architectures") or folder_architectures(self.model)
+        if self.runner == "auto" and is_classifier(list(architectures)):
+            object.__setattr__(self, "runner", "pooling")
         pooler = PoolerConfig.parse(self.pooler_config)
         object.__setattr__(self, "pooler_config", pooler)
         if not self.is_pooling:

@@ -151,15 +151,17 @@ ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         dict(
             default=None,
             choices=["auto", "generate", "pooling"],
-            help="pooling: serve embeddings (/v1/embeddings) instead of generating text",
+            help="pooling: serve embeddings (/v1/embeddings), or scores (/v1/score, /v1/rerank) "
+            "for a classifier, instead of generating text (auto: pooling for a "
+            "*ForSequenceClassification checkpoint)",
         ),
     ),
     (
         ("--task",),
         dict(
             default=None,
-            choices=["generate", "embed"],
-            help="vLLM's older name for --runner: embed is --runner pooling",
+            choices=["generate", "embed", "classify", "score"],
+            help="vLLM's older name for --runner: embed, classify and score are --runner pooling",
         ),
     ),
     (
@@ -169,6 +171,15 @@ ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
             help='with --runner pooling, a JSON object: \'{"pooling_type": "LAST" | "MEAN" | '
             '"CLS", "normalize": true}\' (default: the checkpoint\'s sentence-transformers files, '
             "else LAST, normalized)",
+        ),
+    ),
+    (
+        ("--hf-overrides",),
+        dict(
+            default=None,
+            help="a JSON object of fields set on the checkpoint's config, e.g. the "
+            'Qwen3-Reranker recipe: \'{"architectures": ["Qwen3ForSequenceClassification"], '
+            '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}\'',
         ),
     ),
     (
@@ -202,7 +213,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     out = {k: getattr(args, k) for k in ENGINE_ARG_NAMES if getattr(args, k, None) is not None}
     task = out.pop("task", None)
     if task is not None:
-        runner = "pooling" if task == "embed" else "generate"
+        runner = "generate" if task == "generate" else "pooling"
         if out.setdefault("runner", runner) != runner:
             raise ValueError(f"--task {task} contradicts --runner {out['runner']}")
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.pooler_config import PoolerConfig
+from pagoda.pooler_config import Classifier, PoolerConfig
 
 # Weight schemes (--quantization; layers/quant.py).
 QUANTIZATION_METHODS = ("none", "int8", "int4", "fp8", "gguf", "awq", "gptq")
@@ -72,6 +72,8 @@ class ModelConfig:
     # --runner pooling: the pooling in effect (--pooler-config over the checkpoint's own,
     # loading/pooling.py), fields all set; None: the model generates
     pooler: PoolerConfig | None = None
+    # a pooling model's classification head (loading/classifier.py); None: an embedding model
+    classifier: Classifier | None = None
 
     @property
     def num_layers(self) -> int:

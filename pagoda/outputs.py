@@ -92,3 +92,44 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+@dataclass
+class ScoringOutput:
+    """One pair's score (vLLM's ScoringOutput): the sigmoid of a one-label classifier's logit."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What LLM.score returns per pair (vLLM's ScoringRequestOutput)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class ClassificationOutput:
+    """One prompt's label probabilities (vLLM's ClassificationOutput): the softmax of the
+    classifier's logits, or the sigmoid of its one logit."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """What LLM.classify returns per prompt (vLLM's ClassificationRequestOutput)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -84,3 +85,52 @@ class PoolingParams:
             raise ValueError(f"dimensions must be an int >= 1, got {d!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true or false, got {self.normalize!r}")
+
+
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+def is_classifier(architectures: list[str]) -> bool:
+    """Whether HF architecture names are a sequence-classification checkpoint's (a base model
+    with a `score` head), which vLLM's runner "auto" runs as a pooling model."""
+    return any(a.endswith(CLASSIFIER_SUFFIX) for a in architectures)
+
+
+def parse_hf_overrides(value: Mapping[str, Any] | str | None) -> dict[str, Any] | None:
+    """vLLM's --hf-overrides: a JSON object (or dict) of fields set on the checkpoint's config
+    after it is read, e.g. the Qwen3-Reranker recipe's '{"architectures":
+    ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": true}'."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides is not valid JSON: {e}") from e
+    if not isinstance(value, Mapping):
+        raise ValueError(f"hf_overrides must be a JSON object, got {value!r}")
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class Classifier:
+    """A pooling model's classification head (runner/pooler.py applies it to the LAST-pooled
+    hidden state): the checkpoint's `score` Linear, or rows of the LM head named by
+    `classifier_from_token` (vLLM's hf_overrides). `token_ids` empty: the score head;
+    `yes_minus_no` (is_original_qwen3_reranker): one label, logit[yes] - logit[no] of
+    token_ids = (no, yes), so that its sigmoid is softmax([no, yes])[yes]."""
+
+    num_labels: int
+    token_ids: tuple[int, ...] = ()
+    yes_minus_no: bool = False
+
+
+def folder_architectures(model: str | None) -> list[str]:
+    """The architectures in a local checkpoint folder's config.json ([] for anything else: a
+    GGUF file, the embedded model, a hub id not downloaded yet)."""
+    path = None if model is None else os.path.join(model, "config.json")
+    if path is None or not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [str(a) for a in json.load(f).get("architectures") or []]

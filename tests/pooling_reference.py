@@ -68,3 +68,44 @@ def check_close(got: list[list[float]], want: list[np.ndarray]) -> None:
         assert cosine >= 0.9999, cosine
         # float32 on both sides: lengths agree to float32 rounding over a few layers
         assert np.linalg.norm(g_arr) == pytest.approx(float(np.linalg.norm(w)), rel=1e-4)
+
+
+def save_classifier(folder: Path, arch: str, tokenizer: Any, num_labels: int = 1) -> str:
+    """A tiny random *ForSequenceClassification checkpoint (the tiny `arch`'s config) with the
+    SmolLM2 tokenizer: HF's base model and `score` head, no LM head."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.conftest import _randomize, _tiny_config
+
+    config = _tiny_config(arch)
+    config.num_labels = num_labels
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    _randomize(model, seed=7)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def hf_scores(hf: torch.nn.Module, tokenizer: Any, pairs: list[tuple[str, str]]) -> list[float]:
+    """sentence-transformers' CrossEncoder score of each pair: the sigmoid of HF's one logit
+    for the tokenizer's text pair."""
+    out = []
+    for a, b in pairs:
+        ids = torch.tensor([tokenizer(a, b)["input_ids"]])
+        with torch.no_grad():
+            out.append(float(torch.sigmoid(hf(input_ids=ids).logits[0, 0])))
+    return out
+
+
+def hf_yes_probs(
+    hf: torch.nn.Module, tokenizer: Any, pairs: list[tuple[str, str]], no: int, yes: int
+) -> list[float]:
+    """The Qwen3-Reranker score: softmax over the ["no", "yes"] logits at the last position."""
+    out = []
+    for a, b in pairs:
+        ids = torch.tensor([tokenizer(a, b)["input_ids"]])
+        with torch.no_grad():
+            logits = hf(input_ids=ids).logits[0, -1, [no, yes]]
+        out.append(float(torch.softmax(logits, dim=-1)[1]))
+    return out

@@ -11,16 +11,27 @@ from tqdm.auto import tqdm
 
 from pagoda.client.beam_search import beam_search
 from pagoda.client.output_processor import RequestState
-from pagoda.client.pooling import POOLING_SAMPLING, check_pooling_params, check_runner, embedding
+from pagoda.client.pooling import (
+    POOLING_SAMPLING,
+    check_embedder,
+    check_pooling_params,
+    check_runner,
+    embedding,
+)
+from pagoda.client.scoring import check_classifier, label_probs, pair_prompt, score_pairs
 from pagoda.client.tokenizer import Conversation, apply_chat_template, as_conversations
 from pagoda.client.validation import check_request
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
 from pagoda.outputs import (
     BeamSearchOutput,
+    ClassificationOutput,
+    ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from pagoda.pooler_config import PoolingParams
 from pagoda.sampling_params import BeamSearchParams, SamplingParams
@@ -197,6 +208,7 @@ class LLM:
         prompt_list = _as_list(prompts)
         params = _pooling_params_per_prompt(pooling_params, len(prompt_list))
         check_runner(self._info, pooling=True)
+        check_embedder(self._info)
         states: list[RequestState] = []
         try:
             for prompt, p in zip(prompt_list, params):
@@ -216,6 +228,58 @@ class LLM:
             )
             for s, p in zip(states, params)
         ]
+
+    # ---- score, classify ---------------------------------------------------------------
+    def score(
+        self, data_1: str | list[str], data_2: str | list[str], use_tqdm: bool = True
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: one score per pair of a one-label classifier (sigmoid of its logit),
+        pairing one data_1 with each data_2 or element-wise; each pair is the tokenizer's text
+        pair (client/scoring.py)."""
+        check_classifier(self._info, "LLM.score", one_label=True)
+        pairs = score_pairs(data_1, data_2)
+        tokenizer = self._require_tokenizer("a score")
+        states = self._pool([pair_prompt(tokenizer, a, b) for a, b in pairs], use_tqdm)
+        return [
+            ScoringRequestOutput(
+                s.request_id,
+                s.prompt_token_ids,
+                ScoringOutput(label_probs(s.pooled or b"")[0]),
+                num_cached_tokens=s.num_cached_tokens,
+            )
+            for s in states
+        ]
+
+    def classify(
+        self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify: each prompt's label probabilities (softmax; the sigmoid of a
+        one-label classifier's logit)."""
+        check_classifier(self._info, "LLM.classify", one_label=False)
+        states = self._pool([self._tokenize(p) for p in _as_list(prompts)], use_tqdm)
+        return [
+            ClassificationRequestOutput(
+                s.request_id,
+                s.prompt_token_ids,
+                ClassificationOutput(label_probs(s.pooled or b"")),
+                num_cached_tokens=s.num_cached_tokens,
+            )
+            for s in states
+        ]
+
+    def _pool(
+        self, prompts: list[tuple[str | None, list[int]]], use_tqdm: bool
+    ) -> list[RequestState]:
+        """Run pooling requests to the end; a refused one aborts those already added."""
+        states: list[RequestState] = []
+        try:
+            for text, ids in prompts:
+                states.append(self._add(text, ids, POOLING_SAMPLING, pooling=True))
+        except Exception:
+            self.engine.abort_request([s.request_id for s in states])
+            raise
+        self._run(states, use_tqdm)
+        return states
 
     def generate_stream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None

@@ -24,7 +24,17 @@ def check_runner(info: EngineInfo, pooling: bool) -> None:
     if not pooling and info.pooling_type is not None:
         raise ValueError(
             "this model runs with --runner pooling: it serves embeddings (/v1/embeddings, "
-            "LLM.embed), not generation"
+            "LLM.embed) or, a classifier, scores (/v1/score, /v1/rerank, LLM.score), not "
+            "generation"
+        )
+
+
+def check_embedder(info: EngineInfo) -> None:
+    """ValueError for a classifier: its pooled values are label logits, not an embedding."""
+    if info.num_labels:
+        raise ValueError(
+            "this model is a classifier: it serves scores (/v1/score, /v1/rerank, LLM.score, "
+            "LLM.classify), not embeddings"
         )
 
 

@@ -378,6 +378,7 @@ class EngineCore:
 
     def _pooling_info(self) -> dict[str, Any]:
         pooler, hf_config = self.model_config.pooler, self.model_config.hf_config
+        classifier = self.model_config.classifier
         if pooler is None:
             return {}
         return dict(
@@ -385,6 +386,7 @@ class EngineCore:
             normalize=bool(pooler.normalize),
             hidden_size=int(hf_config.hidden_size),
             matryoshka_dimensions=matryoshka_dimensions(hf_config),
+            num_labels=0 if classifier is None else classifier.num_labels,
         )
 
     def _samples(self, req: EngineRequest, max_tokens: int) -> Request:

@@ -24,6 +24,7 @@ from pagoda.layers.norm import RMSNorm
 from pagoda.layers.parallel import SINGLE, WHOLE_MODEL, PipelineStage, TensorParallel
 from pagoda.layers.quant import QUANTIZED_EMBEDDING_METHODS, make_method
 from pagoda.layers.quant_forms import stored_bytes
+from pagoda.loading.classifier import classifier_of
 from pagoda.loading.gguf import iter_gguf
 from pagoda.loading.hf_config import load_hf_config, max_positions
 from pagoda.loading.model_files import resolve_model
@@ -31,9 +32,10 @@ from pagoda.loading.pooling import checkpoint_pooler
 from pagoda.loading.safetensors import iter_safetensors
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.model_config import ModelConfig
-from pagoda.models import MODEL_REGISTRY, architectures_of, get_model_class
+from pagoda.models import MODEL_REGISTRY, architectures_of, get_model_class, registered_name
 from pagoda.models.interface import CausalLM
-from pagoda.pooler_config import PoolerConfig
+from pagoda.models.score_head import add_score_head
+from pagoda.pooler_config import Classifier, PoolerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -61,26 +63,26 @@ def load_model(
     holds this rank's 1/N of each layer: every checkpoint tensor is cut to its slice as it is
     read (layers/parallel.py); dummy weights are drawn per rank. With `pp` it holds only its
     stage's layers, and reads only their tensors."""
-    folder, gguf_file = resolve_model(config.model)
-    if config.load_format == "gguf" and gguf_file is None:
-        raise ValueError(f"load_format='gguf' but {folder} is an HF folder; pass a .gguf file")
-    if config.load_format == "safetensors" and gguf_file is not None:
-        raise ValueError(f"load_format='safetensors' but the model is a GGUF file ({gguf_file})")
-
+    folder, gguf_file = _checkpoint(config)
     hf_config = load_hf_config(folder, gguf_file, config.trust_remote_code)
+    for key, value in (config.hf_overrides or {}).items():  # vLLM's --hf-overrides
+        setattr(hf_config, key, value)
     # Before the weights, so that a missing tokenizer fails in seconds, not after loading.
     tokenizer = None
     if load_tokenizer and not config.skip_tokenizer_init:
         tokenizer = load_tokenizer_for(config)
     architectures = architectures_of(hf_config)
     model_cls = get_model_class(architectures)
-    architecture = next(a for a in architectures if a in MODEL_REGISTRY)
+    architecture = next(a for a in architectures if registered_name(a) in MODEL_REGISTRY)
+    classifier = classifier_of(config, hf_config, architecture, tokenizer)
     max_model_len = _max_model_len(config, hf_config)
 
     dtype, device = getattr(torch, config.dtype_name), torch.device(config.device_type)
     quantization, quant_config = resolve_quantization(config, hf_config, gguf_file)
     with torch.device(device):
         model = model_cls(hf_config, dtype, tp, pp)
+        if classifier is not None and not classifier.token_ids:
+            add_score_head(model, classifier.num_labels)
     _load_weights(model, config, hf_config, folder, gguf_file, quantization, quant_config)
     model.eval()
     model.requires_grad_(False)
@@ -104,14 +106,33 @@ def load_model(
         pipeline_parallel_size=pp.size,
         rank_layers=model.num_held_layers(),
         prefill_context_parallel_size=config.prefill_context_parallel_size,
-        pooler=_pooler(config, folder if gguf_file is None else None),
+        pooler=_pooler(config, folder if gguf_file is None else None, classifier),
+        classifier=classifier,
     )
     return model, model_config, tokenizer
 
 
-def _pooler(config: EngineConfig, folder: str | None) -> PoolerConfig | None:
-    """--runner pooling: --pooler-config's fields over the checkpoint's own pooling."""
+def _checkpoint(config: EngineConfig) -> tuple[str, str | None]:
+    """The model's folder and GGUF file (None: an HF folder); ValueError against load_format."""
+    folder, gguf_file = resolve_model(config.model)
+    if config.load_format == "gguf" and gguf_file is None:
+        raise ValueError(f"load_format='gguf' but {folder} is an HF folder; pass a .gguf file")
+    if config.load_format == "safetensors" and gguf_file is not None:
+        raise ValueError(f"load_format='safetensors' but the model is a GGUF file ({gguf_file})")
+    return folder, gguf_file
+
+
+def _pooler(
+    config: EngineConfig, folder: str | None, classifier: Classifier | None
+) -> PoolerConfig | None:
+    """--runner pooling: --pooler-config's fields over the checkpoint's own pooling. ValueError
+    for a classifier (it has no LM head to generate with) under another runner."""
     if not config.is_pooling:
+        if classifier is not None:
+            raise ValueError(
+                "a sequence-classification model scores (/v1/score, /v1/rerank) and does not "
+                "generate: run it with --runner pooling"
+            )
         return None
     base = checkpoint_pooler(folder)
     return base if config.pooler_config is None else config.pooler_config.over(base)

@@ -27,15 +27,31 @@ MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     arch: cls for family, cls in FAMILIES for arch in family.architectures
 }
 
+# Sequence classifiers (HF: the base model and a `score` Linear) run on their family's causal
+# LM class; the loader adds the head (models/score_head.py).
+SEQUENCE_CLASSIFIERS = (
+    "LlamaForSequenceClassification",
+    "MistralForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification",
+)
+
+
+def registered_name(arch: str) -> str:
+    """The registry's name for an architecture: a supported sequence classifier's causal LM."""
+    if arch in SEQUENCE_CLASSIFIERS:
+        return arch.replace("ForSequenceClassification", "ForCausalLM")
+    return arch
+
 
 def get_model_class(architectures: list[str]) -> type[DecoderForCausalLM]:
     """The class of the first supported architecture in a checkpoint's `architectures`."""
     for arch in architectures:
-        if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
+        if registered_name(arch) in MODEL_REGISTRY:
+            return MODEL_REGISTRY[registered_name(arch)]
     raise ValueError(
         f"model architecture {architectures} is not supported; "
-        f"supported architectures: {', '.join(MODEL_REGISTRY)}"
+        f"supported architectures: {', '.join([*MODEL_REGISTRY, *SEQUENCE_CLASSIFIERS])}"
     )
 
 

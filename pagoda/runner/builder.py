@@ -25,7 +25,7 @@ from pagoda.loading.tokenizer import tokenizer_eos_token_id
 from pagoda.model_config import ModelConfig
 from pagoda.runner.device import torch_dtype
 from pagoda.runner.model_runner import ModelRunner
-from pagoda.runner.pooler import Pooler
+from pagoda.runner.pooler import Pooler, classifier_head
 from pagoda.spec_decode.methods import spec_method
 
 logger = logging.getLogger(__name__)
@@ -85,7 +85,10 @@ def build_runner(
         cp=cp,
     )
     if model_config.pooler is not None:
-        runner.pooler = Pooler(str(model_config.pooler.pooling_type))
+        classifier = model_config.classifier
+        head = None if classifier is None else classifier_head(model, classifier)
+        dtype = torch_dtype(model_config.dtype)
+        runner.pooler = Pooler(str(model_config.pooler.pooling_type), head, dtype)
     return RankSetup(runner, model_config, tokenizer, eos_token_ids, draft)
 
 

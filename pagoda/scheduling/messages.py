@@ -274,3 +274,4 @@ class EngineInfo(msgspec.Struct):
     normalize: bool = False
     hidden_size: int = 0
     matryoshka_dimensions: list[int] | None = None
+    num_labels: int = 0  # a classifier's labels (its pooled values are their logits); 0: none

@@ -3,7 +3,8 @@ running it under uvicorn (the first SIGTERM drains).
 
 Routes: /health, /metrics, /version and /ui (open; webui.py), /v1/models, /tokenize, /detokenize,
 /v1/completions (completions.py), /v1/chat/completions (chat.py), /v1/embeddings
-(embeddings.py, --runner pooling), /v1/responses (responses.py), and Anthropic's /v1/messages
+(embeddings.py, --runner pooling), /v1/score and /v1/rerank (scoring.py, a classifier),
+/v1/responses (responses.py), and Anthropic's /v1/messages
 and /v1/messages/count_tokens (messages.py). Every error leaves in OpenAI's shape (errors.py),
 except on the Messages routes: Anthropic's (anthropic_errors.py).
 """
@@ -47,6 +48,7 @@ from pagoda.server.protocol import (
 )
 from pagoda.server.response_store import ResponseStore
 from pagoda.server.responses import add_response_routes
+from pagoda.server.scoring import add_scoring_routes
 from pagoda.server.state import ServerConfig, ServerState
 from pagoda.server.webui import add_ui_routes
 from pagoda.version import __version__
@@ -98,6 +100,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await create_embedding(state, body, request)
 
     add_response_routes(app, state, deps, ResponseStore())
+    add_scoring_routes(app, state, deps)
 
     @app.post("/v1/messages", dependencies=deps)
     async def messages(body: MessagesRequest, request: Request) -> Response:

@@ -10,7 +10,13 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagoda.client.pooling import POOLING_SAMPLING, check_pooling_params, check_runner, embedding
+from pagoda.client.pooling import (
+    POOLING_SAMPLING,
+    check_embedder,
+    check_pooling_params,
+    check_runner,
+    embedding,
+)
 from pagoda.client.tokenizer import Prompt
 from pagoda.pooler_config import PoolingParams
 from pagoda.server.embeddings_protocol import (
@@ -32,6 +38,7 @@ async def create_embedding(
     assert info is not None  # the routes answer 503 until the engine is ready
     try:
         check_runner(info, pooling=True)
+        check_embedder(info)
     except ValueError as e:
         raise APIError(400, str(e)) from e
     params = _pooling_params(body)
