@@ -2,8 +2,9 @@
 the server publishes (/openapi.json, through hypothesis-jsonschema) and sent to every POST route
 that takes a JSON body; no answer may be a 5xx, and the server must still answer afterwards.
 
-Two servers with a 64-token context (so that any valid request is short): the tiny Llama
-generating, and the tiny Qwen3 with --runner pooling for /v1/embeddings. The draws are
+Three servers with a 64-token context (so that any valid request is short): the tiny Llama
+generating, the tiny Qwen3 with --runner pooling for /v1/embeddings, and the tiny Qwen3 under
+the Qwen3-Reranker recipe (--hf-overrides) for /v1/score and /v1/rerank. The draws are
 derandomized: the same bodies on every run."""
 
 from __future__ import annotations
@@ -18,7 +19,19 @@ from hypothesis_jsonschema import from_schema
 from tests.server.conftest import SMALL_POOL, ServerProcess
 
 CONTEXT = ("--max-model-len", "64")
-NEW_ENDPOINTS = {"/v1/embeddings", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
+NEW_ENDPOINTS = {
+    "/v1/embeddings",
+    "/v1/score",
+    "/v1/rerank",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+}
+RERANKER = (
+    '{"architectures": ["Qwen3ForSequenceClassification"], '
+    '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'
+)
+SERVER_OF = {"/v1/embeddings": "pooling", "/v1/score": "scoring", "/v1/rerank": "scoring"}
 EXAMPLES = 15
 
 
@@ -26,7 +39,14 @@ EXAMPLES = 15
 def servers(tiny_model_dir: Callable[[str], str]) -> Iterator[dict[str, ServerProcess]]:
     generate = ServerProcess(tiny_model_dir("llama"), (*SMALL_POOL, *CONTEXT))
     pooling = ServerProcess(tiny_model_dir("qwen3"), (*SMALL_POOL, *CONTEXT, "--runner", "pooling"))
-    started = {"generate": generate.wait_ready(), "pooling": pooling.wait_ready()}
+    scoring = ServerProcess(
+        tiny_model_dir("qwen3"), (*SMALL_POOL, *CONTEXT, "--hf-overrides", RERANKER)
+    )
+    started = {
+        "generate": generate.wait_ready(),
+        "pooling": pooling.wait_ready(),
+        "scoring": scoring.wait_ready(),
+    }
     yield started
     for server in started.values():
         server.stop()
@@ -77,6 +97,8 @@ def test_the_published_schema_covers_the_new_endpoints(schema: dict[str, Any]) -
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/embeddings",
+        "/v1/score",
+        "/v1/rerank",
         "/v1/responses",
         "/v1/messages",
         "/v1/messages/count_tokens",
@@ -88,7 +110,7 @@ def test_no_body_drawn_from_the_schema_gets_a_5xx(
     servers: dict[str, ServerProcess], schema: dict[str, Any], path: str
 ) -> None:
     assert path in _json_body_routes(schema)
-    server = servers["pooling" if path == "/v1/embeddings" else "generate"]
+    server = servers[SERVER_OF.get(path, "generate")]
     strategy = from_schema(_body_schema(schema, path, _model(server)))
     answers: dict[int, int] = {}
 

@@ -7,7 +7,8 @@
   that talk to a server (their text names `127.0.0.1:8000`) run against one `pagoda serve`
   this module starts as the README's serving example does, on a free port written in place of
   8000; those naming `127.0.0.1:8002`, against a second one with `--runner pooling` (the
-  embeddings examples). A block whose first line is a comment naming a Python file of the repository
+  embeddings examples), and `127.0.0.1:8003` a third one under the Qwen3-Reranker recipe
+  (`--hf-overrides`: rerank and score). A block whose first line is a comment naming a Python file of the repository
   (`# pagoda/models/mistral.py`) is that file's code, and must stay so: it also runs, and its
   syntax tree must equal the file's (without the module docstring and `__future__` imports).
 - Every command line of the ```bash / ```console blocks is checked by what it calls:
@@ -70,6 +71,12 @@ PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 DOC_SERVER = "127.0.0.1:8000"  # the address the examples use for `pagoda serve`
 # ... and for `pagoda serve --runner pooling --port 8002` (the embeddings examples)
 POOLING_SERVER = "127.0.0.1:8002"
+# ... and for the embedded model under the Qwen3-Reranker recipe on 8003 (rerank and score)
+RERANK_SERVER = "127.0.0.1:8003"
+RERANKER = (
+    '{"architectures": ["LlamaForSequenceClassification"], '
+    '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}'
+)
 RUN_TIMEOUT_S = 180.0
 # Three examples and a server share the cores: a thread each wastes less than torch's pools
 # contending (about a fifth less time for the module on two cores).
@@ -302,7 +309,7 @@ def test_every_command_line_is_checked() -> None:
             except (AssertionError, ValueError) as e:
                 problems.append(str(e))
         elif name == "curl":
-            if not any(DOC_SERVER in w or POOLING_SERVER in w for w in argv):
+            if not any(uses_server(w) for w in argv):
                 problems.append(f"{command.where}: not the address of the module's server")
         elif name == "make":
             missing = [t for t in argv[1:] if t not in targets]
@@ -372,7 +379,7 @@ class DocServer:
 
 
 def uses_server(text: str) -> bool:
-    return DOC_SERVER in text or POOLING_SERVER in text
+    return any(address in text for address in (DOC_SERVER, POOLING_SERVER, RERANK_SERVER))
 
 
 def _on_servers(text: str, servers: dict[str, DocServer]) -> str:
@@ -446,7 +453,11 @@ def _id(example: Block | Command) -> str:
 @pytest.fixture(scope="module")
 def results(smollm2_path: str) -> Iterator[dict[str, concurrent.futures.Future[str]]]:
     """Every runnable example started at once, three at a time, beside the servers."""
-    servers = {DOC_SERVER: DocServer(), POOLING_SERVER: DocServer(("--runner", "pooling"))}
+    servers = {
+        DOC_SERVER: DocServer(),
+        POOLING_SERVER: DocServer(("--runner", "pooling")),
+        RERANK_SERVER: DocServer(("--hf-overrides", RERANKER)),
+    }
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=3)
     futures: dict[str, concurrent.futures.Future[str]] = {}
     # the ones that need no server first, while it starts
