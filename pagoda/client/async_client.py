@@ -311,9 +311,6 @@ class AsyncEngine:
         check_request(self.info, max_num_seqs, prompt_token_ids, params, kv_transfer_params)
         arrival = time.time()
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival)
-        stream = RequestStream(state)
-        self.streams[request_id] = stream
-        self._unacked.add(request_id)
         msg = EngineRequest(
             request_id,
             prompt_token_ids,
@@ -323,7 +320,14 @@ class AsyncEngine:
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
         )
-        self._send(msg)
+        try:
+            raw = self._encoder.encode(msg)
+        except (OverflowError, msgspec.EncodeError) as e:  # e.g. an int past 64 bits
+            raise ValueError(f"the request cannot be sent to the engine: {e}") from e
+        stream = RequestStream(state)
+        self.streams[request_id] = stream
+        self._unacked.add(request_id)
+        self._to_engine.send(raw)
         try:
             await stream.accepted
         except BaseException as e:

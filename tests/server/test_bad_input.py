@@ -148,6 +148,14 @@ CASES: dict[str, tuple[str, str, dict[str, Any] | bytes | None, int]] = {
     ),
     "chat_max_completion_tokens_zero": ("POST", CHAT, chat(max_completion_tokens=0), 400),
     "chat_temperature_negative": ("POST", CHAT, chat(temperature=-0.5), 400),
+    # ints past 64 bits cannot be sent to the engine (the schema fuzz found a 500 here)
+    "chat_huge_int_in_kv_transfer_params": (
+        "POST",
+        CHAT,
+        chat(kv_transfer_params={"x": 10**30}),
+        400,
+    ),
+    "chat_huge_priority": ("POST", CHAT, chat(priority=10**30), 400),
     "chat_prompt_too_long": (
         "POST",
         CHAT,
