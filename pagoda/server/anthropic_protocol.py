@@ -1,8 +1,8 @@
 """Anthropic Messages request, response, stream-event and error schemas (/v1/messages).
 
-Requests take Anthropic's fields; unknown ones (metadata, cache_control, thinking, ...) are
-ignored. `max_tokens` and `model` are required, as Anthropic requires them. Content blocks are
-text, tool_use and tool_result; any other block type is a 400 naming it.
+Requests take Anthropic's fields; unknown ones (metadata, cache_control, ...) are ignored.
+`max_tokens` and `model` are required, as Anthropic requires them. Content blocks are text,
+tool_use, tool_result, thinking and redacted_thinking; any other block type is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,19 @@ class ToolUseBlock(AnthropicModel):
     input: dict[str, Any]
 
 
+class ThinkingBlock(AnthropicModel):
+    """The thinking of a model served with --reasoning-parser (no signature: it is "")."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(AnthropicModel):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
 class ToolResultBlock(AnthropicModel):
     type: Literal["tool_result"]
     tool_use_id: str
@@ -39,7 +52,10 @@ class ToolResultBlock(AnthropicModel):
         return self.content if isinstance(self.content, str) else blocks_text(self.content)
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 def blocks_text(blocks: list[TextBlock]) -> str:
@@ -66,12 +82,21 @@ class ToolChoice(AnthropicModel):
     disable_parallel_tool_use: bool = False
 
 
+class ThinkingConfig(AnthropicModel):
+    """`thinking`: "disabled" renders the chat template with enable_thinking false (Qwen3's);
+    "enabled" (and "adaptive") leave the template's default; budget_tokens is not enforced."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
 class CountTokensRequest(AnthropicModel):
     model: str
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -95,7 +120,7 @@ class MessageResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None = None
     stop_sequence: str | None = None
     usage: MessageUsage
@@ -114,7 +139,7 @@ class MessageStartEvent(BaseModel):
 class ContentBlockStartEvent(BaseModel):
     type: Literal["content_block_start"] = "content_block_start"
     index: int
-    content_block: TextBlock | ToolUseBlock
+    content_block: ThinkingBlock | TextBlock | ToolUseBlock
 
 
 class PingEvent(BaseModel):
@@ -126,6 +151,16 @@ class TextDelta(BaseModel):
     text: str
 
 
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class SignatureDelta(BaseModel):
+    type: Literal["signature_delta"] = "signature_delta"
+    signature: str = ""
+
+
 class InputJsonDelta(BaseModel):
     type: Literal["input_json_delta"] = "input_json_delta"
     partial_json: str
@@ -134,7 +169,7 @@ class InputJsonDelta(BaseModel):
 class ContentBlockDeltaEvent(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta
 
 
 class ContentBlockStopEvent(BaseModel):

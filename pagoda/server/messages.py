@@ -3,9 +3,12 @@
 A Messages request becomes the chat request it means (`chat_request`): `system` the first
 message, text blocks the message's text, tool_use blocks an assistant's tool calls, tool_result
 blocks tool messages, `tools` functions, `tool_choice` auto / any / tool / none the chat's auto /
-required / named / none (tools.py), `stop_sequences` stop strings. It is then rendered, sampled
+required / named / none (tools.py), `stop_sequences` stop strings, `thinking: {"type":
+"disabled"}` the chat_template_kwargs `{"enable_thinking": false}`; thinking blocks of earlier
+turns are left out (the chat template renders no earlier thinking). It is then rendered, sampled
 and parsed for tool calls exactly as /v1/chat/completions does, so a greedy message equals the
-greedy chat completion of the same conversation. The stream is messages_stream.py's.
+greedy chat completion of the same conversation; under --reasoning-parser the thinking is a
+thinking block before the answer's blocks (reasoning.py). The stream is messages_stream.py's.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from pagoda.server.anthropic_protocol import (
     MessageResponse,
     MessagesRequest,
     MessageUsage,
+    RedactedThinkingBlock,
     TextBlock,
+    ThinkingBlock,
     ToolChoice,
     ToolResultBlock,
     ToolUseBlock,
@@ -38,6 +43,7 @@ from pagoda.server.errors import APIError, bad_field
 from pagoda.server.generation import add_all, collect, until_disconnect
 from pagoda.server.messages_stream import message_events, stop_reason, tool_use_id
 from pagoda.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallIn
+from pagoda.server.reasoning import Reasoning
 from pagoda.server.state import ServerState
 from pagoda.server.tools import ToolPlan, tool_plan
 
@@ -48,21 +54,25 @@ async def create_message(state: ServerState, body: MessagesRequest, request: Req
     state.check_model(body.model)
     chat = chat_request(body)
     plan, text, ids = _prompt(state, chat)
+    parser = state.config.reasoning_parser
+    reasoning = None if parser is None else Reasoning(parser, text, state.engine.tokenizer)
     try:
         params = chat.sampling_params(body.max_tokens, None)
     except ValueError as e:
         raise bad_field(e) from e
     if plan.grammar is not None:
         params = dataclasses.replace(params, structured_outputs=plan.grammar)
+    if reasoning is not None:
+        params = reasoning.grammar_after_reasoning(params)
     rid = f"msg_{uuid.uuid4().hex}"
     streams = await add_all(state, rid, [(text, ids)], params, chat)
     if body.stream:
-        events = message_events(state, rid, plan.parse, streams[0])
+        events = message_events(state, rid, plan.parse, streams[0], reasoning)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def work() -> Response:
         out = (await collect(state.engine, streams))[0]
-        return JSONResponse(_message(state, plan, rid, out).model_dump())
+        return JSONResponse(_message(state, plan, reasoning, rid, out).model_dump())
 
     return await until_disconnect(request, work)
 
@@ -72,7 +82,9 @@ async def count_tokens(state: ServerState, body: CountTokensRequest) -> CountTok
     state.check_model(body.model)
     chat = chat_request(body)
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
-    _, ids = state.engine.chat_prompt(conversation(chat.messages), None, True, False, tools)
+    _, ids = state.engine.chat_prompt(
+        conversation(chat.messages), None, True, False, tools, chat.chat_template_kwargs
+    )
     return CountTokensResponse(input_tokens=len(ids))
 
 
@@ -92,6 +104,8 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
             }
             for t in body.tools
         ]
+    if body.thinking is not None and body.thinking.type == "disabled":
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
     if body.tool_choice is not None:
         fields["tool_choice"] = _tool_choice(body.tool_choice)
         fields["parallel_tool_calls"] = not body.tool_choice.disable_parallel_tool_use
@@ -142,7 +156,11 @@ def chat_messages(body: CountTokensRequest) -> list[ChatMessage]:
 
 
 def _check_blocks(i: int, m: InputMessage) -> None:
-    wrong = ToolResultBlock if m.role == "assistant" else ToolUseBlock
+    wrong = (
+        (ToolResultBlock,)
+        if m.role == "assistant"
+        else (ToolUseBlock, ThinkingBlock, RedactedThinkingBlock)
+    )
     for j, b in enumerate(m.content):
         if isinstance(b, wrong):
             where = f"messages.{i}.content.{j}"
@@ -154,14 +172,22 @@ def _prompt(state: ServerState, chat: ChatCompletionRequest) -> tuple[ToolPlan, 
     added = tokenizer.get_added_vocab() if chat.tools and tokenizer is not None else {}
     config = state.config
     plan = tool_plan(chat, config.enable_auto_tool_choice, config.tool_call_parser, added)
-    text, ids = state.engine.chat_prompt(conversation(chat.messages), None, True, False, plan.tools)
+    text, ids = state.engine.chat_prompt(
+        conversation(chat.messages), None, True, False, plan.tools, chat.chat_template_kwargs
+    )
     return plan, text, ids
 
 
-def _message(state: ServerState, plan: ToolPlan, rid: str, out: RequestOutput) -> MessageResponse:
+def _message(
+    state: ServerState, plan: ToolPlan, reasoning: Reasoning | None, rid: str, out: RequestOutput
+) -> MessageResponse:
     c: CompletionOutput = out.outputs[0]
-    text, calls = parse_tool_calls(c.text) if plan.parse else (c.text, [])
-    content: list[TextBlock | ToolUseBlock] = [TextBlock(text=text)] if text else []
+    thought, answer = (None, c.text) if reasoning is None else reasoning.split(c, True)
+    text, calls = parse_tool_calls(answer or "") if plan.parse else (answer, [])
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock] = (
+        [ThinkingBlock(thinking=thought)] if thought else []
+    )
+    content += [TextBlock(text=text)] if text else []
     content += [_tool_use(call) for call in calls]
     reason, sequence = stop_reason(c, len(calls))
     return MessageResponse(

@@ -1,13 +1,15 @@
 """A streamed /v1/messages answer: Anthropic's server-sent events, in Anthropic's order.
 
     message_start, then per content block: content_block_start (a ping after the first),
-    content_block_delta... (text_delta or input_json_delta), content_block_stop; then
-    message_delta (stop_reason, stop_sequence, usage.output_tokens) and message_stop.
+    content_block_delta... (thinking_delta, text_delta or input_json_delta), content_block_stop
+    (a thinking block's after a signature_delta, as Anthropic's, with an empty signature);
+    then message_delta (stop_reason, stop_sequence, usage.output_tokens) and message_stop.
 
 Each event is `event: <type>\\n` + `data: <json>\\n\\n`. Text and tool calls are read out of the
 output as chat's stream reads them (client/tool_calls.py); a call opens a tool_use block as soon
 as its name is read, its arguments stream as input_json_delta. An error once the headers are
-sent is one `error` event in Anthropic's shape, the stream's last.
+sent is one `error` event in Anthropic's shape, the stream's last. Under --reasoning-parser the
+thinking (reasoning.py splits it off) is a thinking block, the first.
 """
 
 from __future__ import annotations
@@ -35,11 +37,15 @@ from pagoda.server.anthropic_protocol import (
     MessageStopEvent,
     MessageUsage,
     PingEvent,
+    SignatureDelta,
     TextBlock,
     TextDelta,
+    ThinkingBlock,
+    ThinkingDelta,
     ToolUseBlock,
 )
 from pagoda.server.generation import GENERATION_ERROR, GenerationError
+from pagoda.server.reasoning import Reasoning
 from pagoda.server.state import ServerState
 
 logger = logging.getLogger("pagoda.server")
@@ -82,6 +88,13 @@ class _Blocks:
         delta = ContentBlockDeltaEvent(index=self.index, delta=TextDelta(text=text))
         return [*events, sse(delta)]
 
+    def thinking(self, text: str) -> list[str]:
+        if not text:
+            return []
+        events = [] if self.open == "thinking" else self._start(ThinkingBlock(thinking=""))
+        delta = ContentBlockDeltaEvent(index=self.index, delta=ThinkingDelta(thinking=text))
+        return [*events, sse(delta)]
+
     def call(self, d: ToolCallDelta) -> list[str]:
         events = []
         if d.id is not None:
@@ -95,10 +108,14 @@ class _Blocks:
     def stop(self) -> list[str]:
         if self.open is None:
             return []
+        events = []
+        if self.open == "thinking":
+            delta = ContentBlockDeltaEvent(index=self.index, delta=SignatureDelta())
+            events.append(sse(delta))
         self.open = None
-        return [sse(ContentBlockStopEvent(index=self.index))]
+        return [*events, sse(ContentBlockStopEvent(index=self.index))]
 
-    def _start(self, block: TextBlock | ToolUseBlock) -> list[str]:
+    def _start(self, block: ThinkingBlock | TextBlock | ToolUseBlock) -> list[str]:
         events = self.stop()
         self.index += 1
         self.open = block.type
@@ -109,9 +126,14 @@ class _Blocks:
 
 
 async def message_events(
-    state: ServerState, rid: str, parse: bool, stream: RequestStream
+    state: ServerState,
+    rid: str,
+    parse: bool,
+    stream: RequestStream,
+    reasoning: Reasoning | None = None,
 ) -> AsyncIterator[str]:
-    """The events of one sample's stream; `parse`: read tool calls out of its text."""
+    """The events of one sample's stream; `parse`: read tool calls out of its text;
+    `reasoning`: split its thinking off."""
     usage = MessageUsage(input_tokens=len(stream.state.prompt_token_ids), output_tokens=0)
     start = MessageResponse(id=rid, model=state.model_name, content=[], usage=usage)
     yield sse(MessageStartEvent(message=start))
@@ -125,11 +147,13 @@ async def message_events(
                 raise GenerationError(GENERATION_ERROR)
             output_tokens += len(c.token_ids)
             final = c.finish_reason is not None
+            thought, text = ("", c.text) if reasoning is None else reasoning.feed(c, True)
+            events = blocks.thinking(thought)
             if calls is None:
-                events = blocks.text(c.text)
+                events += blocks.text(text)
             else:
-                content, deltas = calls.feed(c.text, final)
-                events = blocks.text(content)
+                content, deltas = calls.feed(text, final)
+                events += blocks.text(content)
                 for d in deltas:
                     events += blocks.call(d)
             for event in events:

@@ -3,6 +3,10 @@
 Each event is `event: <type>\\ndata: <json>\\n\\n` with a `sequence_number` counting from 0:
 
     response.created, response.in_progress
+    a reasoning item (under --reasoning-parser, where the output thinks; always the first):
+                       response.output_item.added, response.content_part.added,
+                       response.reasoning_text.delta ..., response.reasoning_text.done,
+                       response.content_part.done, response.output_item.done
     per message item:  response.output_item.added, response.content_part.added,
                        response.output_text.delta ..., response.output_text.done,
                        response.content_part.done, response.output_item.done
@@ -25,11 +29,19 @@ from typing import Any
 from pagoda.client.async_client import AsyncEngine, EngineDeadError, RequestStream
 from pagoda.client.tool_calls import ToolCallDelta, ToolCallStream
 from pagoda.server.generation import GENERATION_ERROR, GenerationError
-from pagoda.server.response_output import call_item, finished, item_status, message_item
+from pagoda.server.reasoning import Reasoning
+from pagoda.server.response_output import (
+    call_item,
+    finished,
+    item_status,
+    message_item,
+    reasoning_item,
+)
 from pagoda.server.responses_protocol import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
     ResponseObject,
 )
 
@@ -67,6 +79,20 @@ class ResponseEvents:
         out.append(self.event("response.output_text.delta", **fields))
         return out
 
+    def thought(self, delta: str) -> list[str]:
+        """Events for new reasoning text (opening the reasoning item where none is open)."""
+        out = []
+        if not isinstance(self._open, OutputReasoning):
+            out += self.close("completed")
+            out += self._add(reasoning_item("", "in_progress"))
+            part = {"type": "reasoning_text", "text": ""}
+            out.append(self.event("response.content_part.added", **self._at(), part=part))
+        item = self._open
+        assert isinstance(item, OutputReasoning)
+        item.content[0].text += delta
+        out.append(self.event("response.reasoning_text.delta", **self._at(), delta=delta))
+        return out
+
     def call(self, delta: ToolCallDelta) -> list[str]:
         """Events for a piece of a tool call (its first piece opens its item)."""
         out = []
@@ -92,10 +118,15 @@ class ResponseEvents:
             return []
         out = []
         at = {"item_id": item.id, "output_index": len(self.items) - 1}
-        if isinstance(item, OutputMessage):
+        if isinstance(item, (OutputMessage, OutputReasoning)):
             part = item.content[0]
-            done = {**at, "content_index": 0, "text": part.text, "logprobs": []}
-            out.append(self.event("response.output_text.done", **done))
+            done = {**at, "content_index": 0, "text": part.text}
+            if isinstance(item, OutputMessage):
+                kind = "response.output_text.done"
+                done["logprobs"] = []
+            else:
+                kind = "response.reasoning_text.done"
+            out.append(self.event(kind, **done))
             fields = {**at, "content_index": 0, "part": part.model_dump()}
             out.append(self.event("response.content_part.done", **fields))
         else:
@@ -125,8 +156,11 @@ async def stream_events(
     parse_calls: bool,
     base: ResponseObject,
     keep: Callable[[ResponseObject], None],
+    reasoning: Reasoning | None = None,
+    skip_special: bool = True,
 ) -> AsyncIterator[str]:
-    """The events of one request's output; `keep` gets the finished response."""
+    """The events of one request's output; `keep` gets the finished response; `reasoning`
+    splits the thinking off (under --reasoning-parser)."""
     events = ResponseEvents()
     yield events.lifecycle("response.created", base)
     yield events.lifecycle("response.in_progress", base)
@@ -141,21 +175,23 @@ async def stream_events(
             cached = out.num_cached_tokens
             output_tokens += len(c.token_ids)
             finish_reason = c.finish_reason
-            content, deltas = (
-                (c.text, []) if calls is None else calls.feed(c.text, bool(finish_reason))
-            )
+            thought, text = ("", c.text) if reasoning is None else reasoning.feed(c, skip_special)
+            content, deltas = (text, []) if calls is None else calls.feed(text, bool(finish_reason))
+            for e in events.thought(thought) if thought else []:
+                yield e
             for e in events.text(content) if content else []:
                 yield e
             for d in deltas:
                 for e in events.call(d):
                     yield e
-        if not events.items:
+        if all(isinstance(item, OutputReasoning) for item in events.items):
             for e in events.text(""):
                 yield e
         for e in events.close(item_status(finish_reason)):
             yield e
         input_tokens = len(stream.state.prompt_token_ids)
-        response = finished(base, events.items, finish_reason, input_tokens, output_tokens, cached)
+        tokens = (input_tokens, output_tokens, cached, reasoning.tokens if reasoning else 0)
+        response = finished(base, events.items, finish_reason, *tokens)
         keep(response)
         kind = "response.completed" if response.status == "completed" else "response.incomplete"
         yield events.lifecycle(kind, response)

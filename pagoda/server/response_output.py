@@ -1,6 +1,7 @@
-"""A response's output, whole or streamed alike: its items (a message with the text, then one
-function_call item per tool call), the finished response object with its usage, and the
-assistant message that continues its conversation."""
+"""A response's output, whole or streamed alike: its items (under --reasoning-parser a reasoning
+item with the thinking, where there is some; a message with the answer; then one function_call
+item per tool call), the finished response object with its usage, and the assistant message that
+continues its conversation (without the thinking, which the chat template does not render)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from pagoda.server.responses_protocol import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    OutputTokensDetails,
+    ReasoningText,
     ResponseObject,
     ResponseUsage,
     Status,
@@ -34,6 +38,10 @@ def message_item(text: str, status: Status) -> OutputMessage:
     return OutputMessage(id=new_id("msg"), status=status, content=[OutputText(text=text)])
 
 
+def reasoning_item(text: str, status: Status) -> OutputReasoning:
+    return OutputReasoning(id=new_id("rs"), status=status, content=[ReasoningText(text=text)])
+
+
 def call_item(call_id: str, name: str, arguments: str, status: Status) -> OutputFunctionCall:
     return OutputFunctionCall(
         id=new_id("fc"), call_id=call_id, name=name, arguments=arguments, status=status
@@ -41,11 +49,12 @@ def call_item(call_id: str, name: str, arguments: str, status: Status) -> Output
 
 
 def output_items(
-    content: str, calls: list[ToolCall], finish_reason: str | None
+    content: str, calls: list[ToolCall], finish_reason: str | None, thought: str | None = None
 ) -> list[OutputItem]:
-    """A whole output's items: a message with the text (unless there is none beside calls),
-    then its calls; the last one has the output's status."""
-    items: list[OutputItem] = []
+    """A whole output's items: a reasoning item with `thought` (where it is not empty), a
+    message with the text (unless there is none beside calls), then its calls; the last one has
+    the output's status."""
+    items: list[OutputItem] = [reasoning_item(thought, "completed")] if thought else []
     if content or not calls:
         items.append(message_item(content, "completed"))
     items += [call_item(c.id, c.name, c.arguments, "completed") for c in calls]
@@ -60,6 +69,7 @@ def finished(
     input_tokens: int,
     output_tokens: int,
     cached_tokens: int,
+    reasoning_tokens: int = 0,
 ) -> ResponseObject:
     """`base` (the request's response, in progress) with its output and usage; incomplete
     where max_output_tokens (or the model's length) cut it."""
@@ -68,6 +78,7 @@ def finished(
         input_tokens=input_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
         output_tokens=output_tokens,
+        output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
         total_tokens=input_tokens + output_tokens,
     )
     details = IncompleteDetails(reason="max_output_tokens") if incomplete else None

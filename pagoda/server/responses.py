@@ -2,10 +2,12 @@
 
 A request is served as the chat request it amounts to (ResponsesRequest.chat_request): its
 input items, after the conversation of `previous_response_id` and under its `instructions`,
-become chat messages under the model's chat template; `tools` and `tool_choice` take chat's tool
-machinery (tools.py), `text.format` chat's response_format grammar. So a greedy response equals
-the greedy chat completion of the same conversation. Output: a message item with the text, then
-one function_call item per tool call. Stored responses live in a ResponseStore.
+become chat messages under the model's chat template (with `chat_template_kwargs`, vLLM's extra
+field); `tools` and `tool_choice` take chat's tool machinery (tools.py), `text.format` chat's
+response_format grammar. So a greedy response equals the greedy chat completion of the same
+conversation. Output: under --reasoning-parser a reasoning item with the thinking (reasoning.py
+splits it; grammars apply after it, as on chat), a message item with the text, then one
+function_call item per tool call. Stored responses live in a ResponseStore.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from pagoda.client.tool_calls import parse_tool_calls
 from pagoda.server.chat import conversation
 from pagoda.server.errors import APIError, bad_field
 from pagoda.server.generation import add_all, collect, until_disconnect
-from pagoda.server.protocol import ChatMessage
+from pagoda.server.protocol import ChatCompletionRequest, ChatMessage
+from pagoda.server.reasoning import Reasoning
 from pagoda.server.response_events import stream_events
 from pagoda.server.response_output import as_message, finished, output_items
 from pagoda.server.response_store import ResponseStore, StoredResponse
@@ -33,7 +36,7 @@ from pagoda.server.responses_protocol import (
     TextConfig,
 )
 from pagoda.server.state import ServerState
-from pagoda.server.tools import tool_plan
+from pagoda.server.tools import ToolPlan, tool_plan
 
 # chat's field names in errors -> the Responses field that carries them
 _FIELD_NAMES = {
@@ -106,17 +109,15 @@ async def _create(
     if not messages:
         raise APIError(400, "input must not be empty", "input")
     chat = body.chat_request(messages)
-    tokenizer = state.engine.tokenizer
-    added = tokenizer.get_added_vocab() if chat.tools and tokenizer is not None else {}
-    config = state.config
-    plan = tool_plan(chat, config.enable_auto_tool_choice, config.tool_call_parser, added)
-    text, ids = state.engine.chat_prompt(conversation(chat.messages), None, True, False, plan.tools)
+    plan, reasoning, text, ids = _prompt(state, chat)
     try:
         sampling = chat.sampling_params(body.max_output_tokens, None)
     except ValueError as e:
         raise bad_field(e) from e
     if plan.grammar is not None:
         sampling = dataclasses.replace(sampling, structured_outputs=plan.grammar)
+    if reasoning is not None:
+        sampling = reasoning.grammar_after_reasoning(sampling)
     rid = body.request_id or f"resp_{uuid.uuid4().hex}"
     base = _base(state, body, rid)
     streams = await add_all(state, rid, [(text, ids)], sampling, body)
@@ -125,27 +126,41 @@ async def _create(
         if body.store:
             store.put(StoredResponse(response, [*messages, as_message(response.output)]))
 
+    skip = chat.skip_special_tokens
     if body.stream:
-        events = stream_events(state.engine, streams[0], plan.parse, base, keep)
+        events = stream_events(state.engine, streams[0], plan.parse, base, keep, reasoning, skip)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def work() -> Response:
         out = (await collect(state.engine, streams))[0]
         c = out.outputs[0]
-        content, calls = parse_tool_calls(c.text) if plan.parse else (c.text, [])
-        items = output_items(content or "", calls, c.finish_reason)
+        thought, answer = (None, c.text) if reasoning is None else reasoning.split(c, skip)
+        content, calls = parse_tool_calls(answer or "") if plan.parse else (answer, [])
+        items = output_items(content or "", calls, c.finish_reason, thought)
+        tokens = (len(out.prompt_token_ids), len(c.token_ids), out.num_cached_tokens)
         response = finished(
-            base,
-            items,
-            c.finish_reason,
-            len(out.prompt_token_ids),
-            len(c.token_ids),
-            out.num_cached_tokens,
+            base, items, c.finish_reason, *tokens, reasoning.tokens if reasoning else 0
         )
         keep(response)
         return JSONResponse(response.model_dump())
 
     return await until_disconnect(request, work)
+
+
+def _prompt(
+    state: ServerState, chat: ChatCompletionRequest
+) -> tuple[ToolPlan, Reasoning | None, str, list[int]]:
+    """The request's tool plan, its reasoning split (under --reasoning-parser) and its prompt."""
+    tokenizer = state.engine.tokenizer
+    added = tokenizer.get_added_vocab() if chat.tools and tokenizer is not None else {}
+    config = state.config
+    plan = tool_plan(chat, config.enable_auto_tool_choice, config.tool_call_parser, added)
+    text, ids = state.engine.chat_prompt(
+        conversation(chat.messages), None, True, False, plan.tools, chat.chat_template_kwargs
+    )
+    parser = config.reasoning_parser
+    reasoning = None if parser is None else Reasoning(parser, text, tokenizer)
+    return plan, reasoning, text, ids
 
 
 def _base(state: ServerState, body: ResponsesRequest, rid: str) -> ResponseObject:

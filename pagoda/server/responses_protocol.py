@@ -69,10 +69,23 @@ class FunctionCallOutputItem(OpenAIModel):
         return "".join(part.text for part in self.output)
 
 
+class ReasoningItem(OpenAIModel):
+    """A reasoning item of an earlier response sent back; it is left out of the prompt (as vLLM
+    leaves it: the chat template renders no earlier thinking)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = Field(default_factory=list)
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 _ITEM_TAGS = {
     "message": "MessageItem",
     "function_call": "FunctionCallItem",
     "function_call_output": "FunctionCallOutputItem",
+    "reasoning": "ReasoningItem",
 }
 
 
@@ -86,7 +99,8 @@ def _item_kind(value: Any) -> str | None:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("MessageItem")]
     | Annotated[FunctionCallItem, Tag("FunctionCallItem")]
-    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]
+    | Annotated[ReasoningItem, Tag("ReasoningItem")],
     Discriminator(_item_kind),
 ]
 
@@ -143,6 +157,8 @@ class ResponsesRequest(SamplingFields):
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    # vLLM's extra field: variables of the chat template's render, e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def grammar_field(self) -> str:
@@ -151,7 +167,8 @@ class ResponsesRequest(SamplingFields):
     def input_messages(self) -> list[ChatMessage]:
         """The input items as chat messages: function calls join the assistant message before
         them (or make one), as a response's output continues its conversation
-        (response_output.as_message); a call's output is a tool message."""
+        (response_output.as_message); a call's output is a tool message; reasoning items are
+        left out."""
         if isinstance(self.input, str):
             return [ChatMessage(role="user", content=self.input)]
         out: list[ChatMessage] = []
@@ -160,7 +177,7 @@ class ResponsesRequest(SamplingFields):
                 out.append(ChatMessage(role=item.role, content=item.text()))
             elif isinstance(item, FunctionCallOutputItem):
                 out.append(ChatMessage(role="tool", content=item.text(), tool_call_id=item.call_id))
-            else:
+            elif isinstance(item, FunctionCallItem):
                 call = ToolCallIn(
                     id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
                 )
@@ -197,6 +214,7 @@ class ResponsesRequest(SamplingFields):
             tools=tools or None,
             tool_choice=choice,
             parallel_tool_calls=self.parallel_tool_calls,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
 
 
@@ -228,7 +246,22 @@ class OutputFunctionCall(BaseModel):
     status: Status
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The thinking of a model served with --reasoning-parser (the output's first item)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Status
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):
