@@ -16,10 +16,11 @@ on the decode instance as if nothing had been sent.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagoda.flag_json import json_object
 
 KV_CONNECTORS = ("PagodaConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -95,13 +96,7 @@ class KVTransferConfig:
         """From a JSON object string (the CLI flag), a dict, a config, or None."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
+        value = json_object(value, "kv_transfer_config")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pagoda.flag_json import json_object
+
 RUNNERS = ("auto", "generate", "pooling")
 # LAST: the last token's hidden state (causal embedding models: Qwen3-Embedding, e5-mistral);
 # MEAN: the mean over the prompt's tokens; CLS: the first token's.
@@ -44,13 +46,7 @@ class PoolerConfig:
         """A PoolerConfig, its dict or its JSON object text; ValueError naming a bad field."""
         if value is None or isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config is not valid JSON: {e}") from e
-        if not isinstance(value, Mapping):
-            raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
+        value = json_object(value, "pooler_config")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -103,14 +99,7 @@ def parse_hf_overrides(value: Mapping[str, Any] | str | None) -> dict[str, Any] 
     "is_original_qwen3_reranker": true}'."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides is not valid JSON: {e}") from e
-    if not isinstance(value, Mapping):
-        raise ValueError(f"hf_overrides must be a JSON object, got {value!r}")
-    return dict(value)
+    return dict(json_object(value, "hf_overrides"))
 
 
 @dataclass(frozen=True)

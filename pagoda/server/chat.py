@@ -15,6 +15,7 @@ from pagoda.client.async_client import AsyncEngine, RequestStream
 from pagoda.client.tokenizer import Conversation
 from pagoda.client.tool_calls import parse_tool_calls
 from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
 from pagoda.server.errors import APIError, bad_field
 from pagoda.server.generation import (
     add_all,
@@ -88,14 +89,7 @@ async def create_chat_completion(
         body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    try:
-        params = body.sampling_params(max_tokens, logprobs)
-    except ValueError as e:
-        raise bad_field(e) from e
-    if plan.grammar is not None:
-        params = dataclasses.replace(params, structured_outputs=plan.grammar)
-    if reasoning is not None:
-        params = reasoning.grammar_after_reasoning(params)
+    params = chat_params(body, max_tokens, logprobs, plan, reasoning)
     rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     streams = await add_all(state, rid, [(text, ids)], params, body)
     if body.stream:
@@ -107,6 +101,24 @@ async def create_chat_completion(
         return JSONResponse(_response(state, body, plan, reasoning, rid, out).model_dump())
 
     return await until_disconnect(request, work)
+
+
+def chat_params(
+    body: ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    plan: ToolPlan,
+    reasoning: Reasoning | None,
+) -> SamplingParams:
+    """A chat request's SamplingParams (400 naming a bad field) with its tool grammar, which
+    holds only after the reasoning (/v1/responses and /v1/messages serve their chat request)."""
+    try:
+        params = body.sampling_params(max_tokens, logprobs)
+    except ValueError as e:
+        raise bad_field(e) from e
+    if plan.grammar is not None:
+        params = dataclasses.replace(params, structured_outputs=plan.grammar)
+    return params if reasoning is None else reasoning.grammar_after_reasoning(params)
 
 
 def _response(

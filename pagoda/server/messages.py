@@ -13,7 +13,6 @@ thinking block before the answer's blocks (reasoning.py). The stream is messages
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import uuid
 from typing import Any
@@ -38,8 +37,8 @@ from pagoda.server.anthropic_protocol import (
     ToolUseBlock,
     blocks_text,
 )
-from pagoda.server.chat import conversation
-from pagoda.server.errors import APIError, bad_field
+from pagoda.server.chat import chat_params, conversation
+from pagoda.server.errors import APIError
 from pagoda.server.generation import add_all, collect, until_disconnect
 from pagoda.server.messages_stream import message_events, stop_reason, tool_use_id
 from pagoda.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallIn
@@ -56,14 +55,7 @@ async def create_message(state: ServerState, body: MessagesRequest, request: Req
     plan, text, ids = _prompt(state, chat)
     parser = state.config.reasoning_parser
     reasoning = None if parser is None else Reasoning(parser, text, state.engine.tokenizer)
-    try:
-        params = chat.sampling_params(body.max_tokens, None)
-    except ValueError as e:
-        raise bad_field(e) from e
-    if plan.grammar is not None:
-        params = dataclasses.replace(params, structured_outputs=plan.grammar)
-    if reasoning is not None:
-        params = reasoning.grammar_after_reasoning(params)
+    params = chat_params(chat, body.max_tokens, None, plan, reasoning)
     rid = f"msg_{uuid.uuid4().hex}"
     streams = await add_all(state, rid, [(text, ids)], params, chat)
     if body.stream:

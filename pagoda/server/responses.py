@@ -12,7 +12,6 @@ function_call item per tool call. Stored responses live in a ResponseStore.
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 
 from fastapi import FastAPI, Request, params
@@ -20,8 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.client.tokenizer import PromptError
 from pagoda.client.tool_calls import parse_tool_calls
-from pagoda.server.chat import conversation
-from pagoda.server.errors import APIError, bad_field
+from pagoda.server.chat import chat_params, conversation
+from pagoda.server.errors import APIError
 from pagoda.server.generation import add_all, collect, until_disconnect
 from pagoda.server.protocol import ChatCompletionRequest, ChatMessage
 from pagoda.server.reasoning import Reasoning
@@ -110,14 +109,7 @@ async def _create(
         raise APIError(400, "input must not be empty", "input")
     chat = body.chat_request(messages)
     plan, reasoning, text, ids = _prompt(state, chat)
-    try:
-        sampling = chat.sampling_params(body.max_output_tokens, None)
-    except ValueError as e:
-        raise bad_field(e) from e
-    if plan.grammar is not None:
-        sampling = dataclasses.replace(sampling, structured_outputs=plan.grammar)
-    if reasoning is not None:
-        sampling = reasoning.grammar_after_reasoning(sampling)
+    sampling = chat_params(chat, body.max_output_tokens, None, plan, reasoning)
     rid = body.request_id or f"resp_{uuid.uuid4().hex}"
     base = _base(state, body, rid)
     streams = await add_all(state, rid, [(text, ids)], sampling, body)
