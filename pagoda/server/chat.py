@@ -69,19 +69,8 @@ async def create_chat_completion(
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    tokenizer = state.engine.tokenizer
-    added = tokenizer.get_added_vocab() if body.tools and tokenizer is not None else {}
-    config = state.config
-    plan = tool_plan(body, config.enable_auto_tool_choice, config.tool_call_parser, added)
-    text, ids = state.engine.chat_prompt(
-        conversation(body.messages),
-        body.chat_template,
-        body.add_generation_prompt,
-        body.continue_final_message,
-        plan.tools,
-        body.chat_template_kwargs,
-    )
-    parser = config.reasoning_parser
+    plan, text, ids = chat_prompt(state, body)
+    parser, tokenizer = state.config.reasoning_parser, state.engine.tokenizer
     reasoning = (
         None if parser is None else Reasoning(parser, text, tokenizer, body.include_reasoning)
     )
@@ -101,6 +90,24 @@ async def create_chat_completion(
         return JSONResponse(_response(state, body, plan, reasoning, rid, out).model_dump())
 
     return await until_disconnect(request, work)
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> tuple[ToolPlan, str, list[int]]:
+    """A chat request's tool plan and its prompt (text and ids) under the chat template (the
+    request's own, else the model's); /v1/responses and /v1/messages serve their chat request."""
+    tokenizer = state.engine.tokenizer
+    added = tokenizer.get_added_vocab() if body.tools and tokenizer is not None else {}
+    config = state.config
+    plan = tool_plan(body, config.enable_auto_tool_choice, config.tool_call_parser, added)
+    text, ids = state.engine.chat_prompt(
+        conversation(body.messages),
+        body.chat_template,
+        body.add_generation_prompt,
+        body.continue_final_message,
+        plan.tools,
+        body.chat_template_kwargs,
+    )
+    return plan, text, ids
 
 
 def chat_params(

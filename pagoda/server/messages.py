@@ -37,14 +37,14 @@ from pagoda.server.anthropic_protocol import (
     ToolUseBlock,
     blocks_text,
 )
-from pagoda.server.chat import chat_params, conversation
+from pagoda.server.chat import chat_params, chat_prompt, conversation
 from pagoda.server.errors import APIError
 from pagoda.server.generation import add_all, collect, until_disconnect
 from pagoda.server.messages_stream import message_events, stop_reason, tool_use_id
 from pagoda.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, ToolCallIn
 from pagoda.server.reasoning import Reasoning
 from pagoda.server.state import ServerState
-from pagoda.server.tools import ToolPlan, tool_plan
+from pagoda.server.tools import ToolPlan
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -52,7 +52,7 @@ CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 async def create_message(state: ServerState, body: MessagesRequest, request: Request) -> Response:
     state.check_model(body.model)
     chat = chat_request(body)
-    plan, text, ids = _prompt(state, chat)
+    plan, text, ids = chat_prompt(state, chat)
     parser = state.config.reasoning_parser
     reasoning = None if parser is None else Reasoning(parser, text, state.engine.tokenizer)
     params = chat_params(chat, body.max_tokens, None, plan, reasoning)
@@ -157,17 +157,6 @@ def _check_blocks(i: int, m: InputMessage) -> None:
         if isinstance(b, wrong):
             where = f"messages.{i}.content.{j}"
             raise APIError(400, f"{where}: a {b.type} block cannot be in a {m.role} message", where)
-
-
-def _prompt(state: ServerState, chat: ChatCompletionRequest) -> tuple[ToolPlan, str, list[int]]:
-    tokenizer = state.engine.tokenizer
-    added = tokenizer.get_added_vocab() if chat.tools and tokenizer is not None else {}
-    config = state.config
-    plan = tool_plan(chat, config.enable_auto_tool_choice, config.tool_call_parser, added)
-    text, ids = state.engine.chat_prompt(
-        conversation(chat.messages), None, True, False, plan.tools, chat.chat_template_kwargs
-    )
-    return plan, text, ids
 
 
 def _message(

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.client.tokenizer import PromptError
 from pagoda.client.tool_calls import parse_tool_calls
-from pagoda.server.chat import chat_params, conversation
+from pagoda.server.chat import chat_params, chat_prompt
 from pagoda.server.errors import APIError
 from pagoda.server.generation import add_all, collect, until_disconnect
 from pagoda.server.protocol import ChatCompletionRequest, ChatMessage
@@ -35,7 +35,7 @@ from pagoda.server.responses_protocol import (
     TextConfig,
 )
 from pagoda.server.state import ServerState
-from pagoda.server.tools import ToolPlan, tool_plan
+from pagoda.server.tools import ToolPlan
 
 # chat's field names in errors -> the Responses field that carries them
 _FIELD_NAMES = {
@@ -143,15 +143,9 @@ def _prompt(
     state: ServerState, chat: ChatCompletionRequest
 ) -> tuple[ToolPlan, Reasoning | None, str, list[int]]:
     """The request's tool plan, its reasoning split (under --reasoning-parser) and its prompt."""
-    tokenizer = state.engine.tokenizer
-    added = tokenizer.get_added_vocab() if chat.tools and tokenizer is not None else {}
-    config = state.config
-    plan = tool_plan(chat, config.enable_auto_tool_choice, config.tool_call_parser, added)
-    text, ids = state.engine.chat_prompt(
-        conversation(chat.messages), None, True, False, plan.tools, chat.chat_template_kwargs
-    )
-    parser = config.reasoning_parser
-    reasoning = None if parser is None else Reasoning(parser, text, tokenizer)
+    plan, text, ids = chat_prompt(state, chat)
+    parser = state.config.reasoning_parser
+    reasoning = None if parser is None else Reasoning(parser, text, state.engine.tokenizer)
     return plan, reasoning, text, ids
 
 
