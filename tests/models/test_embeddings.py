@@ -133,3 +133,16 @@ def test_wrong_calls_for_the_runner_are_value_errors(tiny_model_dir: Callable[[s
             runner="pooling",
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )
+
+
+def test_async_scheduling_pools_the_same_vectors(tiny_model_dir: Callable[[str], str]) -> None:
+    """Async scheduling (on by default on CUDA): a pooling request is not scheduled again while
+    the step that ends its prompt is in flight, and the vectors are the synchronous engine's."""
+    prompts = [*PROMPTS, SHARED + "birds"]
+    got = {}
+    for async_scheduling in (False, True):
+        llm = LLM(
+            tiny_model_dir("qwen3"), runner="pooling", async_scheduling=async_scheduling, **CHUNKED
+        )
+        got[async_scheduling] = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
+    assert got[True] == got[False]
