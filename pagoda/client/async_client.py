@@ -308,7 +308,9 @@ class AsyncEngine:
         if request_id in self.streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         max_num_seqs = self.config.scheduler.max_num_seqs
-        check_request(self.info, max_num_seqs, prompt_token_ids, params, kv_transfer_params)
+        check_request(
+            self.info, max_num_seqs, prompt_token_ids, params, kv_transfer_params, pooling
+        )
         arrival = time.time()
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival)
         msg = EngineRequest(

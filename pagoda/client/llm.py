@@ -159,9 +159,8 @@ class LLM:
         check_runner(self._info, pooling)
         if params.stop:
             self._require_tokenizer("a stop string")
-        check_request(
-            self._info, self.config.scheduler.max_num_seqs, ids, params, kv_transfer_params
-        )
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        check_request(self._info, max_num_seqs, ids, params, kv_transfer_params, pooling)
         if params.structured_outputs is not None:
             from pagoda.engine.grammar import check_structured_outputs
 

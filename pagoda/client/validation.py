@@ -22,13 +22,24 @@ def check_request(
     prompt_token_ids: list[int],
     params: SamplingParams,
     kv_transfer_params: dict[str, Any] | None = None,
+    pooling: bool = False,
 ) -> None:
-    """ValueError, in the words an OpenAI client gets as a 400, unless the engine can run it."""
+    """ValueError, in the words an OpenAI client gets as a 400, unless the engine can run it.
+    A pooling request (--runner pooling) computes its prompt only: it may fill the context."""
     if not prompt_token_ids:
         raise ValueError("the prompt is empty: give at least one token")
     vocab = info.vocab_size
     if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+    if pooling:
+        if len(prompt_token_ids) > info.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {info.max_model_len} tokens. However, "
+                f"your input has {len(prompt_token_ids)} tokens; shorten it or pass "
+                "truncate_prompt_tokens."
+            )
+        _check_fits_pool(info, len(prompt_token_ids), 0, 1)
+        return
     for field, ids in params.token_id_fields().items():
         bad = [t for t in ids if t >= vocab]
         if bad:

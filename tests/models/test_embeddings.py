@@ -146,3 +146,19 @@ def test_async_scheduling_pools_the_same_vectors(tiny_model_dir: Callable[[str],
         )
         got[async_scheduling] = [o.outputs.embedding for o in llm.embed(prompts, use_tqdm=False)]
     assert got[True] == got[False]
+
+
+def test_an_input_may_fill_the_context_and_not_pass_it(
+    tiny_model_dir: Callable[[str], str],
+    tiny_hf_model: Callable[[str], torch.nn.Module],
+) -> None:
+    """A pooling request samples nothing, so its prompt may be max_model_len tokens (vLLM's
+    rule), not one more."""
+    llm = LLM(tiny_model_dir("llama"), runner="pooling", max_model_len=48, **CHUNKED)
+    ids = [(7 * i) % 1000 + 5 for i in range(48)]
+    out = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)[0]
+    with torch.no_grad():
+        hidden = tiny_hf_model("llama").model(torch.tensor([ids])).last_hidden_state[0, -1]
+    check_close([out.outputs.embedding], [torch.nn.functional.normalize(hidden, dim=-1).numpy()])
+    with pytest.raises(ValueError, match="maximum context length is 48 tokens"):
+        llm.embed({"prompt_token_ids": [*ids, 5]}, use_tqdm=False)
