@@ -336,3 +336,19 @@ def test_a_script_without_a_main_guard_gets_one_sentence(
     )
     assert done.returncode == 0, done.stderr
     assert "generated [" in done.stdout
+
+
+def test_tp2_embeddings_equal_one_rank_s(tiny_weights_dir: Callable[[str], str]) -> None:
+    """--runner pooling on two ranks (the vectors come from rank 0, whose hidden states the
+    all-reduces made whole): each vector equals one rank's within float32 rounding, since the
+    all-reduce adds the ranks' partial products in another order (measured 2e-7 on unit
+    vectors)."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    want = LLM(tiny_weights_dir("llama"), runner="pooling", **ENGINE).embed(prompts, use_tqdm=False)
+    two = LLM(tiny_weights_dir("llama"), runner="pooling", tensor_parallel_size=2, **ENGINE)
+    got = two.embed(prompts, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        assert g.prompt_token_ids == w.prompt_token_ids
+        assert torch.allclose(
+            torch.tensor(g.outputs.embedding), torch.tensor(w.outputs.embedding), rtol=0, atol=1e-6
+        )
