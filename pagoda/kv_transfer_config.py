@@ -15,12 +15,11 @@ on the decode instance as if nothing had been sent.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.flag_json import json_object
+from pagoda.flag_json import config_fields
 
 KV_CONNECTORS = ("PagodaConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -96,14 +95,7 @@ class KVTransferConfig:
         """From a JSON object string (the CLI flag), a dict, a config, or None."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        value = json_object(value, "kv_transfer_config")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"kv_transfer_config: unknown field(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
+        value = config_fields(value, "kv_transfer_config", cls)
         for name in ("kv_connector", "kv_role"):
             if name not in value:
                 raise ValueError(f"kv_transfer_config needs {name}")

@@ -3,14 +3,13 @@ hidden states into one vector (runner/pooler.py), and PoolingParams, a request's
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.flag_json import json_object
+from pagoda.flag_json import config_fields, json_object
 
 RUNNERS = ("auto", "generate", "pooling")
 # LAST: the last token's hidden state (causal embedding models: Qwen3-Embedding, e5-mistral);
@@ -46,13 +45,7 @@ class PoolerConfig:
         """A PoolerConfig, its dict or its JSON object text; ValueError naming a bad field."""
         if value is None or isinstance(value, PoolerConfig):
             return value
-        value = json_object(value, "pooler_config")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"pooler_config: unknown field {unknown[0]!r}; known: {', '.join(sorted(known))}"
-            )
+        value = config_fields(value, "pooler_config", cls)
         return cls(**value)
 
     def over(self, base: PoolerConfig) -> PoolerConfig:

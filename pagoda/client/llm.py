@@ -208,16 +208,9 @@ class LLM:
         params = _pooling_params_per_prompt(pooling_params, len(prompt_list))
         check_runner(self._info, pooling=True)
         check_embedder(self._info)
-        states: list[RequestState] = []
-        try:
-            for prompt, p in zip(prompt_list, params):
-                check_pooling_params(self._info, p)
-                text, ids = self._tokenize(prompt)
-                states.append(self._add(text, ids, POOLING_SAMPLING, pooling=True))
-        except Exception:
-            self.engine.abort_request([s.request_id for s in states])
-            raise
-        self._run(states, use_tqdm)
+        for p in params:
+            check_pooling_params(self._info, p)
+        states = self._pool([self._tokenize(prompt) for prompt in prompt_list], use_tqdm)
         return [
             EmbeddingRequestOutput(
                 s.request_id,

@@ -11,7 +11,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagoda.client.pooling import (
-    POOLING_SAMPLING,
     check_embedder,
     check_pooling_params,
     check_runner,
@@ -26,7 +25,7 @@ from pagoda.server.embeddings_protocol import (
     EmbeddingUsage,
 )
 from pagoda.server.errors import APIError
-from pagoda.server.generation import add_all, collect, until_disconnect
+from pagoda.server.generation import add_pooling, collect_pooled, until_disconnect
 from pagoda.server.state import ServerState
 
 
@@ -50,19 +49,12 @@ async def create_embedding(
         raise APIError(400, "embeddings take no kv_transfer_params", "kv_transfer_params")
     prompts = _truncated(state.engine.completion_prompts(body.input, "input"), body)
     rid = body.request_id or f"embd-{uuid.uuid4().hex}"
-    try:
-        streams = await add_all(state, rid, prompts, POOLING_SAMPLING, body, pooling=True)
-    except APIError as e:
-        if e.param == "prompt":  # the engine's checks name a completion's field
-            e.param = "input"
-        raise
+    streams = await add_pooling(state, rid, prompts, body, "input")
 
     async def work() -> Response:
-        await collect(state.engine, streams)
         data = []
-        for i, stream in enumerate(streams):
-            assert stream.state.pooled is not None, "a pooling request finished without a vector"
-            vector = embedding(stream.state.pooled, params, info)
+        for i, pooled in enumerate(await collect_pooled(state.engine, streams)):
+            vector = embedding(pooled, params, info)
             data.append(EmbeddingData(index=i, embedding=_encoded(vector, body.encoding_format)))
         num_tokens = sum(len(ids) for _, ids in prompts)
         usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagoda.client.async_client import AsyncEngine, EngineDeadError, RequestStream
+from pagoda.client.pooling import POOLING_SAMPLING
 from pagoda.client.tokenizer import Prompt
 from pagoda.outputs import Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -73,6 +74,27 @@ async def add_all(
             raise APIError(503, f"the engine is not running: {e}") from e
         raise
     return streams
+
+
+async def add_pooling(
+    state: ServerState, prefix: str, prompts: list[Prompt], body: RequestFields, field: str
+) -> list[RequestStream]:
+    """add_all for pooling requests (--runner pooling: embeddings, scores); a 400 from the
+    engine's checks of the prompts names `field`, the request's input."""
+    try:
+        return await add_all(state, prefix, prompts, POOLING_SAMPLING, body, pooling=True)
+    except APIError as e:
+        if e.status == 400 and e.param in (None, "prompt"):
+            e.param = field
+        raise
+
+
+async def collect_pooled(engine: AsyncEngine, streams: list[RequestStream]) -> list[bytes]:
+    """The engine's vector (or label logits) of every pooling stream, once all have finished."""
+    await collect(engine, streams)
+    pooled = [s.state.pooled for s in streams]
+    assert all(p is not None for p in pooled), "a pooling request finished without its output"
+    return [p for p in pooled if p is not None]
 
 
 async def collect(engine: AsyncEngine, streams: list[RequestStream]) -> list[RequestOutput]:

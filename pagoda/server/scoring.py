@@ -11,11 +11,15 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request, params
 from fastapi.responses import JSONResponse, Response
 
-from pagoda.client.pooling import POOLING_SAMPLING
 from pagoda.client.scoring import check_classifier, label_probs, pair_prompt, score_pairs
 from pagoda.client.tokenizer import Prompt
 from pagoda.server.errors import APIError
-from pagoda.server.generation import RequestFields, add_all, collect, until_disconnect
+from pagoda.server.generation import (
+    RequestFields,
+    add_pooling,
+    collect_pooled,
+    until_disconnect,
+)
 from pagoda.server.scoring_protocol import (
     RerankDocument,
     RerankRequest,
@@ -112,19 +116,9 @@ async def _scores(
 ) -> Callable[[], Awaitable[list[float]]]:
     """Send the pairs' prompts (a refusal is a 400 naming `field`); returns what awaits their
     scores."""
-    try:
-        streams = await add_all(state, rid, prompts, POOLING_SAMPLING, body, pooling=True)
-    except APIError as e:
-        if e.status == 400 and e.param in (None, "prompt"):  # the checks of the pairs' prompts
-            e.param = field
-        raise
+    streams = await add_pooling(state, rid, prompts, body, field)
 
     async def scores() -> list[float]:
-        await collect(state.engine, streams)
-        out = []
-        for stream in streams:
-            assert stream.state.pooled is not None, "a pooling request finished without logits"
-            out.append(label_probs(stream.state.pooled)[0])
-        return out
+        return [label_probs(p)[0] for p in await collect_pooled(state.engine, streams)]
 
     return scores
