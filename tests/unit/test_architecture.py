@@ -53,6 +53,7 @@ PLAIN_ROOT = {
     "pagoda.kv_transfer_config",
     "pagoda.speculative_config",
     "pagoda.pooler_config",
+    "pagoda.lora_request",
     "pagoda.flag_json",
     "pagoda.sampling_params",
     "pagoda.structured_outputs",

@@ -1,0 +1,93 @@
+"""Batched LoRA: the products of many adapters in one step, grouped by adapter.
+
+Every decoder projection (layers/linear.py) of an engine started with LoRA holds a
+`LoRAWeights`: the adapter slots' A and B matrices, stacked, one slot per loaded adapter
+(runner/lora.py fills and evicts them). A step tells each token's slot in one shared index
+tensor (`slots`, -1: the base model alone), and the layer adds
+
+    y[t, o0:o1] += B[s, o0:o1] @ (A[s, l] @ x[t])        s = slots[t], slice l = [o0, o1)
+
+to its base product `y`, before a row-parallel layer's all-reduce (the sum over ranks of
+B (A_r x_r) is B (A x)). A packed layer (q/k/v, gate/up) has one slice per shard: `offsets`
+holds the slices' first output rows, then the layer's width. B holds the adapter's scaling
+(alpha / r, or alpha / sqrt(r) for rsLoRA) and ranks below the table's are zero-padded, so a
+padded rank adds exact zeros.
+
+Shapes: x (T, K); y (T, N), contiguous; a (S, L, R, K); b (S, N, R); slots (T,) int64.
+`lora_reference` is the torch reference; `lora_apply` runs pagoda's C++ kernel on CPU
+(kernels/cpu/lora.cpp) and the Triton kernel on CUDA (kernels/lora.py), both tested against
+the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def lora_reference(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: list[int],
+) -> None:
+    """In place on y: each token's adapter product (module docstring), one masked product
+    per slot; computed in float32."""
+    xf = x.float()
+    for s in range(a.shape[0]):
+        mask = (slots == s).unsqueeze(1)  # (T, 1)
+        h = torch.einsum("tk,lrk->tlr", xf, a[s].float())  # (T, L, R)
+        for l, (o0, o1) in enumerate(zip(offsets[:-1], offsets[1:])):
+            delta = h[:, l] @ b[s, o0:o1].float().T  # (T, o1 - o0)
+            y[:, o0:o1] += torch.where(mask, delta, 0.0).to(y.dtype)
+
+
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    slots: torch.Tensor,
+    offsets: list[int],
+) -> None:
+    """lora_reference, on the fastest path the tensors' device has."""
+    lora_reference(y, x, a, b, slots, offsets)
+
+
+class LoRAWeights(nn.Module):
+    """One projection's adapter slots. `a`, `b` are buffers (graph inputs of a compiled step,
+    written in place when an adapter is loaded into a slot); `slots` is the step's token ->
+    slot index, one tensor shared by every layer (the runner writes its first num_tokens rows
+    before each step)."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        offsets: list[int],
+        max_rank: int,
+        input_size: int,
+        slots: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.offsets = list(offsets)
+        num_slices = len(offsets) - 1
+        device = slots.device
+        shape_a = (num_slots, num_slices, max_rank, input_size)
+        self.register_buffer("a", torch.zeros(shape_a, dtype=dtype, device=device))
+        shape_b = (num_slots, offsets[-1], max_rank)
+        self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device))
+        self.register_buffer("slots", slots, persistent=False)
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y += the products of x's tokens' adapters (in place when y is contiguous)."""
+        if not y.is_contiguous():
+            y = y.contiguous()
+        lora_apply(y, x, self.a, self.b, self.slots[: x.shape[0]], self.offsets)
+        return y
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
