@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import (
     BeamSearchOutput,
     BeamSearchSequence,
@@ -59,6 +60,7 @@ __all__ = [
     "EngineCore",
     "EngineRequest",
     "Logprob",
+    "LoRARequest",
     "PoolerConfig",
     "PoolingParams",
     "RequestOutput",

@@ -149,6 +149,14 @@ class EngineConfig:
     pooler_config: PoolerConfig | None = None
     # vLLM's --hf-overrides: fields set on the checkpoint's config (a dict or its JSON text).
     hf_overrides: dict[str, Any] | None = None
+    # vLLM's LoRA flags: adapters per request (runner/lora.py). max_loras: adapter slots on the
+    # device (distinct adapters one step may run); max_lora_rank: the slots' rank (8, 16, 32,
+    # 64, 128, 256, 320 or 512 in vLLM; any >= 1 here); max_cpu_loras: adapters kept loaded
+    # on the host (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -193,6 +201,7 @@ class EngineConfig:
         self._check_context_parallel(spec)
         self._check_kv_transfer()
         self._check_pooling(spec)
+        self._check_lora()
         if spec is not None and spec.model is not None and self.tensor_parallel_size > 1:
             raise ValueError(
                 "a draft model with tensor_parallel_size > 1 is not supported yet; use "
@@ -238,6 +247,26 @@ class EngineConfig:
                 "prefill_context_parallel_size > 1 runs the torch attention backend with "
                 "synchronous scheduling and no speculative decoding for now"
             )
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(
+                f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and "
+                f"{self.max_lora_rank}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if not self.enable_lora:
+            return
+        if self.pipeline_parallel_size > 1 or self.prefill_context_parallel_size > 1:
+            raise ValueError(
+                "--enable-lora with pipeline or prefill context parallelism is not supported "
+                "yet; tensor parallelism is"
+            )
+        if self.is_pooling:
+            raise ValueError("--enable-lora serves generating models; --runner pooling has none")
 
     def _check_pooling(self, spec: SpeculativeConfig | None) -> None:
         if self.runner not in RUNNERS:

@@ -183,6 +183,31 @@ ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         ),
     ),
     (
+        ("--enable-lora",),
+        dict(
+            action="store_true",
+            default=None,
+            help="serve LoRA adapters per request (--lora-modules, or LLM.generate's "
+            "lora_request); requests name an adapter as their model",
+        ),
+    ),
+    (
+        ("--max-loras",),
+        dict(type=int, default=None, help="adapters one step may run: device slots (1)"),
+    ),
+    (
+        ("--max-lora-rank",),
+        dict(type=int, default=None, help="the largest adapter rank served (16)"),
+    ),
+    (
+        ("--max-cpu-loras",),
+        dict(
+            type=int,
+            default=None,
+            help="adapters kept loaded in host memory (default: --max-loras)",
+        ),
+    ),
+    (
         ("--speculative-config",),
         dict(
             default=None,

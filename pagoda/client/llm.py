@@ -23,6 +23,7 @@ from pagoda.client.tokenizer import Conversation, apply_chat_template, as_conver
 from pagoda.client.validation import check_request
 from pagoda.config import EngineConfig
 from pagoda.engine.core import EngineCore
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import (
     BeamSearchOutput,
     ClassificationOutput,
@@ -68,9 +69,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: the adapter every prompt runs with, or one (or None) per prompt
+        (an engine started with enable_lora=True)."""
         prompt_list = _as_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompt_list))
+        loras = _loras_per_prompt(lora_request, len(prompt_list))
         if priority is not None:
             if not isinstance(priority, (list, tuple)) or len(priority) != len(prompt_list):
                 raise ValueError("priority must be a list of ints with one entry per prompt")
@@ -90,6 +95,7 @@ class LLM:
                         priority[i] if priority else 0,
                         extra.get("cache_salt"),
                         extra.get("kv_transfer_params"),
+                        lora_request=loras[i],
                     )
                 )
         except Exception:
@@ -149,6 +155,7 @@ class LLM:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         pooling: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState:
         """kv_transfer_params: a kv_consumer's remote prefill (kv_transfer_config.py). pooling:
         an embedding request (a model run with runner="pooling"), else a generation."""
@@ -167,7 +174,9 @@ class LLM:
             check_structured_outputs(params.structured_outputs)
         rid = str(next(self._ids))
         arrival = time.time()
-        request = EngineRequest(rid, ids, params, arrival, priority, cache_salt, kv_transfer_params)
+        request = EngineRequest(
+            rid, ids, params, arrival, priority, cache_salt, kv_transfer_params, lora_request
+        )
         self.engine.add_request(request)
         return RequestState(rid, text, ids, params, self.tokenizer, arrival)
 
@@ -393,6 +402,21 @@ def _pooling_params_per_prompt(
             f"got {len(pooling_params)} PoolingParams for {n} prompts: give one or one per prompt"
         )
     return list(pooling_params)
+
+
+def _loras_per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request) if isinstance(lora_request, Sequence) else None
+    if loras is None or not all(r is None or isinstance(r, LoRARequest) for r in loras):
+        raise ValueError("lora_request must be a LoRARequest, or a list of them (or None)")
+    if len(loras) != n:
+        raise ValueError(
+            f"got {len(loras)} lora_requests for {n} prompts: give one or one per prompt"
+        )
+    return loras
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

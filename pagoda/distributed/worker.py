@@ -43,7 +43,9 @@ from pagoda.layers.parallel import (
     PipelineStage,
     TensorParallel,
 )
+from pagoda.lora_request import LoRARequest
 from pagoda.runner.builder import RankSetup, build_runner, profiled_kv_budget
+from pagoda.runner.model_runner import ModelRunner
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -129,6 +131,8 @@ def serve(
         "capture_cuda_graphs": runner.capture_cuda_graphs,
         "compile_decode_step": runner.compile_decode_step,
         "profiled_kv_budget": lambda: profiled_kv_budget(runner, config),
+        "add_lora": lambda request: _add_lora(runner, request),
+        "remove_lora": lambda lora_id: runner.lora is not None and runner.lora.remove(lora_id),
         "memory": lambda: memory_of(setup),
         "stats": lambda: {
             **asdict(steps),
@@ -176,3 +180,15 @@ def _report(conn: Connection, e: BaseException) -> None:
         conn.send(("error", (type(e).__name__, str(e))))
     except (OSError, ValueError):
         pass
+
+
+def _add_lora(runner: ModelRunner, request: LoRARequest) -> str | None:
+    """The adapter on this rank; an adapter that does not fit is its error's text (the rank
+    goes on), not a failure."""
+    if runner.lora is None:
+        return "LoRA is not enabled: start the engine with --enable-lora"
+    try:
+        runner.lora.add(request)
+    except ValueError as e:
+        return str(e)
+    return None

@@ -29,6 +29,7 @@ from pagoda.distributed.worker import reply_rank, run_worker
 from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.loading.draft import DraftModel
 from pagoda.loading.tokenizer import load_tokenizer_for
+from pagoda.lora_request import LoRARequest
 from pagoda.model_config import ModelConfig
 from pagoda.runner.draft_sampling import DraftGrammar
 from pagoda.scheduling.messages import KVConnectorOps, KVFetchDone, RunnerOutput, SchedulerOutput
@@ -117,6 +118,16 @@ class WorkerGroup:
     def execute(self, out: SchedulerOutput) -> RemoteOutput:
         self._send("execute", out)
         return RemoteOutput(self)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Every rank reads its share; a rank that cannot answers the error's text."""
+        errors = [e for e in self.call_all("add_lora", request) if e is not None]
+        if errors:
+            self.call_all("remove_lora", request.lora_int_id)
+            raise ValueError(errors[0])
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return all(self.call_all("remove_lora", lora_id))
 
     def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
         return 0  # no draft model on parallel ranks (EngineConfig refuses one)

@@ -20,6 +20,7 @@ from pagoda.engine.remote_prefill import RemotePrefill
 from pagoda.kv_transfer_config import remote_prefill_source
 from pagoda.loading.pooling import matryoshka_dimensions
 from pagoda.loading.tokenizer import load_tokenizer_for
+from pagoda.lora_request import LoRARequest
 from pagoda.model_config import SCALED_KV_DTYPES, ModelConfig
 from pagoda.runner.device import resolve_device
 from pagoda.runner.executor import Executor, StepOutput
@@ -65,9 +66,15 @@ class EngineCore:
         pool = BlockPool(self.num_blocks, enable_caching=self._prefix_caching())
         self.kv_cache_manager = KVCacheManager(pool, self.block_size)
         lookahead = kv_lookahead(config.speculative_config)  # past a step's tokens
+        max_loras = config.max_loras if config.enable_lora else 0
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_cache_manager, model_config.max_model_len, lookahead
+            config.scheduler,
+            self.kv_cache_manager,
+            model_config.max_model_len,
+            lookahead,
+            max_loras,
         )
+        self.loras: dict[int, LoRARequest] = {}  # the adapters the ranks hold, by lora_int_id
         self.async_scheduling = config.use_async_scheduling
         # Held by step() and by the KV server thread of a producer (remote_prefill.py).
         self.lock = threading.Lock()
@@ -335,6 +342,8 @@ class EngineCore:
         """Queue a request the client has checked (client/validation.py: the engine trusts the
         contract); ValueError only for a request id already in use."""
         self._check_id_free(req.request_id)
+        if req.lora_request is not None:
+            self.add_lora(req.lora_request)
         params = req.sampling_params
         max_tokens = 1 if self.model_config.pooler is not None else params.max_tokens
         if max_tokens is None:
@@ -358,6 +367,29 @@ class EngineCore:
         ):
             self.remote_prefill.expect_remote_decode(first)
         self.scheduler.add_request(first)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Load an adapter on the ranks (once per lora_int_id); ValueError when LoRA is off,
+        the id names another adapter, or the adapter does not fit the model."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA is not enabled: start the engine with --enable-lora")
+        known = self.loras.get(request.lora_int_id)
+        if known == request:
+            return
+        if known is not None:
+            raise ValueError(
+                f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} "
+                f"({known.lora_path}); remove it first"
+            )
+        self.executor.add_lora(request)
+        self.loras[request.lora_int_id] = request
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget an adapter; its running requests finish with it (their rows keep the slot
+        until they end). False when no adapter has that id."""
+        if self.loras.pop(lora_id, None) is None:
+            return False
+        return self.executor.remove_lora(lora_id)
 
     def _check_id_free(self, request_id: str) -> None:
         held = self.remote_prefill is not None and self.remote_prefill.holds(request_id)
@@ -402,6 +434,7 @@ class EngineCore:
                 priority=req.priority,
                 cache_salt=req.cache_salt,
                 parent_id=req.request_id,
+                lora_request=req.lora_request,
                 sample_index=i,
             )
             for i in range(req.sampling_params.n)

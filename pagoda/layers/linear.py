@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers.cpu_forms import CPU_KERNELS, cpu_matmul_norm, cpu_matmul_silu
+from pagoda.layers.lora import LoRAWeights
 from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import QuantMethod
 from pagoda.layers.quant_forms import apply_stored, keep_cpu_float16
@@ -67,6 +68,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype)) if bias else None
         self.tp = tp
+        # The adapter slots of an engine serving LoRA (layers/lora.py; runner/lora.py sets
+        # them): a submodule once set, so an instance attribute, not a class one.
+        self.lora: LoRAWeights | None = None
         self.in_part = in_part if tp.size > 1 else None
         self.out_parts: dict[str | None, Part] | None = None
         if out_part is not None and tp.size > 1:
@@ -75,7 +79,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, input_size) -> (num_tokens, output_size)
-        if self.quant_method is None and self.kernel is None and self.in_part is None:
+        plain = self.quant_method is None and self.kernel is None and self.in_part is None
+        if plain and self.lora is None:
             return F.linear(x, self.weight, self.bias)
         if self.quant_method is not None:
             y = self.quant_method.apply(self, x)
@@ -83,6 +88,8 @@ class Linear(nn.Module):
             y = apply_stored(self, x)
         else:
             y = F.linear(x, self.weight)
+        if self.lora is not None:  # before the sum: sum over ranks of B (A_r x_r) is B A x
+            y = self.lora.add_to(y, x)
         if self.in_part is not None:  # row-parallel: sum the ranks' partial products, then bias
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -110,15 +117,21 @@ class Linear(nn.Module):
 
     def _fused_cpu(self, x: torch.Tensor) -> bool:
         """Whether a row op can run inside this layer's CPU-kernel matmul: its weight is in the
-        kernels' form, it is whole (no row-parallel sum) and x is float32."""
+        kernels' form, it is whole (no row-parallel sum), it serves no adapters (they read the
+        op's output) and x is float32."""
         return (
             getattr(self, "kernel", None) in CPU_KERNELS
             and self.in_part is None
+            and self.lora is None
             and x.dtype == torch.float32
         )
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
+
+    def lora_slice(self, shard_id: str | None) -> int:
+        """The index of a shard's slice in this layer's adapter slots (0: a plain layer)."""
+        return 0
 
     def shard(self, name: str, tensor: Any, shard_id: str | None) -> Any:
         """The rank's slice of checkpoint tensor `name`: output rows of `shard_id` (column-
@@ -215,6 +228,9 @@ class MergedLinear(Linear):
         for shard_id, size in output_sizes.items():
             self.shard_offsets[shard_id] = offset
             offset += size
+
+    def lora_slice(self, shard_id: str | None) -> int:
+        return list(self.output_sizes).index(str(shard_id))
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None

@@ -39,8 +39,8 @@ def lora_reference(
     for s in range(a.shape[0]):
         mask = (slots == s).unsqueeze(1)  # (T, 1)
         h = torch.einsum("tk,lrk->tlr", xf, a[s].float())  # (T, L, R)
-        for l, (o0, o1) in enumerate(zip(offsets[:-1], offsets[1:])):
-            delta = h[:, l] @ b[s, o0:o1].float().T  # (T, o1 - o0)
+        for j, (o0, o1) in enumerate(zip(offsets[:-1], offsets[1:])):
+            delta = h[:, j] @ b[s, o0:o1].float().T  # (T, o1 - o0)
             y[:, o0:o1] += torch.where(mask, delta, 0.0).to(y.dtype)
 
 
@@ -62,6 +62,10 @@ class LoRAWeights(nn.Module):
     slot index, one tensor shared by every layer (the runner writes its first num_tokens rows
     before each step)."""
 
+    a: torch.Tensor
+    b: torch.Tensor
+    slots: torch.Tensor
+
     def __init__(
         self,
         num_slots: int,
@@ -81,7 +85,7 @@ class LoRAWeights(nn.Module):
         self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device))
         self.register_buffer("slots", slots, persistent=False)
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y += the products of x's tokens' adapters (in place when y is contiguous)."""
         if not y.is_contiguous():
             y = y.contiguous()

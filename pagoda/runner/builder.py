@@ -24,6 +24,7 @@ from pagoda.loading.loader import load_model
 from pagoda.loading.tokenizer import tokenizer_eos_token_id
 from pagoda.model_config import ModelConfig
 from pagoda.runner.device import torch_dtype
+from pagoda.runner.lora import LoRATable
 from pagoda.runner.model_runner import ModelRunner
 from pagoda.runner.pooler import Pooler, classifier_head
 from pagoda.spec_decode.methods import spec_method
@@ -89,7 +90,26 @@ def build_runner(
         head = None if classifier is None else classifier_head(model, classifier)
         dtype = torch_dtype(model_config.dtype)
         runner.pooler = Pooler(str(model_config.pooler.pooling_type), head, dtype)
+    if config.enable_lora:
+        runner.lora = lora_table(runner, config)
     return RankSetup(runner, model_config, tokenizer, eos_token_ids, draft)
+
+
+def lora_table(runner: ModelRunner, config: EngineConfig) -> LoRATable:
+    """The adapter slots of the runner's model (runner/lora.py); its layers' fused forms,
+    which would skip the adapters, are turned off."""
+    model: Any = runner.model
+    model.model.fused_max_rows = 0
+    return LoRATable(
+        model,
+        model.packed_modules,
+        config.max_loras,
+        config.max_lora_rank,
+        config.max_cpu_loras or config.max_loras,
+        runner.buffers.max_tokens,
+        runner.device,
+        torch_dtype(runner.model_config.dtype),
+    )
 
 
 def profiled_kv_budget(runner: ModelRunner, config: EngineConfig) -> int:

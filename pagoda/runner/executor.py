@@ -20,9 +20,11 @@ from pagoda.config import EngineConfig
 from pagoda.kernels.paged_cache import prefault_in_background
 from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.loading.draft import DraftModel
+from pagoda.lora_request import LoRARequest
 from pagoda.model_config import ModelConfig
 from pagoda.runner.builder import build_runner, profiled_kv_budget
 from pagoda.runner.draft_sampling import DraftGrammar
+from pagoda.runner.lora import LoRATable
 from pagoda.runner.model_runner import ModelRunner
 from pagoda.scheduling.messages import KVConnectorOps, KVFetchDone, RunnerOutput, SchedulerOutput
 from pagoda.spec_decode.methods import spec_method
@@ -69,6 +71,13 @@ class Executor(Protocol):
     def compile_decode_step(self) -> None: ...
 
     def execute(self, out: SchedulerOutput) -> StepOutput: ...
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read and check an adapter on every rank (runner/lora.py); ValueError when it does
+        not fit the model, and the ranks go on."""
+        ...
+
+    def remove_lora(self, lora_id: int) -> bool: ...
 
     def check_health(self) -> None:
         """RuntimeError where a rank has died."""
@@ -141,6 +150,12 @@ class LocalExecutor:
     def execute(self, out: SchedulerOutput) -> StepOutput:
         return self.runner.execute(out)
 
+    def add_lora(self, request: LoRARequest) -> None:
+        _lora_table(self.runner).add(request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return _lora_table(self.runner).remove(lora_id)
+
     def check_health(self) -> None:
         return None  # this process runs the steps: its failures raise in execute
 
@@ -166,3 +181,9 @@ class LocalExecutor:
 
     def close_kv_connector(self) -> None:
         return None
+
+
+def _lora_table(runner: ModelRunner) -> LoRATable:
+    if runner.lora is None:
+        raise ValueError("LoRA is not enabled: start the engine with --enable-lora")
+    return runner.lora

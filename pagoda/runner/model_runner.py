@@ -43,11 +43,7 @@ from pagoda.runner.pending_output import PendingOutput, fill_placeholders
 from pagoda.runner.pipeline import StageTimeline, pipelined_forward
 from pagoda.runner.pooler import Pooler
 from pagoda.runner.prompt_logprobs import compute_prompt_logprobs
-from pagoda.runner.sampler import (
-    LogprobsTensors,
-    Sampler,
-    SamplingMetadata,
-)
+from pagoda.runner.sampler import LogprobsTensors, Sampler, SamplingMetadata
 from pagoda.runner.speculative import (
     DraftProposer,
     draft_positions,
@@ -55,14 +51,12 @@ from pagoda.runner.speculative import (
     verify_drafts,
 )
 from pagoda.runner.step_inputs import InputBuffers
-from pagoda.scheduling.messages import (
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from pagoda.scheduling.messages import ScheduledRequest, SchedulerOutput
 from pagoda.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from pagoda.runner.compilation import CompiledDecode
+    from pagoda.runner.lora import LoRATable
 
 
 class ModelRunner:
@@ -114,6 +108,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.compiled = _compiled_decode(model, decode_cpp_wrapper) if compile_decode else None
         self.pooler: Pooler | None = None  # --runner pooling (runner/builder.py sets it)
+        self.lora: LoRATable | None = None  # --enable-lora (runner/builder.py sets it)
         self.draft_step: DraftModelStep | None = None
         if draft is not None:
             self.draft_step = self._draft_step(draft, compile_decode, decode_cpp_wrapper)
@@ -312,6 +307,8 @@ class ModelRunner:
             full_width=size is not None,
         )
         fill_placeholders(out.scheduled, ids_t, self.prev_sampled, self.prev_rows, self.device)
+        if self.lora is not None:  # each token's adapter slot
+            self.lora.prepare(rids, [len(t) for t in token_ids], size)
         decoded: DecodeOutput | None = None
         if size is not None and self.graphs is not None:
             decoded = self.graphs.replay(size)
@@ -342,6 +339,8 @@ class ModelRunner:
                 if self.draft_step is not None and self.draft_step.sampler is not None:
                     self.draft_step.sampler.remove(rid)
         self.batch.apply(out)
+        if self.lora is not None:
+            self.lora.track(out)
         self._copy_blocks(out.block_copies)
         self.grammar_bitmask = out.grammar_bitmask
 

@@ -55,7 +55,7 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             j = len(hashes)
             parent = hashes[-1] if hashes else None
-            extra = request.cache_salt if j == 0 else None
+            extra = request.hash_extra if j == 0 else None
             hashes.append(
                 hash_block_tokens(parent, request.all_token_ids[j * bs : (j + 1) * bs], extra)
             )

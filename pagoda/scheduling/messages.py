@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from pagoda.lora_request import LoRARequest
 from pagoda.sampling_params import SamplingParams
 
 # The input of a position whose token an in-flight step is still sampling.
@@ -37,6 +38,7 @@ class EngineRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=Tr
     # vLLM's: {"do_remote_prefill": true, "remote_host": ..., "remote_port": ...} on a
     # kv_consumer fetches the prompt's KV from that producer (engine/remote_prefill.py)
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (--enable-lora)
 
     def __post_init__(self) -> None:
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
@@ -72,6 +74,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     sample_index: int = 0  # its index among the n samples of its user request (seed + index)
+    lora_id: int = 0  # its adapter's lora_int_id (runner/lora.py); 0: the base model
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -14,7 +14,9 @@ from __future__ import annotations
 import enum
 import time
 
+from pagoda.lora_request import LoRARequest
 from pagoda.sampling_params import SamplingParams
+from pagoda.scheduling.messages import EngineCoreOutput, LogprobEntry
 
 
 class RequestStatus(enum.IntEnum):
@@ -59,6 +61,7 @@ class Request:
         cache_salt: str | None = None,
         parent_id: str | None = None,
         sample_index: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -68,6 +71,12 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        self.lora_id = 0 if lora_request is None else lora_request.lora_int_id
+        # What the first block's hash adds to its tokens: two salts or adapters share nothing.
+        lora_key = None if lora_request is None else lora_request.cache_key
+        keys = [k for k in (cache_salt, lora_key) if k is not None]
+        self.hash_extra = "\x1f".join(keys) if keys else None
         # n > 1: every sample is a Request; siblings share the leader's prompt blocks.
         self.parent_id = parent_id if parent_id is not None else request_id
         self.sample_index = sample_index
@@ -116,4 +125,26 @@ class Request:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, placeholders={self.num_output_placeholders})"
+        )
+
+    def output(
+        self,
+        tokens: list[int],
+        logprobs: list[LogprobEntry],
+        prompt_logprobs: list[LogprobEntry],
+        pooled: bytes | None = None,
+    ) -> EngineCoreOutput:
+        """What the client hears of this request after a step: its new tokens and state."""
+        return EngineCoreOutput(
+            request_id=self.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=self.status.finish_reason,
+            stop_reason=self.stop_reason,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+            first_scheduled_time=self.first_scheduled_time,
+            parent_id=self.parent_id,
+            sample_index=self.sample_index,
+            pooled=pooled,
         )

@@ -33,7 +33,6 @@ from pagoda.scheduling.messages import (
     PLACEHOLDER_TOKEN_ID,
     CachedRequestData,
     EngineCoreOutput,
-    LogprobEntry,
     NewRequestData,
     RunnerOutput,
     ScheduledRequest,
@@ -50,9 +49,12 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         num_lookahead_tokens: int = 0,
+        max_loras: int = 0,
     ) -> None:
         """num_lookahead_tokens: KV slots each step allocates past a sampling request's tokens
-        (a draft model writes its proposals' KV there before they are scheduled)."""
+        (a draft model writes its proposals' KV there before they are scheduled); max_loras:
+        distinct LoRA adapters the running requests may use (the runner's slots)."""
+        self.max_loras = max_loras
         self.config = scheduler_config
         self.num_lookahead_tokens = num_lookahead_tokens
         self.kv = kv_cache_manager
@@ -214,8 +216,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - sum(num_new.values())
         # Seats: the running requests and the n > 1 siblings their prompts will fork.
         seats = len(self.running) + sum(len(self._waiting_siblings(r)) for r in self.running)
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        i, lora_blocked = 0, False
+        while i < len(self.waiting) and budget > 0:
+            request = self.waiting[i]
+            if not self._lora_fits(request):  # its adapter would be one more than max_loras
+                i, lora_blocked = i + 1, True
+                continue
             # A placeholder is updated before the next schedule(); a request preempted with one
             # is not admitted in the schedule() that preempted it.
             assert request.num_output_placeholders == 0, request
@@ -230,7 +236,7 @@ class Scheduler:
             lookahead = self._lookahead(request, n + num_hit_tokens)
             if not self.kv.allocate_slots(request, n + lookahead, hits):
                 return "no_free_blocks"
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             block_ids = [b.block_id for b in hits]
             self.explainer.admitted(request.request_id, self.step_id + 1, num_hit_tokens, block_ids)
             request.num_computed_tokens += num_hit_tokens
@@ -242,7 +248,12 @@ class Scheduler:
             num_new[request.request_id] = n
             budget -= n
             seats += need
-        return "token_budget" if self.waiting else None
+        return "max_loras" if lora_blocked else "token_budget" if self.waiting else None
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Admitting it keeps at most max_loras distinct adapters among the running requests."""
+        running = {r.lora_id for r in self.running} - {0}
+        return request.lora_id in running or request.lora_id == 0 or len(running) < self.max_loras
 
     def _lookahead(self, request: Request, n: int) -> int:
         """The lookahead slots of a request given n tokens now: only a step that samples it
@@ -308,6 +319,7 @@ class Scheduler:
                         sampling_params=request.sampling_params,
                         block_ids=block_ids,
                         sample_index=request.sample_index,
+                        lora_id=request.lora_id,
                     )
                 )
             elif block_ids is not held:
@@ -402,17 +414,17 @@ class Scheduler:
             self.kv.cache_blocks(request)
             if not s.sample_ids:
                 if prompt_lps:
-                    outputs.append(self._output(request, [], [], prompt_lps))
+                    outputs.append(request.output([], [], prompt_lps))
                 continue
             request.num_output_placeholders -= 1
             if s.request_id in runner.pooled:  # --runner pooling: its vector, and no token
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
-                outputs.append(self._output(request, [], [], [], runner.pooled[s.request_id]))
+                outputs.append(request.output([], [], [], runner.pooled[s.request_id]))
                 continue
             for r in samples:
                 tokens = self._append_outputs(r, runner.sampled_token_ids[r.request_id])
                 lps = runner.logprobs.get(r.request_id, [])[: len(tokens)]
-                outputs.append(self._output(r, tokens, lps, prompt_lps if r is request else []))
+                outputs.append(r.output(tokens, lps, prompt_lps if r is request else []))
             if s.num_draft_tokens and not request.is_finished:
                 self.kv.cache_blocks(request)  # blocks completed by accepted drafts
         if runner.draft_token_ids:
@@ -471,28 +483,6 @@ class Scheduler:
         if self._length_capped(request):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
-
-    @staticmethod
-    def _output(
-        request: Request,
-        tokens: list[int],
-        logprobs: list[LogprobEntry],
-        prompt_logprobs: list[LogprobEntry],
-        pooled: bytes | None = None,
-    ) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=tokens,
-            new_logprobs=logprobs,
-            new_prompt_logprobs=prompt_logprobs,
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_time=request.first_scheduled_time,
-            parent_id=request.parent_id,
-            sample_index=request.sample_index,
-            pooled=pooled,
-        )
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
