@@ -139,6 +139,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def server_config(args: argparse.Namespace) -> Any:
     """ServerConfig from `pagoda serve`'s flags."""
+    from pagoda.server.lora import parse_lora_module, runtime_updating_allowed
     from pagoda.server.state import ServerConfig
 
     return ServerConfig(
@@ -154,6 +155,8 @@ def server_config(args: argparse.Namespace) -> Any:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=tuple(parse_lora_module(m) for m in args.lora_modules or ()),
+        allow_runtime_lora_updating=runtime_updating_allowed(),
     )
 
 
@@ -259,6 +262,18 @@ SERVER_FLAGS: Flags = (
             choices=REASONING_PARSERS,
             help="split <think>...</think> from the answer into message.reasoning_content (and "
             "reasoning); grammars apply after </think>",
+        ),
+    ),
+    (
+        ("--lora-modules",),
+        dict(
+            nargs="+",
+            default=None,
+            metavar="NAME=PATH",
+            help="LoRA adapters served from the start (with --enable-lora): name=path of a PEFT "
+            'folder or GGUF LoRA, or JSON {"name": ..., "path": ...}; a request names one as '
+            "its model. PAGODA_ALLOW_RUNTIME_LORA_UPDATING=true adds /v1/load_lora_adapter and "
+            "/v1/unload_lora_adapter",
         ),
     ),
     (("--disable-log-requests",), dict(action="store_true")),

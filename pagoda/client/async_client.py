@@ -11,14 +11,9 @@ coalesce instead of queueing.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import multiprocessing
 import os
-import tempfile
-import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -27,7 +22,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagoda.client.engine_launch import EngineLaunch, ipc_addresses, launch_engine, wait_ready
 from pagoda.client.finished import Explanations, finish_line
+from pagoda.client.lora_calls import LoRACalls
 from pagoda.client.output_processor import RequestState
 from pagoda.client.pooling import check_runner
 from pagoda.client.tokenizer import (
@@ -40,6 +37,7 @@ from pagoda.client.tokenizer import (
 )
 from pagoda.client.validation import check_request
 from pagoda.config import EngineConfig
+from pagoda.lora_request import LoRARequest
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduling.messages import (
@@ -54,8 +52,6 @@ from pagoda.scheduling.messages import (
 )
 
 logger = logging.getLogger(__name__)
-
-ENGINE_START_TIMEOUT_S = 600.0
 
 
 class EngineObserver(Protocol):
@@ -84,48 +80,6 @@ class RequestStream:
     error: Exception | None = None
 
 
-@dataclass
-class EngineLaunch:
-    """An engine process being started (launch_engine) and the tokenizer loading beside it."""
-
-    process: Any
-    ready: Any  # the read end of the pipe the engine reports ready (or its error) on
-    in_addr: str
-    out_addr: str
-    tokenizer: concurrent.futures.Future[Any]
-
-    def kill(self) -> None:
-        """End the engine process if it still runs. It ignores SIGTERM, which multiprocessing's
-        exit handler sends, so a server that stops before its AsyncEngine shuts the engine
-        down (Ctrl-C while it imports) must kill it, or that handler waits for it forever."""
-        if self.process.exitcode is None:
-            self.process.kill()
-
-
-def launch_engine(config: EngineConfig, addresses: tuple[str, str] | None = None) -> EngineLaunch:
-    """Spawn the engine process (it connects to the client's sockets at `addresses`, bound by
-    the AsyncEngine that takes the launch) and load the tokenizer in a thread meanwhile.
-
-    `pagoda serve` launches before importing the server (FastAPI, uvicorn), so the engine loads
-    the model while this process imports them; AsyncEngine.start launches when nothing did."""
-    if addresses is None:
-        addresses = _ipc_addresses()
-    mp = multiprocessing.get_context("spawn")
-    parent_conn, child_conn = mp.Pipe(duplex=False)
-    process = mp.Process(
-        target=_run_engine_process,
-        args=(config, *addresses, child_conn),
-        name="pagoda-engine",
-        # A daemonic process may not start processes: with tensor or pipeline parallelism
-        # the engine starts its ranks, so it is not daemonic then (shutdown() still ends it, and it
-        # ends itself within a second of this process going away: engine/process.py).
-        daemon=config.world_size == 1,
-    )
-    process.start()
-    child_conn.close()
-    return EngineLaunch(process, parent_conn, *addresses, _in_thread(_load_tokenizer, config))
-
-
 class AsyncEngine:
     def __init__(
         self,
@@ -148,6 +102,7 @@ class AsyncEngine:
         self.explanations = Explanations(config.scheduler.max_explained_requests)
         self.snapshot: EngineSnapshot | None = None  # the latest, while watch() is on
         self._unacked: set[str] = set()
+        self.lora = LoRACalls(self._send)  # runtime adapter loads and unloads
         self._launch = launch
         self._process: Any = None if launch is None else launch.process
         self._tasks: list[asyncio.Task[None]] = []
@@ -160,7 +115,7 @@ class AsyncEngine:
         if launch is not None:
             self._in_addr, self._out_addr = launch.in_addr, launch.out_addr
         else:
-            self._in_addr, self._out_addr = _ipc_addresses()
+            self._in_addr, self._out_addr = ipc_addresses()
         self._to_engine = self._sync_ctx.socket(zmq.PUSH)
         self._to_engine.bind(self._in_addr)
         self._from_engine = self._ctx.socket(zmq.PULL)
@@ -184,7 +139,7 @@ class AsyncEngine:
             self._process = launch.process
         loop = asyncio.get_running_loop()
         tokenizer = asyncio.wrap_future(launch.tokenizer)
-        kind, payload = await loop.run_in_executor(None, _wait_ready, launch.ready, self._process)
+        kind, payload = await loop.run_in_executor(None, wait_ready, launch.ready, self._process)
         if kind != "ready":
             # The engine's error is the one reported; the tokenizer's, if any, has its cause.
             await asyncio.gather(tokenizer, return_exceptions=True)
@@ -228,6 +183,7 @@ class AsyncEngine:
             return
         logger.error("%s", reason)
         self.dead_reason = reason
+        self.lora.fail(EngineDeadError(reason))
         for stream in self.streams.values():
             stream.error = EngineDeadError(reason)
             if not stream.accepted.done():
@@ -291,6 +247,7 @@ class AsyncEngine:
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         pooling: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Send a request and wait until the engine accepts it (within one step). ValueError if
         the engine refuses it, EngineDeadError if the engine is gone. The caller must then read
@@ -321,6 +278,7 @@ class AsyncEngine:
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=kv_transfer_params,
+            lora_request=lora_request,
         )
         try:
             raw = self._encoder.encode(msg)
@@ -401,6 +359,7 @@ class AsyncEngine:
             self._handle(msg)
 
     def _handle(self, msg: EngineCoreOutputs) -> None:
+        self.lora.resolve(msg)
         if msg.snapshot is not None:
             self.snapshot = msg.snapshot
         if msg.stats is not None:
@@ -444,56 +403,3 @@ class AsyncEngine:
         if self.log_requests:
             logger.info("%s", finish_line(state))
         self.explanations.log(state.request_id)
-
-
-def _wait_ready(conn: Any, process: Any) -> tuple[str, Any]:
-    deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if conn.poll(0.2):
-            try:
-                result: tuple[str, Any] = conn.recv()
-                return result
-            except EOFError:
-                break
-        if not process.is_alive():
-            break
-    code = process.exitcode
-    return ("error", f"the engine process exited during start-up (exit code {code})")
-
-
-def _run_engine_process(*args: Any) -> None:
-    """The engine process's entry point; the engine (and torch) is imported there only, not in
-    the client's process."""
-    from pagoda.engine.process import run_engine_process
-
-    run_engine_process(*args)
-
-
-def _ipc_addresses() -> tuple[str, str]:
-    """Fresh socket addresses for the client's (in, out) ZeroMQ sockets."""
-    base = os.path.join(tempfile.gettempdir(), f"pagoda-{uuid.uuid4().hex[:12]}")
-    return f"ipc://{base}-in", f"ipc://{base}-out"
-
-
-def _load_tokenizer(config: EngineConfig) -> Any:
-    # Imported here: transformers takes a second or more to import, which the server's process
-    # then spends beside the engine process's start rather than before it.
-    from pagoda.loading.tokenizer import load_tokenizer_for
-
-    return load_tokenizer_for(config)
-
-
-def _in_thread(
-    fn: Callable[[EngineConfig], Any], config: EngineConfig
-) -> concurrent.futures.Future[Any]:
-    """fn(config) in a daemon thread (a process that stops early does not wait for it)."""
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(config))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever awaits the future
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="pagoda-tokenizer", daemon=True).start()
-    return future

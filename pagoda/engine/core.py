@@ -30,6 +30,7 @@ from pagoda.scheduling.messages import (
     EngineCoreOutput,
     EngineInfo,
     EngineRequest,
+    LoRAUpdate,
     SchedulerOutput,
     SchedulerStats,
     sample_request_id,
@@ -390,6 +391,14 @@ class EngineCore:
         if self.loras.pop(lora_id, None) is None:
             return False
         return self.executor.remove_lora(lora_id)
+
+    def update_lora(self, update: LoRAUpdate) -> None:
+        """A client's runtime load or unload (ValueError: the adapter does not fit, or no
+        adapter has that id)."""
+        if update.add is not None:
+            self.add_lora(update.add)
+        elif not self.remove_lora(update.remove):
+            raise ValueError(f"no LoRA adapter has lora_int_id {update.remove}")
 
     def _check_id_free(self, request_id: str) -> None:
         held = self.remote_prefill is not None and self.remote_prefill.holds(request_id)

@@ -28,6 +28,7 @@ from pagoda.scheduling.messages import (
     EngineInput,
     EngineRequest,
     EngineSnapshot,
+    LoRAUpdate,
     WatchRequest,
 )
 from pagoda.scheduling.snapshot import build_snapshot
@@ -101,6 +102,12 @@ class EngineLoop:
                     accepted.append(msg.request_id)
                 except ValueError as e:
                     errors[msg.request_id] = str(e)
+            elif isinstance(msg, LoRAUpdate):
+                try:
+                    self.engine.update_lora(msg)
+                    accepted.append(msg.call_id)
+                except ValueError as e:
+                    errors[msg.call_id] = str(e)
             elif msg.all_samples:
                 self.engine.abort_request(msg.request_ids)
             else:

@@ -59,8 +59,17 @@ class WatchRequest(msgspec.Struct, tag="watch", array_like=True):
     interval_s: float
 
 
+class LoRAUpdate(msgspec.Struct, tag="lora", array_like=True, omit_defaults=True):
+    """Load an adapter (`add`) or remove one (`remove`, its lora_int_id) at run time; the
+    engine answers call_id among EngineCoreOutputs' accepted ids or errors."""
+
+    call_id: str
+    add: LoRARequest | None = None
+    remove: int = 0
+
+
 # What a client sends to the engine process.
-EngineInput = EngineRequest | AbortRequest | WatchRequest
+EngineInput = EngineRequest | AbortRequest | WatchRequest | LoRAUpdate
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -220,6 +229,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # (refreshed at most every second); empty on one rank.
     rank_steps: list[int] = []
     rank_step_seconds: list[float] = []
+    # --enable-lora: the adapters (lora_int_id) of the running and of the waiting requests.
+    running_lora_ids: list[int] = []
+    waiting_lora_ids: list[int] = []
 
 
 class SnapshotRequest(msgspec.Struct, array_like=True):
@@ -230,6 +242,7 @@ class SnapshotRequest(msgspec.Struct, array_like=True):
     priority: int
     num_preemptions: int
     num_cached_tokens: int  # prompt tokens found in the prefix cache (-1: not admitted yet)
+    lora_name: str = ""  # the LoRA adapter it runs with ("": the base model)
 
 
 class EngineSnapshot(msgspec.Struct, array_like=True):

@@ -159,6 +159,8 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.spec_num_accepted,
             spec_accepted_per_position=list(self.spec_accepted_per_position),
+            running_lora_ids=sorted({r.lora_id for r in self.running} - {0}),
+            waiting_lora_ids=sorted({r.lora_id for r in self.waiting} - {0}),
         )
 
     # ---- schedule -----------------------------------------------------------------------

@@ -27,6 +27,7 @@ def build_snapshot(scheduler: Any) -> EngineSnapshot:
             r.priority,
             r.num_preemptions,
             r.num_cached_tokens,
+            "" if r.lora_request is None else r.lora_request.lora_name,
         )
         for r in queued
     ]

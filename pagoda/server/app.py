@@ -37,6 +37,7 @@ from pagoda.server.embeddings import create_embedding
 from pagoda.server.embeddings_protocol import EmbeddingRequest
 from pagoda.server.errors import APIError, error_response, install_error_handlers
 from pagoda.server.live import MIN_INTERVAL_S, Watchers, event_stream
+from pagoda.server.lora import add_lora_routes, load_modules
 from pagoda.server.messages import count_tokens, create_message
 from pagoda.server.protocol import (
     ChatCompletionRequest,
@@ -61,7 +62,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 def build_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        start = asyncio.create_task(state.engine.start())
+        start = asyncio.create_task(_start(state))
         stats = asyncio.create_task(state.log_stats_forever())
         try:
             yield
@@ -101,6 +102,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     add_response_routes(app, state, deps, ResponseStore())
     add_scoring_routes(app, state, deps)
+    add_lora_routes(app, state, deps)
 
     @app.post("/v1/messages", dependencies=deps)
     async def messages(body: MessagesRequest, request: Request) -> Response:
@@ -111,6 +113,13 @@ def build_app(state: ServerState) -> FastAPI:
         return await count_tokens(state, body)
 
     return app
+
+
+async def _start(state: ServerState) -> None:
+    """The engine, then the adapters of --lora-modules."""
+    await state.engine.start()
+    if state.engine.ready:
+        await load_modules(state)
 
 
 # ---- auth --------------------------------------------------------------------------------------
@@ -168,7 +177,16 @@ def _add_model_routes(app: FastAPI, state: ServerState, deps: Sequence[params.De
             root=state.engine_config.model or state.model_name,
             max_model_len=info.max_model_len if info else None,
         )
-        return ModelList(data=[card])
+        adapters = [
+            ModelCard(
+                id=r.lora_name,
+                root=r.lora_path,
+                parent=state.model_name,
+                max_model_len=card.max_model_len,
+            )
+            for r in state.loras.by_name.values()
+        ]
+        return ModelList(data=[card, *adapters])
 
     @app.post("/tokenize", dependencies=deps)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

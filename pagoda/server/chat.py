@@ -161,7 +161,7 @@ def _response(
     prompt_tokens = len(out.prompt_token_ids)
     return ChatCompletionResponse(
         id=rid,
-        model=state.model_name,
+        model=state.served_name(body.model),
         choices=choices,
         usage=_with_reasoning(
             usage(prompt_tokens, completion_tokens, out.num_cached_tokens), reasoning
@@ -208,7 +208,7 @@ def _stream(
     rid: str,
     streams: list[RequestStream],
 ) -> AsyncIterator[str]:
-    model = state.model_name
+    model = state.served_name(body.model)
     top = body.top_logprobs or 0
     calls = StreamedCalls()
 

@@ -117,7 +117,7 @@ def _response(
     cached = sum(o.num_cached_tokens for o in outs)
     return CompletionResponse(
         id=rid,
-        model=state.model_name,
+        model=state.served_name(body.model),
         choices=choices,
         usage=usage(prompt_tokens, completion_tokens, cached),
         kv_transfer_params=kv_transfer_response(state, body),
@@ -132,7 +132,9 @@ def _stream(
     prompts: list[Prompt],
 ) -> AsyncIterator[str]:
     def chunk(choices: list[CompletionChoice], totals: Usage | None) -> CompletionResponse:
-        return CompletionResponse(id=rid, model=state.model_name, choices=choices, usage=totals)
+        return CompletionResponse(
+            id=rid, model=state.served_name(body.model), choices=choices, usage=totals
+        )
 
     choice = _stream_choices(state.engine, body, prompts)
     return sse_stream(state.engine, rid, streams, choice, chunk, body.include_usage)

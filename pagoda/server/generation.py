@@ -61,6 +61,7 @@ async def add_all(
                     body.cache_salt,
                     body.kv_transfer_params,
                     pooling,
+                    state.lora_of(getattr(body, "model", None)),
                 )
             )
     except BaseException as e:

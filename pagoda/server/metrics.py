@@ -53,6 +53,10 @@ class EngineStats(Protocol):
     def rank_steps(self) -> list[int]: ...
     @property
     def rank_step_seconds(self) -> list[float]: ...
+    @property
+    def running_lora_ids(self) -> list[int]: ...
+    @property
+    def waiting_lora_ids(self) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class _NoStats:
     kv_transfer: dict[str, float] = field(default_factory=dict)
     rank_steps: list[int] = field(default_factory=list)
     rank_step_seconds: list[float] = field(default_factory=list)
+    running_lora_ids: list[int] = field(default_factory=list)
+    waiting_lora_ids: list[int] = field(default_factory=list)
 
 
 # pagoda:kv_transfer_* (disaggregation): counter -> (KVTransferStats field, label value)
@@ -120,6 +126,20 @@ class Metrics:
         self._prompt_total = 0  # mirrors of the token counters, for the log line
         self._generation_total = 0
         self._last_log = (time.monotonic(), 0, 0)
+        self._lora: tuple[Gauge, int, Callable[[int], str]] | None = None  # serve_loras
+
+    def serve_loras(self, max_loras: int, name_of: Callable[[int], str]) -> None:
+        """--enable-lora: vLLM's lora_requests_info, a gauge whose labels name the adapters of
+        the running and of the waiting requests (comma-separated) and whose value is the time
+        they were read; `name_of` names an adapter id."""
+        gauge = Gauge(
+            "pagoda:lora_requests_info",
+            "Running and waiting LoRA adapters (labels); the value is when they were read.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
+        self._lora = (gauge, max_loras, name_of)
+        gauge.labels(str(max_loras), "", "").set(time.time())
 
     # ---- declarations: each metric has the model_name label first ----------------------------
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -240,6 +260,12 @@ class Metrics:
             if new_steps > 0:
                 self.rank_steps.labels(self.model_name, str(rank)).inc(new_steps)
                 self.rank_step_seconds.labels(self.model_name, str(rank)).inc(new_seconds)
+        if self._lora is not None:
+            gauge, max_loras, name_of = self._lora
+            waiting = ",".join(name_of(i) for i in stats.waiting_lora_ids)
+            running = ",".join(name_of(i) for i in stats.running_lora_ids)
+            gauge.clear()  # one series: the adapters now
+            gauge.labels(str(max_loras), waiting, running).set(time.time())
         self._last_stats = stats
 
     def observe_tokens(

@@ -155,7 +155,7 @@ def _base(state: ServerState, body: ResponsesRequest, rid: str) -> ResponseObjec
     return ResponseObject(
         id=rid,
         status="in_progress",
-        model=state.model_name,
+        model=state.served_name(body.model),
         instructions=body.instructions,
         max_output_tokens=body.max_output_tokens,
         previous_response_id=body.previous_response_id,

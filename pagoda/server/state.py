@@ -12,7 +12,9 @@ import uvicorn
 
 from pagoda.client.async_client import AsyncEngine, EngineLaunch
 from pagoda.config import EngineConfig
+from pagoda.lora_request import LoRARequest
 from pagoda.server.errors import APIError
+from pagoda.server.lora import LoRAModels
 from pagoda.server.metrics import Metrics
 
 logger = logging.getLogger("pagoda.server")
@@ -34,6 +36,10 @@ class ServerConfig:
     tool_call_parser: str | None = None
     # <think> apart from the answer (vLLM's --reasoning-parser: qwen3 or deepseek_r1)
     reasoning_parser: str | None = None
+    # LoRA adapters served from the start (--lora-modules; server/lora.py numbers them), and
+    # the runtime load / unload routes (PAGODA_ALLOW_RUNTIME_LORA_UPDATING)
+    lora_modules: tuple[LoRARequest, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
 
 class ServerState:
@@ -49,7 +55,14 @@ class ServerState:
         self.config = config
         self.engine_config = engine_config
         self.model_name = config.served_model_name or engine_config.model or "SmolLM2-135M-Instruct"
+        if config.lora_modules and not engine_config.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        self.loras = LoRAModels(config.lora_modules)
+        if self.model_name in self.loras.by_name:
+            raise ValueError(f"a LoRA adapter may not take the model's name {self.model_name!r}")
         self.metrics = Metrics(self.model_name)
+        if engine_config.enable_lora:
+            self.metrics.serve_loras(engine_config.max_loras, self.loras.name_of)
         self.engine = AsyncEngine(
             engine_config,
             self.metrics,
@@ -66,6 +79,12 @@ class ServerState:
         # Let in-flight requests send their error events, then stop.
         asyncio.get_running_loop().call_later(1.0, self.stop)
 
+    def fail(self, reason: str) -> None:
+        """Stop with exit status 1 (a start-up step failed)."""
+        logger.error("%s", reason)
+        self.exit_code = 1
+        self.stop()
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
@@ -81,9 +100,17 @@ class ServerState:
         return None
 
     def check_model(self, model: str | None) -> None:
-        """404 unless `model` is unset or the served model's name."""
-        if model is not None and model != self.model_name:
+        """404 unless `model` is unset, the served model's name or a LoRA adapter's."""
+        if model is not None and model != self.model_name and model not in self.loras.by_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model")
+
+    def lora_of(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None: the base model."""
+        return None if model is None else self.loras.by_name.get(model)
+
+    def served_name(self, model: str | None) -> str:
+        """The `model` a response names: the adapter's, or the served model's."""
+        return model if self.lora_of(model) is not None and model else self.model_name
 
     def admit(self) -> None:
         """429 while --max-waiting-requests requests wait in the engine."""

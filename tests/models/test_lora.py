@@ -15,7 +15,11 @@ from tests.lora_adapters import AdapterSpec, peft_model, save_adapter
 from tests.oracle import assert_outputs_match, hf_greedy
 
 MAX_TOKENS = 12
-PROMPTS = [[1, 450, 2232, 310], [1, 910, 338, 263, 1243, 29889, 306], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+PROMPTS = [
+    [1, 450, 2232, 310],
+    [1, 910, 338, 263, 1243, 29889, 306],
+    [5, 6, 7, 8, 9, 10, 11, 12, 13],
+]
 SPECS = {
     "wide": AdapterSpec(rank=8, alpha=16),
     "qv": AdapterSpec(rank=16, alpha=8, targets=("q_proj", "v_proj"), use_rslora=True, seed=1),

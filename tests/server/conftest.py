@@ -34,7 +34,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str | None, flags: tuple[str, ...], api_key: str | None = None):
+    def __init__(
+        self,
+        model: str | None,
+        flags: tuple[str, ...],
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -48,7 +54,7 @@ class ServerProcess:
         if api_key is not None:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ}
+            cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
 
     def wait_ready(self) -> ServerProcess:

@@ -304,7 +304,7 @@ function poolTip(e) {
 // One table row per queued request (the first MAX_QUEUE_ROWS), reused from snapshot to snapshot.
 function queueRow() {
   const tr = document.createElement("tr");
-  tr.innerHTML = '<td class="id"></td><td></td><td><span class="bar"><i></i></span><span></span></td><td></td><td></td><td></td>';
+  tr.innerHTML = '<td class="id"></td><td></td><td><span class="bar"><i></i></span><span></span></td><td></td><td></td><td></td><td></td>';
   return tr;
 }
 
@@ -328,6 +328,7 @@ function renderQueues(engine) {
     setText(cells[3], r.num_cached_tokens < 0 ? "–" : String(r.num_cached_tokens));
     setText(cells[4], String(r.priority));
     setText(cells[5], String(r.num_preemptions));
+    setText(cells[6], r.lora_name || "–");
   });
   const more = engine.requests.length - shown.length;
   setText($("queues-more"), more > 0 ? `and ${more} more` : "");
