@@ -139,7 +139,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def server_config(args: argparse.Namespace) -> Any:
     """ServerConfig from `pagoda serve`'s flags."""
-    from pagoda.server.lora import parse_lora_module, runtime_updating_allowed
+    from pagoda.server.lora_models import parse_lora_module, runtime_updating_allowed
     from pagoda.server.state import ServerConfig
 
     return ServerConfig(

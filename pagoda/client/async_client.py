@@ -271,15 +271,9 @@ class AsyncEngine:
         arrival = time.time()
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival)
         msg = EngineRequest(
-            request_id,
-            prompt_token_ids,
-            params,
-            arrival_time=arrival,
-            priority=priority,
-            cache_salt=cache_salt,
-            kv_transfer_params=kv_transfer_params,
-            lora_request=lora_request,
-        )
+            request_id, prompt_token_ids, params, arrival, priority, cache_salt,
+            kv_transfer_params, lora_request,
+        )  # fmt: skip
         try:
             raw = self._encoder.encode(msg)
         except (OverflowError, msgspec.EncodeError) as e:  # e.g. an int past 64 bits

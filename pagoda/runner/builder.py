@@ -23,6 +23,7 @@ from pagoda.loading.draft import DraftModel, load_draft_model
 from pagoda.loading.loader import load_model
 from pagoda.loading.tokenizer import tokenizer_eos_token_id
 from pagoda.model_config import ModelConfig
+from pagoda.models import FAMILIES
 from pagoda.runner.device import torch_dtype
 from pagoda.runner.lora import LoRATable
 from pagoda.runner.model_runner import ModelRunner
@@ -100,6 +101,10 @@ def lora_table(runner: ModelRunner, config: EngineConfig) -> LoRATable:
     which would skip the adapters, are turned off."""
     model: Any = runner.model
     model.model.fused_max_rows = 0
+    hf_config = runner.model_config.hf_config
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    families = [family for family, cls in FAMILIES if type(model) is cls]
     return LoRATable(
         model,
         model.packed_modules,
@@ -109,6 +114,8 @@ def lora_table(runner: ModelRunner, config: EngineConfig) -> LoRATable:
         runner.buffers.max_tokens,
         runner.device,
         torch_dtype(runner.model_config.dtype),
+        (heads, kv_heads),
+        tuple(arch for family in families for arch in family.gguf_archs),
     )
 
 

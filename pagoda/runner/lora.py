@@ -49,8 +49,14 @@ class LoRATable:
         max_tokens: int,
         device: torch.device,
         dtype: torch.dtype,
+        heads: tuple[int, int],
+        gguf_archs: tuple[str, ...],
     ) -> None:
+        """heads: the model's (num_attention_heads, num_key_value_heads), which a GGUF adapter's
+        q/k rows need (loading/lora_gguf.py); gguf_archs: the GGUF architectures of its family
+        (a GGUF adapter of another is refused)."""
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.heads, self.gguf_archs = heads, gguf_archs
         # The step's token -> slot index; -1: the base model alone (and padding rows).
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self.layers: dict[str, Linear] = {}
@@ -99,7 +105,12 @@ class LoRATable:
             raise ValueError(
                 f"lora_int_id {request.lora_int_id} is still in use by running requests"
             )
-        adapter = load_adapter(request.lora_path)
+        adapter = load_adapter(request.lora_path, self.heads)
+        if adapter.architecture is not None and adapter.architecture not in self.gguf_archs:
+            raise ValueError(
+                f"LoRA adapter {request.lora_name!r} was converted for a "
+                f"{adapter.architecture!r} model; this base model is {', '.join(self.gguf_archs)}"
+            )
         if adapter.rank > self.max_rank:
             raise ValueError(
                 f"LoRA adapter {request.lora_name!r} has rank {adapter.rank}, above "

@@ -93,8 +93,7 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = sorted(eos_token_ids)
         self.kv_dtype = kv_dtype  # CacheConfig.kv_dtype; None: model dtype
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.kernel_backend = kernel_backend
         self.use_cuda_graphs = use_cuda_graphs
         if model is not None:

@@ -14,7 +14,7 @@ from pagoda.client.async_client import AsyncEngine, EngineLaunch
 from pagoda.config import EngineConfig
 from pagoda.lora_request import LoRARequest
 from pagoda.server.errors import APIError
-from pagoda.server.lora import LoRAModels
+from pagoda.server.lora_models import LoRAModels
 from pagoda.server.metrics import Metrics
 
 logger = logging.getLogger("pagoda.server")
