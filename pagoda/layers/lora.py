@@ -52,8 +52,24 @@ def lora_apply(
     slots: torch.Tensor,
     offsets: list[int],
 ) -> None:
-    """lora_reference, on the fastest path the tensors' device has."""
+    """lora_reference, on the fastest path the tensors' device has: pagoda_cpu.lora_apply
+    (kernels/cpu/lora.cpp) for float32 on CPU where pagoda's C++ kernels are built (y, a and b
+    contiguous, as LoRAWeights holds them)."""
+    floats = x.dtype == a.dtype == b.dtype == y.dtype == torch.float32
+    whole = y.is_contiguous() and a.is_contiguous() and b.is_contiguous()
+    if x.device.type == "cpu" and floats and whole and _cpu_kernels():
+        torch.ops.pagoda_cpu.lora_apply(y, x, a, b, slots, offsets, 2)
+        return
     lora_reference(y, x, a, b, slots, offsets)
+
+
+@torch.compiler.assume_constant_result
+def _cpu_kernels() -> bool:
+    """pagoda's C++ CPU kernels are built and on (a constant to torch.compile's tracing, which
+    cannot enter the build's lock)."""
+    from pagoda.kernels.cpu import kernels
+
+    return kernels() is not None
 
 
 class LoRAWeights(nn.Module):

@@ -1,10 +1,10 @@
-"""pagoda's CPU kernels: a C++ extension (quant_gemm.cpp, paged_attention.cpp, row_ops.cpp) built on first
-use with torch's cpp_extension and cached (TORCH_EXTENSIONS_DIR, by default under
-~/.cache/torch_extensions), with a log line saying so; `python -m pagoda.kernels.cpu` builds it
-ahead (the Makefile's setup does). Where there is no C++ compiler, `kernels()` is None and
-pagoda keeps its torch path, with a warning. Where a compiler is there but the build fails (a
-compile error, missing Python headers), that is an error, logged with the compiler's output,
-and pagoda keeps its torch path too.
+"""pagoda's CPU kernels: a C++ extension (quant_gemm.cpp, float_gemm.cpp, paged_attention.cpp,
+row_ops.cpp, lora.cpp) built on first use with torch's cpp_extension and cached
+(TORCH_EXTENSIONS_DIR, by default under ~/.cache/torch_extensions), with a log line saying so;
+`python -m pagoda.kernels.cpu` builds it ahead (the Makefile's setup does). Where there is no C++
+compiler, `kernels()` is None and pagoda keeps its torch path, with a warning. Where a compiler
+is there but the build fails (a compile error, missing Python headers), that is an error, logged
+with the compiler's output, and pagoda keeps its torch path too.
 
 PAGODA_CPU_KERNELS: `1` (the default) uses them where they build; `0` turns them off (the
 quantized layers keep torch's packed forms instead, bf16 activations; read at load, so the
@@ -31,7 +31,9 @@ rows beside it (window > 0: a sliding window, the row at position p attending to
 are the first value_dim of each key row); `rms_norm`, `add_rms_norm`, `silu_and_mul` and `rotary` (row_ops.cpp), which eager
 and compiled steps share, so that the two compute the same bits, and `q4x16_matmul_norm` /
 `q8x16_matmul_norm` / `q4x16_matmul_silu` / `q8x16_matmul_silu`, the matmuls with the norm or
-the activation before them in one call; `isa()` names the instruction set picked at run time (0
+the activation before them in one call; `lora_apply(y, x, a, b, slots, offsets, isa_limit)`
+(lora.cpp), layers/lora.py's batched LoRA product added into y in place, float32, each slot's A
+and B read once a step for all its tokens; `isa()` names the instruction set picked at run time (0
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
 caps it (tests run every path). ATEN_CPU_CAPABILITY, torch's switch, caps it for the whole
 process (`avx2`: AVX2 + FMA, `default`: scalar), as it caps torch's kernels and the code
@@ -55,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("quant_gemm.cpp", "float_gemm.cpp", "paged_attention.cpp", "row_ops.cpp")
+    for n in ("quant_gemm.cpp", "float_gemm.cpp", "paged_attention.cpp", "row_ops.cpp", "lora.cpp")
 ]
 HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "kv_rows.h")]
 ISA_NAMES = ("scalar", "AVX2 + FMA", "AVX-512 VNNI")
@@ -143,6 +145,7 @@ def _register_fakes() -> None:
     _register_fused_matmul_fakes()
     _register_attention_fakes()
     _register_row_op_fakes()
+    _register_lora_fake()
 
 
 def _register_matmul_fakes() -> None:
@@ -254,3 +257,13 @@ def _register_row_op_fakes() -> None:
     @torch.library.register_fake("pagoda_cpu::rotary")  # type: ignore[misc]
     def _rotary(x: Any, cos: Any, sin: Any, head_dim: int, isa_limit: int) -> Any:
         return x.new_empty(x.shape)
+
+
+def _register_lora_fake() -> None:
+    """lora_apply (lora.cpp) writes y in place and returns nothing."""
+
+    @torch.library.register_fake("pagoda_cpu::lora_apply")  # type: ignore[misc]
+    def _lora_apply(
+        y: Any, x: Any, a: Any, b: Any, slots: Any, offsets: list[int], isa_limit: int
+    ) -> None:
+        return None

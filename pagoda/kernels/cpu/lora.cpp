@@ -1,0 +1,470 @@
+// Batched LoRA on CPU, float32 (layers/lora.py's lora_reference is the contract):
+//
+//   lora_apply(y, x, a, b, slots, offsets, isa_limit), in place on y:
+//     y[t, o] += sum_r b[s, o, r] * h[t, l, r],   h[t, l, r] = sum_k a[s, l, r, k] * x[t, k]
+//   for each token t whose slot s = slots[t] is in [0, S) (others, -1 among them, are left as
+//   they are), l the slice whose columns [offsets[l], offsets[l + 1]) hold o.
+//   y (T, N) contiguous; x (T, K), rows contiguous; a (S, L, R, K) and b (S, N, R) contiguous;
+//   slots (T,) int64; offsets L + 1 ascending ints within [0, N].
+//
+// Tokens are grouped by slot (a stable counting sort), so each slot's A and B are read once a
+// step wherever its tokens sit in the batch. Shrink: h (T, L * R), split over (slot, block of 4
+// rows of A); each block's rows are dotted with the slot's tokens a few at a time, k in order.
+// Expand: split over blocks of 16 (8 on AVX2) output columns; a thread takes its columns 256 at
+// a time, transposes each slot's B there into blocks of (R, 16) once, and sweeps the slot's
+// tokens over them, up to 8 at a time, r in order. Each output's arithmetic depends on its token
+// alone, not on the batch or the threads. AVX-512 F, AVX2 + FMA and scalar paths, chosen at run
+// time (isa_limit caps it, as the other kernels').
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+
+namespace pagoda_cpu {
+namespace {
+
+#define PAGODA_LORA_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512vl")))
+#define PAGODA_LORA_AVX2 __attribute__((target("avx2,fma")))
+
+constexpr int64_t ROW_BLOCK = 4;      // rows of A a shrink pass holds
+constexpr int64_t EXPAND_GRAIN = 16;  // column blocks a thread takes at least
+constexpr int64_t CHUNK = 256;        // columns transposed at once (a multiple of 16)
+
+// Calls fn(std::integral_constant<int, n>) for n in [1, Max] (n above Max: Max).
+template <int Max, typename Fn>
+void with_count(int64_t n, Fn&& fn) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_count<Max - 1>(n, fn);
+  }
+  fn(std::integral_constant<int, Max>{});
+}
+
+struct Lora {
+  const float* x;
+  int64_t ldx;
+  const float* a;  // (S, L * R, K)
+  const float* b;  // (S, N, R)
+  float* y;        // (T, N)
+  int64_t k, n, rank, rows;  // rows = L * R
+  std::vector<int64_t> offsets;
+};
+
+// The tokens of each slot in batch order: order[start[s], start[s + 1]); `used` the slots that
+// have any.
+struct Groups {
+  std::vector<int64_t> order, start, used;
+};
+
+Groups group_by_slot(const int64_t* slots, int64_t tokens, int64_t num_slots) {
+  Groups g{{}, std::vector<int64_t>(num_slots + 1, 0), {}};
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] >= 0 && slots[t] < num_slots) ++g.start[slots[t] + 1];
+  }
+  for (int64_t s = 0; s < num_slots; ++s) {
+    if (g.start[s + 1] > 0) g.used.push_back(s);
+    g.start[s + 1] += g.start[s];
+  }
+  g.order.resize(g.start[num_slots]);
+  std::vector<int64_t> next(g.start.begin(), g.start.end() - 1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] >= 0 && slots[t] < num_slots) g.order[next[slots[t]]++] = t;
+  }
+  return g;
+}
+
+// ---- shrink: h[t][r] = a[r * k, ...] . x[t] for NR rows of A and NT tokens ------------------
+
+PAGODA_LORA_AVX2 inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+template <int NR, int NT>
+PAGODA_LORA_AVX512 void dots_avx512(const float* a, int64_t k, const float* const* x,
+                                    float* const* h) {
+  __m512 acc[NR][NT];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = k - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (k - i)) - 1u);
+    __m512 xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = _mm512_maskz_loadu_ps(m, x[t] + i);
+    for (int r = 0; r < NR; ++r) {
+      const __m512 av = _mm512_maskz_loadu_ps(m, a + r * k + i);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_fmadd_ps(av, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) h[t][r] = _mm512_reduce_add_ps(acc[r][t]);
+  }
+}
+
+template <int NR, int NT>
+PAGODA_LORA_AVX2 void dots_avx2(const float* a, int64_t k, const float* const* x,
+                                float* const* h) {
+  __m256 acc[NR][NT];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  }
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    __m256 xv[NT];
+    for (int t = 0; t < NT; ++t) xv[t] = _mm256_loadu_ps(x[t] + i);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 av = _mm256_loadu_ps(a + r * k + i);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_fmadd_ps(av, xv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) {
+      float tail = 0.f;
+      for (int64_t j = i; j < k; ++j) tail += a[r * k + j] * x[t][j];
+      h[t][r] = sum8(acc[r][t]) + tail;
+    }
+  }
+}
+
+void dots_scalar(const float* a, int64_t k, const float* const* x, float* const* h, int64_t nr,
+                 int64_t nt) {
+  for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t t = 0; t < nt; ++t) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < k; ++j) sum += a[r * k + j] * x[t][j];
+      h[t][r] = sum;
+    }
+  }
+}
+
+// Tokens a shrink pass dots with one block of rows: NR x NT accumulators stay in registers.
+int64_t shrink_tokens(Isa isa) { return isa == Isa::kVnni ? 4 : isa == Isa::kAvx2 ? 2 : 1; }
+
+void dots(const float* a, int64_t k, const float* const* x, float* const* h, int64_t nr,
+          int64_t nt, Isa isa) {
+  if (isa == Isa::kVnni) {
+    with_count<4>(nr, [&](auto r) {
+      with_count<4>(nt, [&](auto t) { dots_avx512<decltype(r)::value, decltype(t)::value>(a, k, x, h); });
+    });
+  } else if (isa == Isa::kAvx2) {
+    with_count<4>(nr, [&](auto r) {
+      with_count<2>(nt, [&](auto t) { dots_avx2<decltype(r)::value, decltype(t)::value>(a, k, x, h); });
+    });
+  } else {
+    dots_scalar(a, k, x, h, nr, nt);
+  }
+}
+
+// h (T, rows): the rows of tokens with a slot.
+void shrink(const Lora& p, const Groups& g, Isa isa, float* h) {
+  const int64_t blocks = (p.rows + ROW_BLOCK - 1) / ROW_BLOCK;
+  const int64_t items = static_cast<int64_t>(g.used.size()) * blocks;
+  const int64_t per_pass = shrink_tokens(isa);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    const float* xs[4];
+    float* hs[4];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = g.used[item / blocks], j0 = (item % blocks) * ROW_BLOCK;
+      const int64_t nr = std::min(ROW_BLOCK, p.rows - j0);
+      const float* a = p.a + (s * p.rows + j0) * p.k;
+      for (int64_t i = g.start[s]; i < g.start[s + 1]; i += per_pass) {
+        const int64_t nt = std::min(per_pass, g.start[s + 1] - i);
+        for (int64_t t = 0; t < nt; ++t) {
+          xs[t] = p.x + g.order[i + t] * p.ldx;
+          hs[t] = h + g.order[i + t] * p.rows + j0;
+        }
+        dots(a, p.k, xs, hs, nr, nt, isa);
+      }
+    }
+  });
+}
+
+// ---- expand: y[t, o] += sum_r col[r][o] * h[t][r] over a block of columns -------------------
+
+// A block of B's rows (one per output column; rows past the block's end repeat its last row)
+// as columns: buf[r * W + j] = rows[j][r].
+void transpose_tail(const float* const* rows, int64_t from, int64_t rank, int64_t w, float* buf) {
+  for (int64_t r = from; r < rank; ++r) {
+    for (int64_t j = 0; j < w; ++j) buf[r * w + j] = rows[j][r];
+  }
+}
+
+// 16 rows' values [r0, r0 + 8) into buf[(r0 + c) * 16 + j]; register j of v holds row j's in its
+// low half, row j + 8's in its high half: the AVX2 8 x 8 transpose on both halves at once.
+PAGODA_LORA_AVX512 void transpose16(const float* const* rows, int64_t rank, float* buf) {
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  int64_t r0 = 0;
+  for (; r0 + 8 <= rank; r0 += 8) {
+    __m512 v[8], t[8];
+    for (int j = 0; j < 8; ++j) {
+      const __m256 top = _mm256_loadu_ps(rows[j] + r0);
+      v[j] = _mm512_insertf32x8(_mm512_castps256_ps512(top), _mm256_loadu_ps(rows[j + 8] + r0), 1);
+    }
+    for (int j = 0; j < 8; j += 2) {
+      t[j] = _mm512_unpacklo_ps(v[j], v[j + 1]);
+      t[j + 1] = _mm512_unpackhi_ps(v[j], v[j + 1]);
+    }
+    for (int q = 0; q < 8; q += 4) {
+      v[q] = _mm512_shuffle_ps(t[q], t[q + 2], 0x44);
+      v[q + 1] = _mm512_shuffle_ps(t[q], t[q + 2], 0xEE);
+      v[q + 2] = _mm512_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+      v[q + 3] = _mm512_shuffle_ps(t[q + 1], t[q + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; ++c) {
+      _mm512_storeu_ps(buf + (r0 + c) * 16, _mm512_permutex2var_ps(v[c], lo, v[c + 4]));
+      _mm512_storeu_ps(buf + (r0 + c + 4) * 16, _mm512_permutex2var_ps(v[c], hi, v[c + 4]));
+    }
+  }
+  transpose_tail(rows, r0, rank, 16, buf);
+}
+
+PAGODA_LORA_AVX2 void transpose8(const float* const* rows, int64_t rank, float* buf) {
+  int64_t r0 = 0;
+  for (; r0 + 8 <= rank; r0 += 8) {
+    __m256 v[8], t[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_ps(rows[j] + r0);
+    for (int j = 0; j < 8; j += 2) {
+      t[j] = _mm256_unpacklo_ps(v[j], v[j + 1]);
+      t[j + 1] = _mm256_unpackhi_ps(v[j], v[j + 1]);
+    }
+    for (int q = 0; q < 8; q += 4) {
+      v[q] = _mm256_shuffle_ps(t[q], t[q + 2], 0x44);
+      v[q + 1] = _mm256_shuffle_ps(t[q], t[q + 2], 0xEE);
+      v[q + 2] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0x44);
+      v[q + 3] = _mm256_shuffle_ps(t[q + 1], t[q + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; ++c) {
+      _mm256_storeu_ps(buf + (r0 + c) * 8, _mm256_permute2f128_ps(v[c], v[c + 4], 0x20));
+      _mm256_storeu_ps(buf + (r0 + c + 4) * 8, _mm256_permute2f128_ps(v[c], v[c + 4], 0x31));
+    }
+  }
+  transpose_tail(rows, r0, rank, 8, buf);
+}
+
+// A run of `cols` output columns for up to 8 tokens: buf its B columns in transposed blocks of
+// W, h[t] the token's slice of h, y[t] its row at the run's first column.
+struct ExpandRun {
+  const float* buf;  // ceil(cols / W) blocks of (rank, W)
+  int64_t rank, cols;
+  const float* const* h;
+  float* const* y;
+};
+
+// NB adjacent blocks for NT tokens, r in order; the last block's first `last` columns exist.
+template <int NT, int NB>
+PAGODA_LORA_AVX512 void blocks_avx512(const ExpandRun& e, int64_t c, int64_t last) {
+  const float* buf = e.buf + c * e.rank;
+  __m512 acc[NB][NT];
+  for (int i = 0; i < NB; ++i) {
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  }
+  for (int64_t r = 0; r < e.rank; ++r) {
+    __m512 col[NB];
+    for (int i = 0; i < NB; ++i) col[i] = _mm512_loadu_ps(buf + (i * e.rank + r) * 16);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 ht = _mm512_set1_ps(e.h[t][r]);
+      for (int i = 0; i < NB; ++i) acc[i][t] = _mm512_fmadd_ps(col[i], ht, acc[i][t]);
+    }
+  }
+  for (int i = 0; i < NB; ++i) {
+    const int64_t cols = i == NB - 1 ? last : 16;
+    const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1u);
+    for (int t = 0; t < NT; ++t) {
+      float* y = e.y[t] + c + 16 * i;
+      _mm512_mask_storeu_ps(y, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y), acc[i][t]));
+    }
+  }
+}
+
+template <int NT>
+PAGODA_LORA_AVX512 void expand_avx512(const ExpandRun& e) {
+  int64_t c = 0;
+  for (; e.cols - c > 16; c += 32) blocks_avx512<NT, 2>(e, c, std::min<int64_t>(16, e.cols - c - 16));
+  if (c < e.cols) blocks_avx512<NT, 1>(e, c, e.cols - c);
+}
+
+template <int NT, int NB>
+PAGODA_LORA_AVX2 void blocks_avx2(const ExpandRun& e, int64_t c, int64_t last) {
+  const float* buf = e.buf + c * e.rank;
+  __m256 acc[NB][NT];
+  for (int i = 0; i < NB; ++i) {
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_setzero_ps();
+  }
+  for (int64_t r = 0; r < e.rank; ++r) {
+    __m256 col[NB];
+    for (int i = 0; i < NB; ++i) col[i] = _mm256_loadu_ps(buf + (i * e.rank + r) * 8);
+    for (int t = 0; t < NT; ++t) {
+      const __m256 ht = _mm256_set1_ps(e.h[t][r]);
+      for (int i = 0; i < NB; ++i) acc[i][t] = _mm256_fmadd_ps(col[i], ht, acc[i][t]);
+    }
+  }
+  for (int i = 0; i < NB; ++i) {
+    const int64_t cols = i == NB - 1 ? last : 8;
+    for (int t = 0; t < NT; ++t) {
+      float* y = e.y[t] + c + 8 * i;
+      if (cols == 8) {
+        _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), acc[i][t]));
+      } else {
+        float sum[8];
+        _mm256_storeu_ps(sum, acc[i][t]);
+        for (int64_t j = 0; j < cols; ++j) y[j] += sum[j];
+      }
+    }
+  }
+}
+
+template <int NT>
+PAGODA_LORA_AVX2 void expand_avx2(const ExpandRun& e) {
+  int64_t c = 0;
+  for (; e.cols - c > 8; c += 16) blocks_avx2<NT, 2>(e, c, std::min<int64_t>(8, e.cols - c - 8));
+  if (c < e.cols) blocks_avx2<NT, 1>(e, c, e.cols - c);
+}
+
+void expand_scalar(const ExpandRun& e, int64_t w, int64_t nt) {
+  for (int64_t t = 0; t < nt; ++t) {
+    for (int64_t j = 0; j < e.cols; ++j) {
+      const float* col = e.buf + (j / w) * w * e.rank + j % w;
+      float sum = 0.f;
+      for (int64_t r = 0; r < e.rank; ++r) sum += col[r * w] * e.h[t][r];
+      e.y[t][j] += sum;
+    }
+  }
+}
+
+int64_t expand_width(Isa isa) { return isa == Isa::kAvx2 ? 8 : 16; }
+
+// Tokens an expand pass applies one block to (their accumulators stay in registers).
+int64_t expand_tokens(Isa isa) { return isa == Isa::kVnni ? 8 : isa == Isa::kAvx2 ? 4 : 1; }
+
+// Slot s's B at columns [o, o + cols) as blocks of W columns, each (rank, W) transposed
+// (buf[(block * rank + r) * W + j]); a last, partial block repeats its last column.
+void transpose_columns(const Lora& p, int64_t s, int64_t o, int64_t cols, Isa isa, float* buf) {
+  const int64_t w = expand_width(isa);
+  const float* rows[16];
+  for (int64_t c = 0; c < cols; c += w) {
+    for (int64_t j = 0; j < w; ++j) {
+      rows[j] = p.b + (s * p.n + o + c + std::min(j, cols - c - 1)) * p.rank;
+    }
+    float* block = buf + c * p.rank;
+    if (isa == Isa::kVnni) {
+      transpose16(rows, p.rank, block);
+    } else if (isa == Isa::kAvx2) {
+      transpose8(rows, p.rank, block);
+    } else {
+      transpose_tail(rows, 0, p.rank, w, block);
+    }
+  }
+}
+
+// Columns [o, o + cols) of slice l for every token of slot s, B's columns transposed in buf; a
+// pass of tokens sweeps the columns in order.
+void expand_columns(const Lora& p, const Groups& g, Isa isa, const float* h, int64_t s,
+                    int64_t l, int64_t o, int64_t cols, const float* buf) {
+  const int64_t per_pass = expand_tokens(isa);
+  const float* hs[8];
+  float* ys[8];
+  for (int64_t i = g.start[s]; i < g.start[s + 1]; i += per_pass) {
+    const int64_t nt = std::min(per_pass, g.start[s + 1] - i);
+    for (int64_t t = 0; t < nt; ++t) {
+      hs[t] = h + g.order[i + t] * p.rows + l * p.rank;
+      ys[t] = p.y + g.order[i + t] * p.n + o;
+    }
+    const ExpandRun e{buf, p.rank, cols, hs, ys};
+    if (isa == Isa::kVnni) {
+      with_count<8>(nt, [&](auto t) { expand_avx512<decltype(t)::value>(e); });
+    } else if (isa == Isa::kAvx2) {
+      with_count<4>(nt, [&](auto t) { expand_avx2<decltype(t)::value>(e); });
+    } else {
+      expand_scalar(e, expand_width(isa), nt);
+    }
+  }
+}
+
+// Columns split over the threads in blocks of W; a thread's columns are cut at the slices'
+// edges and taken CHUNK at a time, each slot's B there transposed once for all its tokens.
+void expand(const Lora& p, const Groups& g, Isa isa, const float* h) {
+  const int64_t w = expand_width(isa), blocks = (p.n + w - 1) / w;
+  const int64_t slices = static_cast<int64_t>(p.offsets.size()) - 1;
+  at::parallel_for(0, blocks, EXPAND_GRAIN, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(p.rank * (CHUNK + w));
+    const int64_t lo = begin * w, hi = std::min(end * w, p.n);
+    for (int64_t l = 0; l < slices; ++l) {
+      const int64_t first = std::max(lo, p.offsets[l]), last = std::min(hi, p.offsets[l + 1]);
+      for (int64_t o = first; o < last; o += CHUNK) {
+        const int64_t cols = std::min(CHUNK, last - o);
+        for (const int64_t s : g.used) {
+          transpose_columns(p, s, o, cols, isa, buf.data());
+          expand_columns(p, g, isa, h, s, l, o, cols, buf.data());
+        }
+      }
+    }
+  });
+}
+
+// ---- the op ---------------------------------------------------------------------------------
+
+void check_float(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on CPU");
+}
+
+void check_shapes(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
+                  const at::Tensor& b, const at::Tensor& slots, at::IntArrayRef offsets) {
+  check_float(y, "y", 2);
+  check_float(x, "x", 2);
+  check_float(a, "a", 4);
+  check_float(b, "b", 3);
+  const int64_t t = x.size(0), n = y.size(1);
+  TORCH_CHECK(y.size(0) == t && y.is_contiguous(), "y must be contiguous (T, N), T = x's rows");
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "a and b must be contiguous");
+  TORCH_CHECK(a.size(3) == x.size(1), "a (S, L, R, K): K = x's columns");
+  TORCH_CHECK(b.size(0) == a.size(0) && b.size(1) == n && b.size(2) == a.size(2),
+              "b must be (S, N, R) for a (S, L, R, K) and y (T, N), got ", b.sizes());
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == t && slots.scalar_type() == at::kLong &&
+                  slots.device().is_cpu(),
+              "slots must be int64 (T,) on CPU");
+  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == a.size(1) + 1,
+              "offsets: L + 1 column edges for a's L slices");
+  for (size_t l = 0; l < offsets.size(); ++l) {
+    const bool ordered = l == 0 ? offsets[0] >= 0 : offsets[l] >= offsets[l - 1];
+    TORCH_CHECK(ordered && offsets[l] <= n, "offsets must ascend within [0, N], got ", offsets);
+  }
+}
+
+void lora_apply(const at::Tensor& y, const at::Tensor& x_in, const at::Tensor& a,
+                const at::Tensor& b, const at::Tensor& slots_in, at::IntArrayRef offsets,
+                int64_t isa_limit) {
+  check_shapes(y, x_in, a, b, slots_in, offsets);
+  const at::Tensor x = x_in.size(1) <= 1 || x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const at::Tensor slots = slots_in.contiguous();
+  const int64_t tokens = x.size(0), rows = a.size(1) * a.size(2);
+  const Groups g = group_by_slot(slots.data_ptr<int64_t>(), tokens, a.size(0));
+  if (g.used.empty() || rows == 0) return;
+  const Lora p{x.data_ptr<float>(), x.stride(0), a.data_ptr<float>(), b.data_ptr<float>(),
+               y.data_ptr<float>(), x.size(1), y.size(1), a.size(2), rows, offsets.vec()};
+  const Isa isa = pick_isa(isa_limit);
+  at::Tensor h = at::empty({tokens, rows}, at::kFloat);
+  shrink(p, g, isa, h.data_ptr<float>());
+  expand(p, g, isa, h.data_ptr<float>());
+}
+
+}  // namespace
+}  // namespace pagoda_cpu
+
+TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
+  m.def(
+      "lora_apply(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor slots, int[] offsets, "
+      "int isa_limit) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) { m.impl("lora_apply", &pagoda_cpu::lora_apply); }
