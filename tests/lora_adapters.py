@@ -59,3 +59,31 @@ def peft_model(base_dir: str, adapter_dir: str) -> torch.nn.Module:
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def save_adapter_for_config(
+    config: object, out_dir: str, spec: AdapterSpec, std: float = 0.2
+) -> str:
+    """The same adapter for a base known by its HF config only (a GGUF model's): PEFT builds it
+    over a randomly initialised model of that config (the adapter holds only A and B)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lora = LoraConfig(
+        r=spec.rank,
+        lora_alpha=spec.alpha,
+        target_modules=list(spec.targets),
+        use_rslora=spec.use_rslora,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, lora)
+    gen = torch.Generator().manual_seed(1000 + spec.seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(std * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(out_dir)
+    return out_dir
