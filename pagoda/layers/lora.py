@@ -53,6 +53,11 @@ def lora_apply(
     offsets: list[int],
 ) -> None:
     """lora_reference, on the fastest path the tensors' device has."""
+    if x.is_cuda:
+        from pagoda.kernels.lora import lora_apply_triton
+
+        lora_apply_triton(y, x, a, b, slots, offsets)
+        return
     lora_reference(y, x, a, b, slots, offsets)
 
 
