@@ -52,9 +52,14 @@ def lora_apply(
     slots: torch.Tensor,
     offsets: list[int],
 ) -> None:
-    """lora_reference, on the fastest path the tensors' device has: pagoda_cpu.lora_apply
-    (kernels/cpu/lora.cpp) for float32 on CPU where pagoda's C++ kernels are built (y, a and b
-    contiguous, as LoRAWeights holds them)."""
+    """lora_reference, on the fastest path the tensors' device has: the Triton kernel on CUDA
+    (kernels/lora.py); pagoda_cpu.lora_apply (kernels/cpu/lora.cpp) for float32 on CPU where
+    pagoda's C++ kernels are built (y, a and b contiguous, as LoRAWeights holds them)."""
+    if x.is_cuda:
+        from pagoda.kernels.lora import lora_apply_triton
+
+        lora_apply_triton(y, x, a, b, slots, offsets)
+        return
     floats = x.dtype == a.dtype == b.dtype == y.dtype == torch.float32
     whole = y.is_contiguous() and a.is_contiguous() and b.is_contiguous()
     if x.device.type == "cpu" and floats and whole and _cpu_kernels():

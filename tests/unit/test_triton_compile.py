@@ -23,7 +23,8 @@ Configs: SmolLM2-135M (9 / 3 heads, head_dim 64), Qwen3-0.6B (16 / 8, 128), Llam
 float8_e4m3fn; block_size 16 and 32; decode with one split (direct) and with `decode_num_splits` > 1 (stage 2 too, at
 two split counts), prefill, KV write (alone, and fused with rotary and, for Qwen3, the per-head
 q/k norm), rotary, RMSNorm (Qwen3's per-head q/k norm too), SiLU-and-mul, the fused small-batch linears
-of a decode layer (RMSNorm prologue, residual-add and SiLU-and-mul epilogues); weight-only w4a16 /
+of a decode layer (RMSNorm prologue, residual-add and SiLU-and-mul epilogues); batched LoRA's
+shrink and expand on the q/k/v slices (`LORA_RUNS`); weight-only w4a16 /
 w8a16 GEMMs (SmolLM2 and Qwen3 layers, `QUANT_LAYERS`). The default suite compiles bfloat16
 models with block_size 16; the slow tests add float16 and float32 models and block_size 32 for
 SmolLM2 and Qwen3 (`SLOW_MODELS`: head_dim 64 and 128), and Llama-3.2-1B's bf16 default.
@@ -93,6 +94,10 @@ QUANT_MODES = {
 # The fused small-batch linears of a decode layer (pagoda/kernels/fused_linear.py), at M = 1:
 # form -> (K, N) of the model's layer, from (hidden, q/k/v width, intermediate).
 FUSED_FORMS = ["norm_qkv", "o_add", "norm_gate_up_silu", "down_add"]
+# Batched LoRA (pagoda/kernels/lora.py) on the model's q/k/v slices: (tokens, rank) -> mode;
+# 1 token splits K over the small token block, 200 tokens take the large block in one split.
+LORA_RUNS = {(1, 8): "lora/t1_r8", (200, 64): "lora/t200_r64"}
+LORA_KERNELS = ["_shrink_kernel", "_expand_kernel"]
 CACHE_CASES = [  # (mode, kernel) for every (block_size, kv dtype)
     ("write", "_write_kv_cache_kernel"),
     ("rotary_write", "_rotary_write_kv_kernel"),
@@ -196,6 +201,7 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
     )
     from pagoda.kernels.fused_linear import fused_linear
     from pagoda.kernels.kv_cache import write_kv_cache
+    from pagoda.kernels.lora import lora_apply_triton
     from pagoda.kernels.norm import fused_add_rms_norm, rms_norm
     from pagoda.kernels.paged_cache import KVCache
     from pagoda.kernels.quant_matmul import (
@@ -240,6 +246,17 @@ def _worker(model: str, dtypes: list[str], kv_dtypes: list[str], block_sizes: li
         case.update(mode="fused/down_add")
         act1 = torch.empty(1, inter, dtype=dtype)
         fused_linear(act1, torch.empty(hidden, inter, dtype=dtype), residual=h1)
+        offsets = [0, heads * head_dim, (heads + kv_heads) * head_dim, qkv_width]
+        for (tokens, rank), mode in LORA_RUNS.items():
+            case.update(mode=mode)
+            lora_apply_triton(
+                torch.empty(tokens, qkv_width, dtype=dtype),
+                torch.empty(tokens, hidden, dtype=dtype),
+                torch.empty(4, 3, rank, hidden, dtype=dtype),
+                torch.empty(4, qkv_width, rank, dtype=dtype),
+                torch.zeros(tokens, dtype=torch.int64),
+                offsets,
+            )
         case.update(mode="layers")
         for fmt, group, rows, cols in QUANT_LAYERS.get(model, []):
             g = cols if group == "row" else int(group)
@@ -382,6 +399,7 @@ def expected_cases(model: str, config: Config) -> set[tuple]:
     for dtype in config["dtypes"]:
         cases |= {(dtype, None, None, "layers", kernel) for kernel in LAYER_KERNELS}
         cases |= {(dtype, None, None, f"fused/{f}", "_fused_linear_kernel") for f in FUSED_FORMS}
+        cases |= {(dtype, None, None, m, k) for m in LORA_RUNS.values() for k in LORA_KERNELS}
         for fmt, group, _, _ in QUANT_LAYERS.get(model, []):
             for mode, kernel in QUANT_MODES.items():
                 cases.add((dtype, None, None, f"{fmt}/g{group}/{mode}", kernel))
