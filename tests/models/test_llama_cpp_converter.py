@@ -44,7 +44,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, LoRARequest, SamplingParams
 from pagoda.loading.hf_config import load_hf_config
 from pagoda.loading.lora_gguf import load_gguf_lora
 from pagoda.loading.model_files import cache_root
@@ -222,8 +222,8 @@ def _peft_adapter(arch: str, folder: Path) -> tuple[Any, dict[str, tuple[Any, An
     config = _config(arch)
     torch.manual_seed(len(arch))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(folder / "base")
+    config.architectures = model.config.architectures = [type(model).__name__]
+    model.save_pretrained(folder / "base")  # the weights too: the engine runs on them below
     # init_lora_weights=False: B random too (PEFT zeroes it by default); o_proj of rank 4
     lora = LoraConfig(
         r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False,
@@ -275,3 +275,17 @@ def test_llama_cpp_s_lora_converter_output_loads_as_peft_s_adapter(
             assert torch.equal(got_a, a.detach().to(dtype).float()), (outtype, module)
             assert torch.equal(got_b, b.detach().to(dtype).float()), (outtype, module)
             assert got.scaling[module] == scaling, (outtype, module)
+    # The engine runs the converted adapter as it runs PEFT's folder (the same A, B, scaling).
+    base, folder = str(tmp_path / "llama" / "base"), tmp_path / "llama"
+    llm = LLM(base, skip_tokenizer_init=True, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [1, 5, 9, 13, 17]}]
+    runs = [
+        llm.generate(prompt, params, use_tqdm=False, lora_request=lora)[0].outputs[0].token_ids
+        for lora in (
+            None,
+            LoRARequest("peft", 1, str(folder / "lora")),
+            LoRARequest("gguf", 2, str(folder / "f32.gguf")),
+        )
+    ]
+    assert runs[1] == runs[2] != runs[0]

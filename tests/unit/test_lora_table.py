@@ -203,3 +203,16 @@ def test_two_adapters_hash_the_same_tokens_apart() -> None:
     again = _request("h9", 1, 1.0)
     again.prompt_token_ids[:] = again.all_token_ids[:] = [7] * 9
     assert kv.block_hashes(again, 2) == hashes[0]
+
+
+def test_the_live_views_snapshot_names_each_requests_adapter() -> None:
+    from pagoda.scheduling.snapshot import build_snapshot
+
+    kv = KVCacheManager(BlockPool(16, True), 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8), kv, 256, max_loras=2)
+    sched.add_request(_request("s1", 1, 0.0))
+    sched.add_request(_request("s0", 0, 1.0))
+    sched.schedule()
+    names = {r.request_id: r.lora_name for r in build_snapshot(sched).requests}
+    assert names == {"s1": "a1", "s0": ""}
+    assert sched.stats().running_lora_ids == [1]
