@@ -105,12 +105,19 @@ class LoRAWeights(nn.Module):
         shape_b = (num_slots, offsets[-1], max_rank)
         self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device))
         self.register_buffer("slots", slots, persistent=False)
+        # float32 on CPU with pagoda's C++ kernels built: their op, called directly (a step
+        # runs it once per projection; lora_apply's checks would cost as much as the op).
+        self.cpu_kernel = device.type == "cpu" and dtype == torch.float32 and _cpu_kernels()
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y += the products of x's tokens' adapters (in place when y is contiguous)."""
         if not y.is_contiguous():
             y = y.contiguous()
-        lora_apply(y, x, self.a, self.b, self.slots[: x.shape[0]], self.offsets)
+        slots = self.slots[: x.shape[0]]
+        if self.cpu_kernel and x.dtype == torch.float32 and y.dtype == torch.float32:
+            torch.ops.pagoda_cpu.lora_apply(y, x, self.a, self.b, slots, self.offsets, 2)
+        else:
+            lora_apply(y, x, self.a, self.b, slots, self.offsets)
         return y
 
     def clear(self, slot: int) -> None:

@@ -36,6 +36,9 @@ namespace {
 
 constexpr int64_t ROW_BLOCK = 4;      // rows of A a shrink pass holds
 constexpr int64_t EXPAND_GRAIN = 16;  // column blocks a thread takes at least
+// Multiply-adds below which a share of work is not worth a thread: a decode step's products
+// are a few microseconds, the cost of waking the other threads (and far more on a busy machine).
+constexpr int64_t MIN_THREAD_WORK = int64_t{1} << 17;
 constexpr int64_t CHUNK = 256;        // columns transposed at once (a multiple of 16)
 
 // Calls fn(std::integral_constant<int, n>) for n in [1, Max] (n above Max: Max).
@@ -168,7 +171,10 @@ void shrink(const Lora& p, const Groups& g, Isa isa, float* h) {
   const int64_t blocks = (p.rows + ROW_BLOCK - 1) / ROW_BLOCK;
   const int64_t items = static_cast<int64_t>(g.used.size()) * blocks;
   const int64_t per_pass = shrink_tokens(isa);
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tokens = static_cast<int64_t>(g.order.size());
+  const int64_t item_work = ROW_BLOCK * p.k * tokens / std::max<int64_t>(1, g.used.size());
+  const int64_t grain = std::max<int64_t>(1, MIN_THREAD_WORK / std::max<int64_t>(1, item_work));
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     const float* xs[4];
     float* hs[4];
     for (int64_t item = begin; item < end; ++item) {
@@ -394,7 +400,10 @@ void expand_columns(const Lora& p, const Groups& g, Isa isa, const float* h, int
 void expand(const Lora& p, const Groups& g, Isa isa, const float* h) {
   const int64_t w = expand_width(isa), blocks = (p.n + w - 1) / w;
   const int64_t slices = static_cast<int64_t>(p.offsets.size()) - 1;
-  at::parallel_for(0, blocks, EXPAND_GRAIN, [&](int64_t begin, int64_t end) {
+  const int64_t block_work = w * p.rank * static_cast<int64_t>(g.order.size() + g.used.size());
+  const int64_t grain =
+      std::max(EXPAND_GRAIN, MIN_THREAD_WORK / std::max<int64_t>(1, block_work));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(p.rank * (CHUNK + w));
     const int64_t lo = begin * w, hi = std::min(end * w, p.n);
     for (int64_t l = 0; l < slices; ++l) {
