@@ -295,9 +295,7 @@ class LLM:
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError("lora_request must be a LoRARequest or None")
         text, ids = self._tokenize(prompt)
-        state = self._add(
-            text, ids, sampling_params or SamplingParams(), lora_request=lora_request
-        )
+        state = self._add(text, ids, sampling_params or SamplingParams(), lora_request=lora_request)
         try:
             while not state.finished:
                 for out in self.engine.step():

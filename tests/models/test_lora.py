@@ -15,7 +15,11 @@ from tests.lora_adapters import AdapterSpec, peft_model, save_adapter
 from tests.oracle import assert_outputs_match, hf_greedy
 
 MAX_TOKENS = 12
-PROMPTS = [[1, 450, 2232, 310], [1, 910, 338, 263, 1243, 29889, 306], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+PROMPTS = [
+    [1, 450, 2232, 310],
+    [1, 910, 338, 263, 1243, 29889, 306],
+    [5, 6, 7, 8, 9, 10, 11, 12, 13],
+]
 SPECS = {
     "wide": AdapterSpec(rank=8, alpha=16),
     "qv": AdapterSpec(rank=16, alpha=8, targets=("q_proj", "v_proj"), use_rslora=True, seed=1),
@@ -101,3 +105,19 @@ def test_unknown_target_and_rank_are_clear_errors(
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:1]]
     out = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=adapters["wide"])
     assert len(out[0].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_a_streamed_request_runs_with_its_adapter(llm: LLM, adapters: dict[str, Any]) -> None:
+    """generate_stream(lora_request=...) (bench latency --enable-lora streams B1 with it): the
+    same greedy tokens as generate with that adapter, one prompt alone each time."""
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    for name in SPECS:
+        streamed = [
+            t
+            for out in llm.generate_stream(prompt, GREEDY, lora_request=adapters[name])
+            for t in out.outputs[0].token_ids
+        ]
+        whole = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=adapters[name])
+        assert streamed == list(whole[0].outputs[0].token_ids), name
+    with pytest.raises(ValueError, match="lora_request"):
+        next(llm.generate_stream(prompt, GREEDY, lora_request="wide"))  # type: ignore[arg-type]
