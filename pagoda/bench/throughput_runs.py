@@ -14,6 +14,7 @@ import argparse
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from pagoda.bench.common import (
@@ -49,22 +50,29 @@ def start_pagoda(
     requests: list[BenchRequest],
     temperature: float,
     gguf_type: str | None = None,
+    warmup_loras: Sequence[Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The LLM, warmed up on a run shaped like the workload, and its weight record with the
     startup (loading, KV sizing and, at -O2 on CPU, compiling both decode graphs) and warm-up
-    times."""
+    times. warmup_loras: the LoRARequest (or None) of each warm-up request."""
     from pagoda.client.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(model, **kwargs)
     weights = {**weights_record(llm, gguf_type), "startup_s": round(time.perf_counter() - t0, 2)}
     t0 = time.perf_counter()
-    _generate(llm, warmup_requests(requests), temperature, progress=False)
+    _generate(llm, warmup_requests(requests), temperature, False, warmup_loras)
     weights["warmup_s"] = round(time.perf_counter() - t0, 2)
     return llm, weights
 
 
-def _generate(llm: Any, requests: list[BenchRequest], temperature: float, progress: bool) -> Any:
+def _generate(
+    llm: Any,
+    requests: list[BenchRequest],
+    temperature: float,
+    progress: bool,
+    loras: Sequence[Any] | None = None,
+) -> Any:
     from pagoda.sampling_params import SamplingParams
 
     return llm.generate(
@@ -74,16 +82,22 @@ def _generate(llm: Any, requests: list[BenchRequest], temperature: float, progre
             for r in requests
         ],
         use_tqdm=progress,
+        lora_request=None if loras is None else list(loras),
     )
 
 
 def time_pagoda(
-    llm: Any, requests: list[BenchRequest], temperature: float, progress: bool = True
+    llm: Any,
+    requests: list[BenchRequest],
+    temperature: float,
+    progress: bool = True,
+    loras: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """One timed run of every request at once: rates, prefix-cache hits, preemptions."""
+    """One timed run of every request at once: rates, prefix-cache hits, preemptions. loras:
+    the LoRARequest (or None) of each request."""
     before = llm.engine.stats()
     t0 = time.perf_counter()
-    outputs = _generate(llm, requests, temperature, progress)
+    outputs = _generate(llm, requests, temperature, progress, loras)
     elapsed = time.perf_counter() - t0
     after = llm.engine.stats()
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)

