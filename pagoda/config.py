@@ -157,6 +157,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # The adapters' dtype in their slots (vLLM's --lora-dtype): auto is the model's (float32
+    # on CPU); bfloat16 or float16 halve the bytes a step reads (pagoda's CPU kernel converts).
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -257,6 +260,10 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if self.lora_dtype != "auto" and self.lora_dtype not in _DTYPES:
+            raise ValueError(
+                f"lora_dtype must be one of auto, {', '.join(_DTYPES)}; got {self.lora_dtype!r}"
             )
         if not self.enable_lora:
             return

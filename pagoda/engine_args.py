@@ -200,6 +200,14 @@ ENGINE_FLAGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         dict(type=int, default=None, help="the largest adapter rank served (16)"),
     ),
     (
+        ("--lora-dtype",),
+        dict(
+            default=None,
+            choices=["auto", "float32", "bfloat16", "float16"],
+            help="the adapters' dtype in their slots (auto: the model's, float32 on CPU)",
+        ),
+    ),
+    (
         ("--max-cpu-loras",),
         dict(
             type=int,

@@ -105,6 +105,7 @@ def lora_table(runner: ModelRunner, config: EngineConfig) -> LoRATable:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     families = [family for family, cls in FAMILIES if type(model) is cls]
+    dtype = config.lora_dtype
     return LoRATable(
         model,
         model.packed_modules,
@@ -113,7 +114,7 @@ def lora_table(runner: ModelRunner, config: EngineConfig) -> LoRATable:
         config.max_cpu_loras or config.max_loras,
         runner.buffers.max_tokens,
         runner.device,
-        torch_dtype(runner.model_config.dtype),
+        torch_dtype(runner.model_config.dtype if dtype == "auto" else dtype),
         (heads, kv_heads),
         tuple(arch for family in families for arch in family.gguf_archs),
     )
