@@ -24,6 +24,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# a and b's dtypes pagoda's CPU kernel reads as stored (widened to float32 as it loads them; x
+# and y float32)
+CPU_KERNEL_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def lora_reference(
     y: torch.Tensor,
@@ -53,16 +57,18 @@ def lora_apply(
     offsets: list[int],
 ) -> None:
     """lora_reference, on the fastest path the tensors' device has: the Triton kernel on CUDA
-    (kernels/lora.py); pagoda_cpu.lora_apply (kernels/cpu/lora.cpp) for float32 on CPU where
-    pagoda's C++ kernels are built (y, a and b contiguous, as LoRAWeights holds them)."""
+    (kernels/lora.py); pagoda_cpu.lora_apply (kernels/cpu/lora.cpp) on CPU for float32 x and y
+    and float32, bfloat16 or float16 a and b (one dtype), where pagoda's C++ kernels are built
+    (y, a and b contiguous, as LoRAWeights holds them)."""
     if x.is_cuda:
         from pagoda.kernels.lora import lora_apply_triton
 
         lora_apply_triton(y, x, a, b, slots, offsets)
         return
-    floats = x.dtype == a.dtype == b.dtype == y.dtype == torch.float32
+    weights = a.dtype == b.dtype and a.dtype in CPU_KERNEL_WEIGHT_DTYPES
+    floats = x.dtype == y.dtype == torch.float32
     whole = y.is_contiguous() and a.is_contiguous() and b.is_contiguous()
-    if x.device.type == "cpu" and floats and whole and _cpu_kernels():
+    if x.device.type == "cpu" and floats and weights and whole and _cpu_kernels():
         torch.ops.pagoda_cpu.lora_apply(y, x, a, b, slots, offsets, 2)
         return
     lora_reference(y, x, a, b, slots, offsets)
@@ -105,9 +111,11 @@ class LoRAWeights(nn.Module):
         shape_b = (num_slots, offsets[-1], max_rank)
         self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device))
         self.register_buffer("slots", slots, persistent=False)
-        # float32 on CPU with pagoda's C++ kernels built: their op, called directly (a step
-        # runs it once per projection; lora_apply's checks would cost as much as the op).
-        self.cpu_kernel = device.type == "cpu" and dtype == torch.float32 and _cpu_kernels()
+        # On CPU with pagoda's C++ kernels built, a and b float32, bfloat16 or float16 (the
+        # kernel widens them as it reads them; x and y float32): their op, called directly (a
+        # step runs it once per projection; lora_apply's checks would cost as much as the op).
+        on_cpu = device.type == "cpu" and dtype in CPU_KERNEL_WEIGHT_DTYPES
+        self.cpu_kernel = on_cpu and _cpu_kernels()
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y += the products of x's tokens' adapters (in place when y is contiguous)."""

@@ -1,13 +1,15 @@
 """pagoda_cpu.lora_apply (kernels/cpu/lora.cpp) against layers/lora.py's lora_reference: one
 token or many, slots in runs and alternating, skipped tokens (-1, or a slot past the table's),
 one slice or uneven ones (an empty one among them), ranks and widths off the vector widths,
-every instruction set this CPU has, 1 or 2 threads; lora_apply's routing to it, and a compiled
-call. Skipped where the extension cannot be built (no compiler): pagoda then runs the reference.
+every instruction set this CPU has, 1 or 2 threads, A and B float32, bfloat16 or float16 (x and
+y float32); lora_apply's and LoRAWeights' routing to it, and a compiled call. Skipped where the extension cannot be built (no compiler): pagoda then runs the reference.
 
 Tolerance: the kernel and the reference sum in different orders, so both are checked against
 the float64 product within float32 rounding of such a sum: h's dot products over K and the
 expand's over R each err by at most (their length) * 2^-24 * their sum of |terms|, and the add
-into y by 2^-24 * |y|, which (K + R + 2) * 2^-24 * (|y| + |B| (|A| |x|)) bounds."""
+into y by 2^-24 * |y|, which (K + R + 2) * 2^-24 * (|y| + |B| (|A| |x|)) bounds. bfloat16 and
+float16 A and B are exact in float32 and float64, and the kernel widens them exactly, so the
+bound is the same, taken for the stored values."""
 
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ import pytest
 import torch
 
 from pagoda.kernels.cpu import SWITCH, built
-from pagoda.layers.lora import lora_apply, lora_reference
+from pagoda.layers.lora import LoRAWeights, lora_apply, lora_reference
 
 OPS = built()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the CPU kernels cannot be built here")
 ISAS = [] if OPS is None else list(range(OPS.isa() + 1))
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 Case = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]
 
@@ -48,14 +51,22 @@ def _slots(tokens: int, num_slots: int, gen: torch.Generator) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.int64)
 
 
-def _case(tokens: int, k: int, rank: int, num_slots: int, offsets: list[int], seed: int) -> Case:
+def _case(
+    tokens: int,
+    k: int,
+    rank: int,
+    num_slots: int,
+    offsets: list[int],
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+) -> Case:
     gen = torch.Generator().manual_seed(seed)
     n, slices = offsets[-1], len(offsets) - 1
     x = torch.randn(tokens, k, generator=gen)
     a = torch.randn(num_slots, slices, rank, k, generator=gen) / k**0.5
     b = torch.randn(num_slots, n, rank, generator=gen)
     y = torch.randn(tokens, n, generator=gen)
-    return y, x, a, b, _slots(tokens, num_slots, gen), offsets
+    return y, x, a.to(dtype), b.to(dtype), _slots(tokens, num_slots, gen), offsets
 
 
 def _exact(case: Case, absolute: bool = False) -> torch.Tensor:
@@ -86,10 +97,13 @@ def _kernel(case: Case, isa: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-K{s[1]}-R{s[2]}-L{len(s[4]) - 1}")
-def test_lora_apply_matches_the_reference(threads: int, isa: int, shape: Any) -> None:
-    case = _case(*shape, seed=len(shape[4]) * 100 + shape[0])
+def test_lora_apply_matches_the_reference(
+    threads: int, isa: int, shape: Any, dtype: torch.dtype
+) -> None:
+    case = _case(*shape, seed=len(shape[4]) * 100 + shape[0], dtype=dtype)
     got = _kernel(case, isa)
     reference = case[0].clone()
     lora_reference(reference, *case[1:])
@@ -98,6 +112,11 @@ def test_lora_apply_matches_the_reference(threads: int, isa: int, shape: Any) ->
     skipped = (case[4] < 0) | (case[4] >= case[2].shape[0])
     assert skipped.any() == (shape[0] > 1)
     assert torch.equal(got[skipped], case[0][skipped])  # untouched, bit for bit
+    # Widened exactly: the bits of the float32 copies, but for the AVX2 path's last K % 8
+    # products, a scalar loop the compiler vectorizes (fusing some products) as it sees fit.
+    if dtype != torch.float32 and (isa != 1 or shape[1] % 8 == 0):
+        widened = (*case[:2], case[2].float(), case[3].float(), *case[4:])
+        assert torch.equal(got, _kernel(widened, isa))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -126,6 +145,27 @@ def test_lora_apply_runs_the_kernel_for_float32_on_cpu(monkeypatch: pytest.Monke
     reference = y.clone()
     lora_reference(reference, x, a, b, slots, offsets)
     assert torch.equal(switched_off, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_a_and_b_with_float32_activations_run_the_kernel(dtype: torch.dtype) -> None:
+    """lora_apply and LoRAWeights.add_to run the kernel for bfloat16 / float16 a and b and float32
+    x and y (the kernel's bits); a and b of two dtypes go to the reference."""
+    y, x, a, b, slots, offsets = _case(9, 64, 8, 2, [0, 24, 40], seed=13, dtype=dtype)
+    expected = _kernel((y, x, a, b, slots, offsets), ISAS[-1])
+    routed = y.clone()
+    lora_apply(routed, x, a, b, slots, offsets)
+    assert torch.equal(routed, expected)
+    layer = LoRAWeights(2, offsets, 8, 64, slots, dtype)
+    assert layer.cpu_kernel
+    layer.a.copy_(a)
+    layer.b.copy_(b)
+    assert torch.equal(layer.add_to(y.clone(), x), expected)
+    mixed = y.clone()
+    lora_apply(mixed, x, a, b.float(), slots, offsets)
+    reference = y.clone()
+    lora_reference(reference, x, a, b.float(), slots, offsets)
+    assert torch.equal(mixed, reference)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

@@ -32,8 +32,9 @@ are the first value_dim of each key row); `rms_norm`, `add_rms_norm`, `silu_and_
 and compiled steps share, so that the two compute the same bits, and `q4x16_matmul_norm` /
 `q8x16_matmul_norm` / `q4x16_matmul_silu` / `q8x16_matmul_silu`, the matmuls with the norm or
 the activation before them in one call; `lora_apply(y, x, a, b, slots, offsets, isa_limit)`
-(lora.cpp), layers/lora.py's batched LoRA product added into y in place, float32, each slot's A
-and B read once a step for all its tokens; `isa()` names the instruction set picked at run time (0
+(lora.cpp), layers/lora.py's batched LoRA product added into y in place, x and y float32, A and
+B float32, bfloat16 or float16 (widened as they are read), each slot's A and B read once a step
+for all its tokens; `isa()` names the instruction set picked at run time (0
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
 caps it (tests run every path). ATEN_CPU_CAPABILITY, torch's switch, caps it for the whole
 process (`avx2`: AVX2 + FMA, `default`: scalar), as it caps torch's kernels and the code

@@ -5,7 +5,9 @@
 //   for each token t whose slot s = slots[t] is in [0, S) (others, -1 among them, are left as
 //   they are), l the slice whose columns [offsets[l], offsets[l + 1]) hold o.
 //   y (T, N) contiguous; x (T, K), rows contiguous; a (S, L, R, K) and b (S, N, R) contiguous;
-//   slots (T,) int64; offsets L + 1 ascending ints within [0, N].
+//   slots (T,) int64; offsets L + 1 ascending ints within [0, N]. x and y float32; a and b
+//   float32, bfloat16 or float16 (the same), widened to float32 exactly as they are loaded, so
+//   a bfloat16 / float16 A and B give the bits their float32 copies give.
 //
 // Tokens are grouped by slot (a stable counting sort), so each slot's A and B are read once a
 // step wherever its tokens sit in the batch. Shrink: h (T, L * R), split over (slot, block of 4
@@ -18,6 +20,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -31,8 +35,10 @@
 namespace pagoda_cpu {
 namespace {
 
-#define PAGODA_LORA_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq,avx512vl")))
-#define PAGODA_LORA_AVX2 __attribute__((target("avx2,fma")))
+#define PAGODA_LORA_AVX512 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512dq,avx512vl,avx512bw")))
+#define PAGODA_LORA_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define PAGODA_LORA_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t ROW_BLOCK = 4;      // rows of A a shrink pass holds
 constexpr int64_t EXPAND_GRAIN = 16;  // column blocks a thread takes at least
@@ -50,11 +56,51 @@ void with_count(int64_t n, Fn&& fn) {
   fn(std::integral_constant<int, Max>{});
 }
 
+// ---- loads: A's and B's elements (W: float, c10::BFloat16 or c10::Half) as float32 -------------
+
+template <typename W>
+constexpr bool kIsFloat = std::is_same_v<W, float>;
+
+// 16 values, those outside m zero.
+template <typename W>
+PAGODA_LORA_AVX512 PAGODA_LORA_INLINE __m512 load16(const W* p, __mmask16 m) {
+  if constexpr (kIsFloat<W>) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else {
+    const __m256i v = _mm256_maskz_loadu_epi16(m, p);
+    if constexpr (std::is_same_v<W, c10::BFloat16>) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    } else {
+      return _mm512_cvtph_ps(v);
+    }
+  }
+}
+
+template <typename W>
+PAGODA_LORA_AVX2 PAGODA_LORA_INLINE __m256 load8(const W* p) {
+  if constexpr (kIsFloat<W>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<W, c10::BFloat16>) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    } else {
+      return _mm256_cvtph_ps(v);
+    }
+  }
+}
+
+template <typename W>
+inline float widen(W v) {
+  return static_cast<float>(v);
+}
+
+template <typename W>
 struct Lora {
   const float* x;
   int64_t ldx;
-  const float* a;  // (S, L * R, K)
-  const float* b;  // (S, N, R)
+  const W* a;  // (S, L * R, K)
+  const W* b;  // (S, N, R)
   float* y;        // (T, N)
   int64_t k, n, rank, rows;  // rows = L * R
   std::vector<int64_t> offsets;
@@ -91,8 +137,8 @@ PAGODA_LORA_AVX2 inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
 }
 
-template <int NR, int NT>
-PAGODA_LORA_AVX512 void dots_avx512(const float* a, int64_t k, const float* const* x,
+template <typename W, int NR, int NT>
+PAGODA_LORA_AVX512 void dots_avx512(const W* a, int64_t k, const float* const* x,
                                     float* const* h) {
   __m512 acc[NR][NT];
   for (int r = 0; r < NR; ++r) {
@@ -103,7 +149,7 @@ PAGODA_LORA_AVX512 void dots_avx512(const float* a, int64_t k, const float* cons
     __m512 xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = _mm512_maskz_loadu_ps(m, x[t] + i);
     for (int r = 0; r < NR; ++r) {
-      const __m512 av = _mm512_maskz_loadu_ps(m, a + r * k + i);
+      const __m512 av = load16(a + r * k + i, m);
       for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_fmadd_ps(av, xv[t], acc[r][t]);
     }
   }
@@ -112,8 +158,8 @@ PAGODA_LORA_AVX512 void dots_avx512(const float* a, int64_t k, const float* cons
   }
 }
 
-template <int NR, int NT>
-PAGODA_LORA_AVX2 void dots_avx2(const float* a, int64_t k, const float* const* x,
+template <typename W, int NR, int NT>
+PAGODA_LORA_AVX2 void dots_avx2(const W* a, int64_t k, const float* const* x,
                                 float* const* h) {
   __m256 acc[NR][NT];
   for (int r = 0; r < NR; ++r) {
@@ -124,25 +170,26 @@ PAGODA_LORA_AVX2 void dots_avx2(const float* a, int64_t k, const float* const* x
     __m256 xv[NT];
     for (int t = 0; t < NT; ++t) xv[t] = _mm256_loadu_ps(x[t] + i);
     for (int r = 0; r < NR; ++r) {
-      const __m256 av = _mm256_loadu_ps(a + r * k + i);
+      const __m256 av = load8(a + r * k + i);
       for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_fmadd_ps(av, xv[t], acc[r][t]);
     }
   }
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) {
       float tail = 0.f;
-      for (int64_t j = i; j < k; ++j) tail += a[r * k + j] * x[t][j];
+      for (int64_t j = i; j < k; ++j) tail += widen(a[r * k + j]) * x[t][j];
       h[t][r] = sum8(acc[r][t]) + tail;
     }
   }
 }
 
-void dots_scalar(const float* a, int64_t k, const float* const* x, float* const* h, int64_t nr,
+template <typename W>
+void dots_scalar(const W* a, int64_t k, const float* const* x, float* const* h, int64_t nr,
                  int64_t nt) {
   for (int64_t r = 0; r < nr; ++r) {
     for (int64_t t = 0; t < nt; ++t) {
       float sum = 0.f;
-      for (int64_t j = 0; j < k; ++j) sum += a[r * k + j] * x[t][j];
+      for (int64_t j = 0; j < k; ++j) sum += widen(a[r * k + j]) * x[t][j];
       h[t][r] = sum;
     }
   }
@@ -151,15 +198,16 @@ void dots_scalar(const float* a, int64_t k, const float* const* x, float* const*
 // Tokens a shrink pass dots with one block of rows: NR x NT accumulators stay in registers.
 int64_t shrink_tokens(Isa isa) { return isa == Isa::kVnni ? 4 : isa == Isa::kAvx2 ? 2 : 1; }
 
-void dots(const float* a, int64_t k, const float* const* x, float* const* h, int64_t nr,
+template <typename W>
+void dots(const W* a, int64_t k, const float* const* x, float* const* h, int64_t nr,
           int64_t nt, Isa isa) {
   if (isa == Isa::kVnni) {
     with_count<4>(nr, [&](auto r) {
-      with_count<4>(nt, [&](auto t) { dots_avx512<decltype(r)::value, decltype(t)::value>(a, k, x, h); });
+      with_count<4>(nt, [&](auto t) { dots_avx512<W, decltype(r)::value, decltype(t)::value>(a, k, x, h); });
     });
   } else if (isa == Isa::kAvx2) {
     with_count<4>(nr, [&](auto r) {
-      with_count<2>(nt, [&](auto t) { dots_avx2<decltype(r)::value, decltype(t)::value>(a, k, x, h); });
+      with_count<2>(nt, [&](auto t) { dots_avx2<W, decltype(r)::value, decltype(t)::value>(a, k, x, h); });
     });
   } else {
     dots_scalar(a, k, x, h, nr, nt);
@@ -167,7 +215,8 @@ void dots(const float* a, int64_t k, const float* const* x, float* const* h, int
 }
 
 // h (T, rows): the rows of tokens with a slot.
-void shrink(const Lora& p, const Groups& g, Isa isa, float* h) {
+template <typename W>
+void shrink(const Lora<W>& p, const Groups& g, Isa isa, float* h) {
   const int64_t blocks = (p.rows + ROW_BLOCK - 1) / ROW_BLOCK;
   const int64_t items = static_cast<int64_t>(g.used.size()) * blocks;
   const int64_t per_pass = shrink_tokens(isa);
@@ -180,7 +229,7 @@ void shrink(const Lora& p, const Groups& g, Isa isa, float* h) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = g.used[item / blocks], j0 = (item % blocks) * ROW_BLOCK;
       const int64_t nr = std::min(ROW_BLOCK, p.rows - j0);
-      const float* a = p.a + (s * p.rows + j0) * p.k;
+      const W* a = p.a + (s * p.rows + j0) * p.k;
       for (int64_t i = g.start[s]; i < g.start[s + 1]; i += per_pass) {
         const int64_t nt = std::min(per_pass, g.start[s + 1] - i);
         for (int64_t t = 0; t < nt; ++t) {
@@ -197,23 +246,25 @@ void shrink(const Lora& p, const Groups& g, Isa isa, float* h) {
 
 // A block of B's rows (one per output column; rows past the block's end repeat its last row)
 // as columns: buf[r * W + j] = rows[j][r].
-void transpose_tail(const float* const* rows, int64_t from, int64_t rank, int64_t w, float* buf) {
+template <typename W>
+void transpose_tail(const W* const* rows, int64_t from, int64_t rank, int64_t w, float* buf) {
   for (int64_t r = from; r < rank; ++r) {
-    for (int64_t j = 0; j < w; ++j) buf[r * w + j] = rows[j][r];
+    for (int64_t j = 0; j < w; ++j) buf[r * w + j] = widen(rows[j][r]);
   }
 }
 
 // 16 rows' values [r0, r0 + 8) into buf[(r0 + c) * 16 + j]; register j of v holds row j's in its
 // low half, row j + 8's in its high half: the AVX2 8 x 8 transpose on both halves at once.
-PAGODA_LORA_AVX512 void transpose16(const float* const* rows, int64_t rank, float* buf) {
+template <typename W>
+PAGODA_LORA_AVX512 void transpose16(const W* const* rows, int64_t rank, float* buf) {
   const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
   const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
   int64_t r0 = 0;
   for (; r0 + 8 <= rank; r0 += 8) {
     __m512 v[8], t[8];
     for (int j = 0; j < 8; ++j) {
-      const __m256 top = _mm256_loadu_ps(rows[j] + r0);
-      v[j] = _mm512_insertf32x8(_mm512_castps256_ps512(top), _mm256_loadu_ps(rows[j + 8] + r0), 1);
+      const __m256 top = load8(rows[j] + r0);
+      v[j] = _mm512_insertf32x8(_mm512_castps256_ps512(top), load8(rows[j + 8] + r0), 1);
     }
     for (int j = 0; j < 8; j += 2) {
       t[j] = _mm512_unpacklo_ps(v[j], v[j + 1]);
@@ -233,11 +284,12 @@ PAGODA_LORA_AVX512 void transpose16(const float* const* rows, int64_t rank, floa
   transpose_tail(rows, r0, rank, 16, buf);
 }
 
-PAGODA_LORA_AVX2 void transpose8(const float* const* rows, int64_t rank, float* buf) {
+template <typename W>
+PAGODA_LORA_AVX2 void transpose8(const W* const* rows, int64_t rank, float* buf) {
   int64_t r0 = 0;
   for (; r0 + 8 <= rank; r0 += 8) {
     __m256 v[8], t[8];
-    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_ps(rows[j] + r0);
+    for (int j = 0; j < 8; ++j) v[j] = load8(rows[j] + r0);
     for (int j = 0; j < 8; j += 2) {
       t[j] = _mm256_unpacklo_ps(v[j], v[j + 1]);
       t[j + 1] = _mm256_unpackhi_ps(v[j], v[j + 1]);
@@ -353,9 +405,10 @@ int64_t expand_tokens(Isa isa) { return isa == Isa::kVnni ? 8 : isa == Isa::kAvx
 
 // Slot s's B at columns [o, o + cols) as blocks of W columns, each (rank, W) transposed
 // (buf[(block * rank + r) * W + j]); a last, partial block repeats its last column.
-void transpose_columns(const Lora& p, int64_t s, int64_t o, int64_t cols, Isa isa, float* buf) {
+template <typename W>
+void transpose_columns(const Lora<W>& p, int64_t s, int64_t o, int64_t cols, Isa isa, float* buf) {
   const int64_t w = expand_width(isa);
-  const float* rows[16];
+  const W* rows[16];
   for (int64_t c = 0; c < cols; c += w) {
     for (int64_t j = 0; j < w; ++j) {
       rows[j] = p.b + (s * p.n + o + c + std::min(j, cols - c - 1)) * p.rank;
@@ -373,7 +426,8 @@ void transpose_columns(const Lora& p, int64_t s, int64_t o, int64_t cols, Isa is
 
 // Columns [o, o + cols) of slice l for every token of slot s, B's columns transposed in buf; a
 // pass of tokens sweeps the columns in order.
-void expand_columns(const Lora& p, const Groups& g, Isa isa, const float* h, int64_t s,
+template <typename W>
+void expand_columns(const Lora<W>& p, const Groups& g, Isa isa, const float* h, int64_t s,
                     int64_t l, int64_t o, int64_t cols, const float* buf) {
   const int64_t per_pass = expand_tokens(isa);
   const float* hs[8];
@@ -397,7 +451,8 @@ void expand_columns(const Lora& p, const Groups& g, Isa isa, const float* h, int
 
 // Columns split over the threads in blocks of W; a thread's columns are cut at the slices'
 // edges and taken CHUNK at a time, each slot's B there transposed once for all its tokens.
-void expand(const Lora& p, const Groups& g, Isa isa, const float* h) {
+template <typename W>
+void expand(const Lora<W>& p, const Groups& g, Isa isa, const float* h) {
   const int64_t w = expand_width(isa), blocks = (p.n + w - 1) / w;
   const int64_t slices = static_cast<int64_t>(p.offsets.size()) - 1;
   const int64_t block_work = w * p.rank * static_cast<int64_t>(g.order.size() + g.used.size());
@@ -427,12 +482,22 @@ void check_float(const at::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on CPU");
 }
 
+void check_weights(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.dim() == 4 && b.dim() == 3, "a must be (S, L, R, K) and b (S, N, R), got ",
+              a.sizes(), " and ", b.sizes());
+  const at::ScalarType t = a.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf,
+              "a and b must be float32, bfloat16 or float16, got ", t);
+  TORCH_CHECK(b.scalar_type() == t, "a and b must have one dtype, got ", t, " and ",
+              b.scalar_type());
+  TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "a and b must be on CPU");
+}
+
 void check_shapes(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                   const at::Tensor& b, const at::Tensor& slots, at::IntArrayRef offsets) {
   check_float(y, "y", 2);
   check_float(x, "x", 2);
-  check_float(a, "a", 4);
-  check_float(b, "b", 3);
+  check_weights(a, b);
   const int64_t t = x.size(0), n = y.size(1);
   TORCH_CHECK(y.size(0) == t && y.is_contiguous(), "y must be contiguous (T, N), T = x's rows");
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "a and b must be contiguous");
@@ -450,6 +515,17 @@ void check_shapes(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
   }
 }
 
+template <typename W>
+void apply_typed(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
+                 const at::Tensor& b, const Groups& g, at::IntArrayRef offsets, Isa isa) {
+  const int64_t rows = a.size(1) * a.size(2);
+  const Lora<W> p{x.data_ptr<float>(), x.stride(0), a.data_ptr<W>(), b.data_ptr<W>(),
+                  y.data_ptr<float>(), x.size(1), y.size(1), a.size(2), rows, offsets.vec()};
+  at::Tensor h = at::empty({x.size(0), rows}, at::kFloat);
+  shrink(p, g, isa, h.data_ptr<float>());
+  expand(p, g, isa, h.data_ptr<float>());
+}
+
 void lora_apply(const at::Tensor& y, const at::Tensor& x_in, const at::Tensor& a,
                 const at::Tensor& b, const at::Tensor& slots_in, at::IntArrayRef offsets,
                 int64_t isa_limit) {
@@ -459,12 +535,14 @@ void lora_apply(const at::Tensor& y, const at::Tensor& x_in, const at::Tensor& a
   const int64_t tokens = x.size(0), rows = a.size(1) * a.size(2);
   const Groups g = group_by_slot(slots.data_ptr<int64_t>(), tokens, a.size(0));
   if (g.used.empty() || rows == 0) return;
-  const Lora p{x.data_ptr<float>(), x.stride(0), a.data_ptr<float>(), b.data_ptr<float>(),
-               y.data_ptr<float>(), x.size(1), y.size(1), a.size(2), rows, offsets.vec()};
   const Isa isa = pick_isa(isa_limit);
-  at::Tensor h = at::empty({tokens, rows}, at::kFloat);
-  shrink(p, g, isa, h.data_ptr<float>());
-  expand(p, g, isa, h.data_ptr<float>());
+  if (a.scalar_type() == at::kBFloat16) {
+    apply_typed<c10::BFloat16>(y, x, a, b, g, offsets, isa);
+  } else if (a.scalar_type() == at::kHalf) {
+    apply_typed<c10::Half>(y, x, a, b, g, offsets, isa);
+  } else {
+    apply_typed<float>(y, x, a, b, g, offsets, isa);
+  }
 }
 
 }  // namespace
