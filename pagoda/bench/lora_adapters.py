@@ -96,7 +96,7 @@ def num_loras(args: argparse.Namespace, kwargs: dict[str, Any], default: int) ->
 def lora_engine_kwargs(kwargs: dict[str, Any], count: int, rank: int) -> tuple[dict, dict]:
     """(the base engine's kwargs: no LoRA flag; the LoRA engine's: enable_lora, max_loras
     (default: every adapter in a step at once), max_lora_rank (default: the adapters' rank))."""
-    lora_keys = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+    lora_keys = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype")
     base = {k: v for k, v in kwargs.items() if k not in lora_keys}
     lora = {**kwargs, "enable_lora": True}
     lora.setdefault("max_loras", count)
