@@ -341,7 +341,8 @@ class EngineCore:
     # ---- admission -------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request the client has checked (client/validation.py: the engine trusts the
-        contract); ValueError only for a request id already in use."""
+        contract); ValueError only for a request id already in use, or a LoRA adapter the
+        engine cannot take (add_lora)."""
         self._check_id_free(req.request_id)
         if req.lora_request is not None:
             self.add_lora(req.lora_request)

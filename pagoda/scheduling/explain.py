@@ -9,10 +9,10 @@ same reason, or decoded, are one entry with a count.
 
 Why a request waited in a step (`WAIT_REASONS`): the first waiting request that was not admitted
 gives the step's reason (the token budget was spent, no free KV blocks, max_num_seqs requests
-already run, or the step preempted, which admits nobody; or its LoRA adapter would be one
-more than max_loras running); requests behind it wait for the same
-reason, or, under the priority policy, because a request of higher priority is ahead of them. A
-running request that got no tokens waited for the token budget.
+already run, the step preempted, which admits nobody, or its LoRA adapter would be one more
+than max_loras among the running requests); requests behind it wait for the same reason, or,
+under the priority policy, because a request of higher priority is ahead of them. A running
+request that got no tokens waited for the token budget.
 """
 
 from __future__ import annotations
