@@ -30,6 +30,7 @@ from pagoda.scheduling.messages import SchedulerOutput
 class Target:
     """Where an HF module's adapter goes: a layer and the slices (shard ids) it covers."""
 
+    name: str  # the layer's module name
     layer: Linear
     shards: tuple[str | None, ...]  # None: a plain Linear's one slice
 
@@ -85,11 +86,12 @@ class LoRATable:
             self.max_loras, offsets, self.max_rank, layer.input_size, self.token_slots, dtype
         )
         self.layers[name] = layer
-        self.targets[name] = Target(layer, shards)  # the layer under its own name: every slice
+        # the layer under its own name: every slice
+        self.targets[name] = Target(name, layer, shards)
         prefix, _, leaf = name.rpartition(".")
         for packed_name, hf_proj, shard in packed:
             if leaf == packed_name and shard in shards:
-                self.targets[f"{prefix}.{hf_proj}"] = Target(layer, (shard,))
+                self.targets[f"{prefix}.{hf_proj}"] = Target(name, layer, (shard,))
 
     # -- adapters on the host --
 
@@ -160,7 +162,7 @@ class LoRATable:
                     f"LoRA adapter {name!r} targets {module}, which this model has no LoRA "
                     f"layer for (supported modules: {', '.join(supported)})"
                 )
-            layer_name = next(n for n, layer in self.layers.items() if layer is target.layer)
+            layer_name = target.name
             for shard, (sa, sb) in _split(target, a, b).items():
                 ca, cb = _cut(target.layer, shard, sa, sb, name, module)
                 index = target.layer.lora_slice(shard)
