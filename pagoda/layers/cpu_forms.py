@@ -372,56 +372,78 @@ FLOAT16_KERNELS = ("cpu_f16", "cpu_bf16")
 CPU_KERNELS = (*NIBBLE_FORMS, *FLOAT16_KERNELS, "cpu_q8", "cpu_parts")
 
 
-def cpu_matmul(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """x @ w^T on pagoda's CPU kernels: x (..., K) -> float32 (..., N)."""
+def _lora_args(lora: Any, rows: torch.Tensor) -> tuple[Any, ...]:
+    """The quantized matmul ops' optional lora_a, lora_b, lora_slots, lora_offsets for a
+    LoRAWeights (layers/lora.py) and x's rows; () without adapters."""
+    if lora is None:
+        return ()
+    return (lora.a, lora.b, lora.slots[: rows.shape[0]], lora.offsets)
+
+
+def cpu_matmul(layer: Any, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+    """x @ w^T on pagoda's CPU kernels: x (..., K) -> float32 (..., N). lora: the layer's
+    LoRAWeights (their C++ route, LoRAWeights.cpu_kernel), whose products are added to y: by
+    the quantized matmul's own call (kernels/cpu/lora.h), or after the float16 forms' and
+    merged layers' matmuls."""
     ops = torch.ops.pagoda_cpu
     rows = x.reshape(-1, x.shape[-1])
     if layer.kernel == "cpu_parts":
         y = torch.cat([cpu_matmul(p, rows) for p in layer.parts], -1)
     elif layer.kernel in NIBBLE_FORMS:
-        y = ops.q4x16_matmul(rows, layer.packed, layer.cpu_rows, 2, NIBBLE_FORMS[layer.kernel])
+        form = NIBBLE_FORMS[layer.kernel]
+        y = ops.q4x16_matmul(rows, layer.packed, layer.cpu_rows, 2, form, *_lora_args(lora, rows))
+        lora = None
     elif layer.kernel in FLOAT16_KERNELS:
         bf16 = layer.kernel == "cpu_bf16"
         y = ops.f16x16_matmul(rows, layer.packed, layer.cpu_rows, 2, bf16)
     else:
-        y = ops.q8x16_matmul(rows, layer.packed, layer.packed_scales, layer.cpu_rows, 2)
+        lora_args = _lora_args(lora, rows)
+        y = ops.q8x16_matmul(rows, layer.packed, layer.packed_scales, layer.cpu_rows, 2, *lora_args)
+        lora = None
+    if lora is not None:
+        y = lora.add_to(y, rows)
     return y.view(*x.shape[:-1], layer.cpu_rows)
 
 
 def cpu_matmul_norm(
-    layer: Any, x: torch.Tensor, residual: torch.Tensor | None, norm: Any
+    layer: Any, x: torch.Tensor, residual: torch.Tensor | None, norm: Any, lora: Any = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cpu_matmul of norm(x + residual) and x + residual (x where residual is None), in one
     call: x, residual (T, K); norm a RMSNorm -> (float32 (T, N), (T, K)). cpu_parts and the
-    float16 forms: the norm's op, then the matmul."""
+    float16 forms: the norm's op, then the matmul. lora: as cpu_matmul's."""
     ops = torch.ops.pagoda_cpu
     if layer.kernel == "cpu_parts" or layer.kernel in FLOAT16_KERNELS:
         normed, hidden = ops.add_rms_norm(x, residual, norm.weight, norm.eps, 2)
-        return cpu_matmul(layer, normed), hidden
+        return cpu_matmul(layer, normed, lora), hidden
+    lora_args = _lora_args(lora, x)
     if layer.kernel in NIBBLE_FORMS:
+        form = NIBBLE_FORMS[layer.kernel]
         return ops.q4x16_matmul_norm(  # type: ignore[no-any-return]
-            x,
-            residual,
-            norm.weight,
-            norm.eps,
-            layer.packed,
-            layer.cpu_rows,
-            2,
-            NIBBLE_FORMS[layer.kernel],
+            x, residual, norm.weight, norm.eps, layer.packed, layer.cpu_rows, 2, form, *lora_args
         )
     return ops.q8x16_matmul_norm(  # type: ignore[no-any-return]
-        x, residual, norm.weight, norm.eps, layer.packed, layer.packed_scales, layer.cpu_rows, 2
+        x,
+        residual,
+        norm.weight,
+        norm.eps,
+        layer.packed,
+        layer.packed_scales,
+        layer.cpu_rows,
+        2,
+        *lora_args,
     )
 
 
-def cpu_matmul_silu(layer: Any, x: torch.Tensor) -> torch.Tensor:
-    """cpu_matmul of silu(gate) * up in one call: x (T, 2K), gate | up -> float32 (T, N)."""
+def cpu_matmul_silu(layer: Any, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+    """cpu_matmul of silu(gate) * up in one call: x (T, 2K), gate | up -> float32 (T, N).
+    lora: as cpu_matmul's."""
     ops = torch.ops.pagoda_cpu
     if layer.kernel == "cpu_parts" or layer.kernel in FLOAT16_KERNELS:
-        return cpu_matmul(layer, ops.silu_and_mul(x, 2))
+        return cpu_matmul(layer, ops.silu_and_mul(x, 2), lora)
+    lora_args = _lora_args(lora, x)
     if layer.kernel in NIBBLE_FORMS:
         form = NIBBLE_FORMS[layer.kernel]
-        return ops.q4x16_matmul_silu(x, layer.packed, layer.cpu_rows, 2, form)  # type: ignore[no-any-return]
+        return ops.q4x16_matmul_silu(x, layer.packed, layer.cpu_rows, 2, form, *lora_args)  # type: ignore[no-any-return]
     return ops.q8x16_matmul_silu(  # type: ignore[no-any-return]
-        x, layer.packed, layer.packed_scales, layer.cpu_rows, 2
+        x, layer.packed, layer.packed_scales, layer.cpu_rows, 2, *lora_args
     )

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.layers.cpu_forms import CPU_KERNELS, cpu_matmul_norm, cpu_matmul_silu
+from pagoda.layers.cpu_forms import CPU_KERNELS, cpu_matmul, cpu_matmul_norm, cpu_matmul_silu
 from pagoda.layers.lora import LoRAWeights
 from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import QuantMethod
@@ -82,14 +82,17 @@ class Linear(nn.Module):
         plain = self.quant_method is None and self.kernel is None and self.in_part is None
         if plain and self.lora is None:
             return F.linear(x, self.weight, self.bias)
-        if self.quant_method is not None:
+        lora = self.lora
+        if self._lora_cpu():  # the adapters' products inside the matmul's call
+            y, lora = cpu_matmul(self, x, lora).to(x.dtype), None
+        elif self.quant_method is not None:
             y = self.quant_method.apply(self, x)
         elif self.kernel is not None:
             y = apply_stored(self, x)
         else:
             y = F.linear(x, self.weight)
-        if self.lora is not None:  # before the sum: sum over ranks of B (A_r x_r) is B A x
-            y = self.lora.add_to(y, x)
+        if lora is not None:  # before the sum: sum over ranks of B (A_r x_r) is B A x
+            y = lora.add_to(y, x)
         if self.in_part is not None:  # row-parallel: sum the ranks' partial products, then bias
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -102,7 +105,7 @@ class Linear(nn.Module):
         pagoda's CPU kernels the norm runs inside the matmul's call (cpu_forms.cpu_matmul_norm):
         one op in a compiled step."""
         if self._fused_cpu(x) and getattr(norm, "cpu_kernel", False):
-            y, hidden = cpu_matmul_norm(self, x, residual, norm)
+            y, hidden = cpu_matmul_norm(self, x, residual, norm, self.lora)
             return self._finish(y.to(x.dtype)), hidden
         if residual is None:
             return self(norm(x)), x
@@ -112,18 +115,27 @@ class Linear(nn.Module):
     def after_act(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """self(act(x)) for a SiluAndMul `act`, in one call on pagoda's CPU kernels."""
         if self._fused_cpu(x) and getattr(act, "cpu_kernel", False):
-            return self._finish(cpu_matmul_silu(self, x).to(x.dtype))
+            return self._finish(cpu_matmul_silu(self, x, self.lora).to(x.dtype))
         return self(act(x))
 
     def _fused_cpu(self, x: torch.Tensor) -> bool:
         """Whether a row op can run inside this layer's CPU-kernel matmul: its weight is in the
-        kernels' form, it is whole (no row-parallel sum), it serves no adapters (they read the
-        op's output) and x is float32."""
+        kernels' form, it is whole (no row-parallel sum), its adapters (if it serves any) take
+        the C++ route (their products join the call) and x is float32."""
         return (
             getattr(self, "kernel", None) in CPU_KERNELS
             and self.in_part is None
-            and self.lora is None
+            and (self.lora is None or self.lora.cpu_kernel)
             and x.dtype == torch.float32
+        )
+
+    def _lora_cpu(self) -> bool:
+        """Whether this layer's adapters run inside its CPU-kernel matmul's call (cpu_forms.
+        cpu_matmul): its weight is in the kernels' form and its adapters take the C++ route."""
+        return (
+            self.lora is not None
+            and self.lora.cpu_kernel
+            and getattr(self, "kernel", None) in CPU_KERNELS
         )
 
     def _finish(self, y: torch.Tensor) -> torch.Tensor:

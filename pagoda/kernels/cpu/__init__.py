@@ -34,7 +34,8 @@ and compiled steps share, so that the two compute the same bits, and `q4x16_matm
 the activation before them in one call; `lora_apply(y, x, a, b, slots, offsets, isa_limit)`
 (lora.cpp), layers/lora.py's batched LoRA product added into y in place, x and y float32, A and
 B float32, bfloat16 or float16 (widened as they are read), each slot's A and B read once a step
-for all its tokens; `isa()` names the instruction set picked at run time (0
+for all its tokens, which the six quantized matmuls also take inside their own call through
+their optional trailing `lora_a, lora_b, lora_slots, lora_offsets` (lora.h: the same bits); `isa()` names the instruction set picked at run time (0
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
 caps it (tests run every path). ATEN_CPU_CAPABILITY, torch's switch, caps it for the whole
 process (`avx2`: AVX2 + FMA, `default`: scalar), as it caps torch's kernels and the code
@@ -60,7 +61,7 @@ SOURCES = [
     Path(__file__).with_name(n)
     for n in ("quant_gemm.cpp", "float_gemm.cpp", "paged_attention.cpp", "row_ops.cpp", "lora.cpp")
 ]
-HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "kv_rows.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "kv_rows.h", "lora.h")]
 ISA_NAMES = ("scalar", "AVX2 + FMA", "AVX-512 VNNI")
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -150,10 +151,11 @@ def _register_fakes() -> None:
 
 
 def _register_matmul_fakes() -> None:
-    """The matmuls: y = x @ w^T in float32."""
+    """The matmuls: y = x @ w^T in float32 (the quantized ones' optional lora_a, lora_b,
+    lora_slots, lora_offsets: `*lora`, the dispatcher passes them by position)."""
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul")  # type: ignore[misc]
-    def _q4(x: Any, packed: Any, n: int, isa_limit: int, form: int) -> Any:
+    def _q4(x: Any, packed: Any, n: int, isa_limit: int, form: int, *lora: Any) -> Any:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("pagoda_cpu::f16x16_matmul")  # type: ignore[misc]
@@ -161,7 +163,7 @@ def _register_matmul_fakes() -> None:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
     @torch.library.register_fake("pagoda_cpu::q8x16_matmul")  # type: ignore[misc]
-    def _q8(x: Any, packed: Any, scales: Any, n: int, isa_limit: int) -> Any:
+    def _q8(x: Any, packed: Any, scales: Any, n: int, isa_limit: int, *lora: Any) -> Any:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
 
@@ -178,6 +180,7 @@ def _register_fused_matmul_fakes() -> None:
         n: int,
         isa_limit: int,
         form: int,
+        *lora: Any,
     ) -> Any:
         return x.new_empty((x.shape[0], n)), x.new_empty(x.shape)
 
@@ -191,15 +194,16 @@ def _register_fused_matmul_fakes() -> None:
         scales: Any,
         n: int,
         isa_limit: int,
+        *lora: Any,
     ) -> Any:
         return x.new_empty((x.shape[0], n)), x.new_empty(x.shape)
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul_silu")  # type: ignore[misc]
-    def _q4_silu(x: Any, packed: Any, n: int, isa_limit: int, form: int) -> Any:
+    def _q4_silu(x: Any, packed: Any, n: int, isa_limit: int, form: int, *lora: Any) -> Any:
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("pagoda_cpu::q8x16_matmul_silu")  # type: ignore[misc]
-    def _q8_silu(x: Any, packed: Any, scales: Any, n: int, isa_limit: int) -> Any:
+    def _q8_silu(x: Any, packed: Any, scales: Any, n: int, isa_limit: int, *lora: Any) -> Any:
         return x.new_empty((x.shape[0], n))
 
 

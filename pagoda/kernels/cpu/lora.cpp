@@ -17,6 +17,9 @@
 // tokens over them, up to 8 at a time, r in order. Each output's arithmetic depends on its token
 // alone, not on the batch or the threads. AVX-512 F, AVX2 + FMA and scalar paths, chosen at run
 // time (isa_limit caps it, as the other kernels').
+//
+// lora_stage (lora.h) computes the same products inside a quantized matmul's call: the shrink's
+// items between the matmul's tiles, the expand after them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,6 +34,7 @@
 #include <vector>
 
 #include "common.h"
+#include "lora.h"
 
 namespace pagoda_cpu {
 namespace {
@@ -214,31 +218,49 @@ void dots(const W* a, int64_t k, const float* const* x, float* const* h, int64_t
   }
 }
 
+// Asks for [p, p + bytes) in this core's L2 ahead of its reads (lora.h says why).
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+}
+
+// The shrink's work items: (used slot, block of ROW_BLOCK rows of A), in A's memory order.
+template <typename W>
+int64_t row_blocks(const Lora<W>& p) {
+  return (p.rows + ROW_BLOCK - 1) / ROW_BLOCK;
+}
+
+// h's rows of items [begin, end) for every token of their slots.
+template <typename W>
+void shrink_items(const Lora<W>& p, const Groups& g, Isa isa, float* h, int64_t begin,
+                  int64_t end) {
+  const int64_t blocks = row_blocks(p), per_pass = shrink_tokens(isa);
+  const float* xs[4];
+  float* hs[4];
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t s = g.used[item / blocks], j0 = (item % blocks) * ROW_BLOCK;
+    const int64_t nr = std::min(ROW_BLOCK, p.rows - j0);
+    const W* a = p.a + (s * p.rows + j0) * p.k;
+    for (int64_t i = g.start[s]; i < g.start[s + 1]; i += per_pass) {
+      const int64_t nt = std::min(per_pass, g.start[s + 1] - i);
+      for (int64_t t = 0; t < nt; ++t) {
+        xs[t] = p.x + g.order[i + t] * p.ldx;
+        hs[t] = h + g.order[i + t] * p.rows + j0;
+      }
+      dots(a, p.k, xs, hs, nr, nt, isa);
+    }
+  }
+}
+
 // h (T, rows): the rows of tokens with a slot.
 template <typename W>
 void shrink(const Lora<W>& p, const Groups& g, Isa isa, float* h) {
-  const int64_t blocks = (p.rows + ROW_BLOCK - 1) / ROW_BLOCK;
-  const int64_t items = static_cast<int64_t>(g.used.size()) * blocks;
-  const int64_t per_pass = shrink_tokens(isa);
+  const int64_t items = static_cast<int64_t>(g.used.size()) * row_blocks(p);
   const int64_t tokens = static_cast<int64_t>(g.order.size());
   const int64_t item_work = ROW_BLOCK * p.k * tokens / std::max<int64_t>(1, g.used.size());
   const int64_t grain = std::max<int64_t>(1, MIN_THREAD_WORK / std::max<int64_t>(1, item_work));
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    const float* xs[4];
-    float* hs[4];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = g.used[item / blocks], j0 = (item % blocks) * ROW_BLOCK;
-      const int64_t nr = std::min(ROW_BLOCK, p.rows - j0);
-      const W* a = p.a + (s * p.rows + j0) * p.k;
-      for (int64_t i = g.start[s]; i < g.start[s + 1]; i += per_pass) {
-        const int64_t nt = std::min(per_pass, g.start[s + 1] - i);
-        for (int64_t t = 0; t < nt; ++t) {
-          xs[t] = p.x + g.order[i + t] * p.ldx;
-          hs[t] = h + g.order[i + t] * p.rows + j0;
-        }
-        dots(a, p.k, xs, hs, nr, nt, isa);
-      }
-    }
+    shrink_items(p, g, isa, h, begin, end);
   });
 }
 
@@ -516,14 +538,23 @@ void check_shapes(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
 }
 
 template <typename W>
-void apply_typed(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
-                 const at::Tensor& b, const Groups& g, at::IntArrayRef offsets, Isa isa) {
-  const int64_t rows = a.size(1) * a.size(2);
-  const Lora<W> p{x.data_ptr<float>(), x.stride(0), a.data_ptr<W>(), b.data_ptr<W>(),
-                  y.data_ptr<float>(), x.size(1), y.size(1), a.size(2), rows, offsets.vec()};
-  at::Tensor h = at::empty({x.size(0), rows}, at::kFloat);
-  shrink(p, g, isa, h.data_ptr<float>());
-  expand(p, g, isa, h.data_ptr<float>());
+Lora<W> lora_of(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
+                const at::Tensor& b, at::IntArrayRef offsets) {
+  return Lora<W>{x.data_ptr<float>(), x.stride(0), a.data_ptr<W>(), b.data_ptr<W>(),
+                 y.data_ptr<float>(), x.size(1), y.size(1), a.size(2),
+                 a.size(1) * a.size(2), offsets.vec()};
+}
+
+// Calls fn(W{}) for a's element type W.
+template <typename Fn>
+void with_weight_type(const at::Tensor& a, Fn&& fn) {
+  if (a.scalar_type() == at::kBFloat16) {
+    fn(c10::BFloat16{});
+  } else if (a.scalar_type() == at::kHalf) {
+    fn(c10::Half{});
+  } else {
+    fn(float{});
+  }
 }
 
 void lora_apply(const at::Tensor& y, const at::Tensor& x_in, const at::Tensor& a,
@@ -532,20 +563,83 @@ void lora_apply(const at::Tensor& y, const at::Tensor& x_in, const at::Tensor& a
   check_shapes(y, x_in, a, b, slots_in, offsets);
   const at::Tensor x = x_in.size(1) <= 1 || x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const at::Tensor slots = slots_in.contiguous();
-  const int64_t tokens = x.size(0), rows = a.size(1) * a.size(2);
-  const Groups g = group_by_slot(slots.data_ptr<int64_t>(), tokens, a.size(0));
-  if (g.used.empty() || rows == 0) return;
+  const Groups g = group_by_slot(slots.data_ptr<int64_t>(), x.size(0), a.size(0));
+  if (g.used.empty() || a.size(1) * a.size(2) == 0) return;
   const Isa isa = pick_isa(isa_limit);
-  if (a.scalar_type() == at::kBFloat16) {
-    apply_typed<c10::BFloat16>(y, x, a, b, g, offsets, isa);
-  } else if (a.scalar_type() == at::kHalf) {
-    apply_typed<c10::Half>(y, x, a, b, g, offsets, isa);
-  } else {
-    apply_typed<float>(y, x, a, b, g, offsets, isa);
-  }
+  with_weight_type(a, [&](auto w) {
+    using W = decltype(w);
+    const Lora<W> p = lora_of<W>(y, x, a, b, offsets);
+    at::Tensor h = at::empty({x.size(0), p.rows}, at::kFloat);
+    shrink(p, g, isa, h.data_ptr<float>());
+    expand(p, g, isa, h.data_ptr<float>());
+  });
 }
 
+// ---- inside a matmul (lora.h) -----------------------------------------------------------------
+
+template <typename W>
+class Stage final : public LoraStage {
+  static constexpr int64_t kBytes = sizeof(W);
+
+ public:
+  Stage(Lora<W> p, Groups g, Isa isa, int64_t tokens)
+      : p_(std::move(p)), g_(std::move(g)), isa_(isa),
+        h_(at::empty({tokens, p_.rows}, at::kFloat)),
+        items_(static_cast<int64_t>(g_.used.size()) * row_blocks(p_)) {}
+
+  void after_tile(int64_t t, int64_t begin, int64_t end, int64_t tiles) override {
+    // This thread's items [i0, i1) and B's columns [c0, c1), in proportion to its tiles: after
+    // each tile, its share of the items (whose rows of A the tile before prefetched), the next
+    // share's rows of A prefetched, and its share of B's columns.
+    const int64_t i0 = items_ * begin / tiles, i1 = items_ * end / tiles;
+    const int64_t c0 = p_.n * begin / tiles, c1 = p_.n * end / tiles;
+    const int64_t span = end - begin, done = t + 1 - begin;
+    const auto upto = [&](int64_t lo, int64_t hi, int64_t d) { return lo + (hi - lo) * d / span; };
+    const int64_t first = upto(i0, i1, done - 1), last = upto(i0, i1, done);
+    shrink_items(p_, g_, isa_, h_.data_ptr<float>(), first, last);
+    const int64_t blocks = row_blocks(p_), next = upto(i0, i1, std::min(done + 1, span));
+    for (int64_t item = last; item < next; ++item) {
+      const int64_t s = g_.used[item / blocks], j0 = (item % blocks) * ROW_BLOCK;
+      const int64_t nr = std::min(ROW_BLOCK, p_.rows - j0);
+      prefetch_l2(p_.a + (s * p_.rows + j0) * p_.k, nr * p_.k * kBytes);
+    }
+    const int64_t from = upto(c0, c1, done - 1), to = upto(c0, c1, done);
+    for (const int64_t s : g_.used) {
+      prefetch_l2(p_.b + (s * p_.n + from) * p_.rank, (to - from) * p_.rank * kBytes);
+    }
+  }
+
+  void finish() override { expand(p_, g_, isa_, h_.data_ptr<float>()); }
+
+ private:
+  Lora<W> p_;
+  Groups g_;
+  Isa isa_;
+  at::Tensor h_;
+  int64_t items_;
+};
+
 }  // namespace
+
+std::unique_ptr<LoraStage> lora_stage(const at::Tensor& x, const at::Tensor& y,
+                                      const LoraArgs& args, Isa isa) {
+  const int present = args.a.has_value() + args.b.has_value() + args.slots.has_value();
+  TORCH_CHECK(present == 0 || present == 3, "lora_a, lora_b and lora_slots: all or none");
+  if (present == 0) return nullptr;
+  const at::Tensor &a = *args.a, &b = *args.b;
+  check_shapes(y, x, a, b, *args.slots, args.offsets);
+  const at::Tensor slots = args.slots->contiguous();
+  Groups g = group_by_slot(slots.data_ptr<int64_t>(), x.size(0), a.size(0));
+  if (g.used.empty() || a.size(1) * a.size(2) == 0) return nullptr;
+  std::unique_ptr<LoraStage> stage;
+  with_weight_type(a, [&](auto w) {
+    using W = decltype(w);
+    stage = std::make_unique<Stage<W>>(lora_of<W>(y, x, a, b, args.offsets), std::move(g), isa,
+                                       x.size(0));
+  });
+  return stage;
+}
+
 }  // namespace pagoda_cpu
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {

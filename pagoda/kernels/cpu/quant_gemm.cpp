@@ -64,6 +64,7 @@
 #include <vector>
 
 #include "common.h"
+#include "lora.h"
 
 namespace pagoda_cpu {
 namespace {
@@ -875,10 +876,10 @@ int64_t rows_per_pass(Isa isa, bool by_block = false) {
 
 // Runs tile_fn(tile index, pass of up to per_pass rows, rows in it) over every tile
 // and row block. Each row's arithmetic is the same whatever the pass holds: a row gives the same
-// bits in any batch.
+// bits in any batch. lora: the adapters' products added to y (lora.h), taken between the tiles.
 template <typename TileFn>
 at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, int64_t per_pass,
-                     TileFn&& tile_fn, bool half_sums = false) {
+                     TileFn&& tile_fn, bool half_sums, const LoraArgs& lora) {
   const at::Tensor x = float_rows(x_in);
   const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
   const Activations a = quantize(x, isa);
@@ -894,6 +895,7 @@ at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, 
     sums16[i] = sum;
   }
   float* yp = y.data_ptr<float>();
+  const std::unique_ptr<LoraStage> stage = lora_stage(x, y, lora, isa);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t r = 0; r < m; r += per_pass) {
@@ -909,8 +911,10 @@ at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, 
                         std::min(ROWS, n - t * ROWS)};
         tile_fn(t, pass, static_cast<int>(std::min(per_pass, m - r)));
       }
+      if (stage) stage->after_tile(t, begin, end, tiles);
     }
   });
+  if (stage) stage->finish();
   return y;
 }
 
@@ -944,7 +948,9 @@ void with_form(Form form, Fn&& fn) {
 // packed: (ceil(n / 16), K / 32 or K / 256, unit_bytes(form)) uint8, the nibble tiles described
 // at the top; form: Form's number
 at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                        int64_t isa_limit, int64_t form_number) {
+                        int64_t isa_limit, int64_t form_number, const LoraOpt& lora_a,
+                        const LoraOpt& lora_b, const LoraOpt& lora_slots,
+                        at::IntArrayRef lora_offsets) {
   check_rows(x);
   TORCH_CHECK(form_number >= 0 && form_number < FORMS, "form: 0 .. ", FORMS - 1, ", got ", form_number);
   const auto form = static_cast<Form>(form_number);
@@ -980,12 +986,15 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
     halves = kHalves<decltype(tag)::value>;
     by_block = kByBlockAvx2<decltype(tag)::value>;
   });
-  return run_tiles(x, n, tiles, isa, rows_per_pass(isa, by_block), tile_fn, halves);
+  const LoraArgs lora{lora_a, lora_b, lora_slots, lora_offsets};
+  return run_tiles(x, n, tiles, isa, rows_per_pass(isa, by_block), tile_fn, halves, lora);
 }
 
 // packed: (ceil(n / 16), K / 32, 512) uint8; scales: (ceil(n / 16), K / 32 or 1, 16) float32
 at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                        int64_t n, int64_t isa_limit) {
+                        int64_t n, int64_t isa_limit, const LoraOpt& lora_a,
+                        const LoraOpt& lora_b, const LoraOpt& lora_slots,
+                        at::IntArrayRef lora_offsets) {
   check_rows(x);
   const int64_t tiles = (n + ROWS - 1) / ROWS, k = x.size(-1), groups = k / GROUP;
   check_packed(packed, tiles, groups, Q8_BYTES, n, k);
@@ -999,7 +1008,8 @@ at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at:
   const Isa isa = pick_isa(isa_limit);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
-  return run_tiles(x, n, tiles, isa, rows_per_pass(isa), [&](int64_t t, const Pass& p, int m) {
+  const LoraArgs lora{lora_a, lora_b, lora_slots, lora_offsets};
+  const auto tile_fn = [&](int64_t t, const Pass& p, int m) {
     const uint8_t* tile = w + t * groups * Q8_BYTES;
     const float* s = sc + t * scales.size(1) * ROWS;
     if (isa == Isa::kVnni) {
@@ -1012,7 +1022,8 @@ at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at:
     } else {
       q8_tile_scalar(tile, s, sstep, p, m);
     }
-  });
+  };
+  return run_tiles(x, n, tiles, isa, rows_per_pass(isa), tile_fn, false, lora);
 }
 
 // ---- with a prologue: the row op before the matmul in the same call ----------------------------
@@ -1023,33 +1034,42 @@ at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at:
 // matmul(silu_and_mul(x)). The row ops are row_ops.cpp's, so eager steps (which call these ops
 // too) and compiled ones compute the same bits.
 
-std::tuple<at::Tensor, at::Tensor> q4x16_matmul_norm(const at::Tensor& x,
-                                                     const c10::optional<at::Tensor>& residual,
-                                                     const at::Tensor& weight, double eps,
-                                                     const at::Tensor& packed, int64_t n,
-                                                     int64_t isa_limit, int64_t form) {
+std::tuple<at::Tensor, at::Tensor> q4x16_matmul_norm(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+    double eps, const at::Tensor& packed, int64_t n, int64_t isa_limit, int64_t form,
+    const LoraOpt& lora_a, const LoraOpt& lora_b, const LoraOpt& lora_slots,
+    at::IntArrayRef lora_offsets) {
   auto [normed, hidden] = add_rms_norm(x, residual, weight, eps, isa_limit);
-  return {q4x16_matmul(normed, packed, n, isa_limit, form), hidden};
+  return {q4x16_matmul(normed, packed, n, isa_limit, form, lora_a, lora_b, lora_slots,
+                       lora_offsets),
+          hidden};
 }
 
-std::tuple<at::Tensor, at::Tensor> q8x16_matmul_norm(const at::Tensor& x,
-                                                     const c10::optional<at::Tensor>& residual,
-                                                     const at::Tensor& weight, double eps,
-                                                     const at::Tensor& packed,
-                                                     const at::Tensor& scales, int64_t n,
-                                                     int64_t isa_limit) {
+std::tuple<at::Tensor, at::Tensor> q8x16_matmul_norm(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+    double eps, const at::Tensor& packed, const at::Tensor& scales, int64_t n, int64_t isa_limit,
+    const LoraOpt& lora_a, const LoraOpt& lora_b, const LoraOpt& lora_slots,
+    at::IntArrayRef lora_offsets) {
   auto [normed, hidden] = add_rms_norm(x, residual, weight, eps, isa_limit);
-  return {q8x16_matmul(normed, packed, scales, n, isa_limit), hidden};
+  return {q8x16_matmul(normed, packed, scales, n, isa_limit, lora_a, lora_b, lora_slots,
+                       lora_offsets),
+          hidden};
 }
 
 at::Tensor q4x16_matmul_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                             int64_t isa_limit, int64_t form) {
-  return q4x16_matmul(silu_and_mul(x, isa_limit), packed, n, isa_limit, form);
+                             int64_t isa_limit, int64_t form, const LoraOpt& lora_a,
+                             const LoraOpt& lora_b, const LoraOpt& lora_slots,
+                             at::IntArrayRef lora_offsets) {
+  return q4x16_matmul(silu_and_mul(x, isa_limit), packed, n, isa_limit, form, lora_a, lora_b,
+                      lora_slots, lora_offsets);
 }
 
 at::Tensor q8x16_matmul_silu(const at::Tensor& x, const at::Tensor& packed,
-                             const at::Tensor& scales, int64_t n, int64_t isa_limit) {
-  return q8x16_matmul(silu_and_mul(x, isa_limit), packed, scales, n, isa_limit);
+                             const at::Tensor& scales, int64_t n, int64_t isa_limit,
+                             const LoraOpt& lora_a, const LoraOpt& lora_b,
+                             const LoraOpt& lora_slots, at::IntArrayRef lora_offsets) {
+  return q8x16_matmul(silu_and_mul(x, isa_limit), packed, scales, n, isa_limit, lora_a, lora_b,
+                      lora_slots, lora_offsets);
 }
 
 // The activations as the kernels quantize them (for the tests): (q, xd, xs)
@@ -1064,19 +1084,25 @@ int64_t isa() { return static_cast<int64_t>(best_isa()); }
 }  // namespace pagoda_cpu
 
 // torch.ops.pagoda_cpu.*: custom ops, so torch.compile keeps them in its graph (their shapes are
-// registered in Python, pagoda/kernels/cpu/__init__.py).
+// registered in Python, pagoda/kernels/cpu/__init__.py). The matmuls' optional lora_* arguments
+// add the adapters' products to y (lora.h).
+#define LORA_ARGS \
+  ", Tensor? lora_a=None, Tensor? lora_b=None, Tensor? lora_slots=None, int[] lora_offsets=[]"
 TORCH_LIBRARY(pagoda_cpu, m) {
-  m.def("q4x16_matmul(Tensor x, Tensor packed, int n, int isa_limit, int form) -> Tensor");
-  m.def("q8x16_matmul(Tensor x, Tensor packed, Tensor scales, int n, int isa_limit) -> Tensor");
+  m.def("q4x16_matmul(Tensor x, Tensor packed, int n, int isa_limit, int form" LORA_ARGS
+        ") -> Tensor");
+  m.def("q8x16_matmul(Tensor x, Tensor packed, Tensor scales, int n, int isa_limit" LORA_ARGS
+        ") -> Tensor");
   m.def(
       "q4x16_matmul_norm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor packed, "
-      "int n, int isa_limit, int form) -> (Tensor, Tensor)");
+      "int n, int isa_limit, int form" LORA_ARGS ") -> (Tensor, Tensor)");
   m.def(
       "q8x16_matmul_norm(Tensor x, Tensor? residual, Tensor weight, float eps, Tensor packed, "
-      "Tensor scales, int n, int isa_limit) -> (Tensor, Tensor)");
-  m.def("q4x16_matmul_silu(Tensor x, Tensor packed, int n, int isa_limit, int form) -> Tensor");
-  m.def(
-      "q8x16_matmul_silu(Tensor x, Tensor packed, Tensor scales, int n, int isa_limit) -> Tensor");
+      "Tensor scales, int n, int isa_limit" LORA_ARGS ") -> (Tensor, Tensor)");
+  m.def("q4x16_matmul_silu(Tensor x, Tensor packed, int n, int isa_limit, int form" LORA_ARGS
+        ") -> Tensor");
+  m.def("q8x16_matmul_silu(Tensor x, Tensor packed, Tensor scales, int n, int isa_limit"
+        LORA_ARGS ") -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("isa() -> int", &pagoda_cpu::isa);
 }
