@@ -327,16 +327,18 @@ def test_a_killed_replica_fails_or_finishes_each_request_and_is_replaced(
         except openai.APIError as e:
             return f"error: {e}"
 
+    # The victim's handle first: the kill then follows the stream's first token at once (looked
+    # up after it, on a loaded machine the tiny model's 900 tokens finished first; fresh-clone
+    # CI, 2026-11-30).
+    name = f"SERVE_REPLICA::{APP}#PagodaEngine#{victim}"
+    actor = next(a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name)
+    handle = ray.get_actor(name, namespace=actor["namespace"])
     started = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(9) as pool:
         pinned = pool.submit(_pinned_stream, two_replicas.url, victim, started)
         futures = [pool.submit(one, i) for i in range(16)]
         assert started.wait(60), pinned.result(timeout=60)
-        name = f"SERVE_REPLICA::{APP}#PagodaEngine#{victim}"
-        actor = next(
-            a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"] == name
-        )
-        ray.kill(ray.get_actor(name, namespace=actor["namespace"]), no_restart=True)
+        ray.kill(handle, no_restart=True)
         outcomes = [f.result(timeout=90) for f in futures]  # none hangs
         ended = pinned.result(timeout=90)
     assert ended.startswith(("error event", "transport error")), ended
