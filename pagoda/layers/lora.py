@@ -16,7 +16,8 @@ padded rank adds exact zeros.
 Shapes: x (T, K); y (T, N), contiguous; a (S, L, R, K); b (S, N, R); slots (T,) int64.
 `lora_reference` is the torch reference; `lora_apply` runs pagoda's C++ kernel on CPU
 (kernels/cpu/lora.cpp) and the Triton kernel on CUDA (kernels/lora.py), both tested against
-the reference.
+the reference. A layer whose weight is in a quantized CPU-kernel form hands its slots to its
+matmul's own op instead (layers/cpu_forms.cpu_matmul; kernels/cpu/lora.h), with the same bits.
 """
 
 from __future__ import annotations
