@@ -230,24 +230,36 @@ int64_t row_blocks(const Lora<W>& p) {
   return (p.rows + ROW_BLOCK - 1) / ROW_BLOCK;
 }
 
+// Item `item`'s slot s, first row j0 of the slot's rows of A, and its nr rows there.
+template <typename W>
+struct Item {
+  int64_t s, j0, nr;
+  const W* a;
+};
+
+template <typename W>
+Item<W> item_at(const Lora<W>& p, const Groups& g, int64_t item) {
+  const int64_t blocks = row_blocks(p);
+  const int64_t s = g.used[item / blocks], j0 = (item % blocks) * ROW_BLOCK;
+  return {s, j0, std::min(ROW_BLOCK, p.rows - j0), p.a + (s * p.rows + j0) * p.k};
+}
+
 // h's rows of items [begin, end) for every token of their slots.
 template <typename W>
 void shrink_items(const Lora<W>& p, const Groups& g, Isa isa, float* h, int64_t begin,
                   int64_t end) {
-  const int64_t blocks = row_blocks(p), per_pass = shrink_tokens(isa);
+  const int64_t per_pass = shrink_tokens(isa);
   const float* xs[4];
   float* hs[4];
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t s = g.used[item / blocks], j0 = (item % blocks) * ROW_BLOCK;
-    const int64_t nr = std::min(ROW_BLOCK, p.rows - j0);
-    const W* a = p.a + (s * p.rows + j0) * p.k;
-    for (int64_t i = g.start[s]; i < g.start[s + 1]; i += per_pass) {
-      const int64_t nt = std::min(per_pass, g.start[s + 1] - i);
+    const Item<W> it = item_at(p, g, item);
+    for (int64_t i = g.start[it.s]; i < g.start[it.s + 1]; i += per_pass) {
+      const int64_t nt = std::min(per_pass, g.start[it.s + 1] - i);
       for (int64_t t = 0; t < nt; ++t) {
         xs[t] = p.x + g.order[i + t] * p.ldx;
-        hs[t] = h + g.order[i + t] * p.rows + j0;
+        hs[t] = h + g.order[i + t] * p.rows + it.j0;
       }
-      dots(a, p.k, xs, hs, nr, nt, isa);
+      dots(it.a, p.k, xs, hs, it.nr, nt, isa);
     }
   }
 }
@@ -597,11 +609,10 @@ class Stage final : public LoraStage {
     const auto upto = [&](int64_t lo, int64_t hi, int64_t d) { return lo + (hi - lo) * d / span; };
     const int64_t first = upto(i0, i1, done - 1), last = upto(i0, i1, done);
     shrink_items(p_, g_, isa_, h_.data_ptr<float>(), first, last);
-    const int64_t blocks = row_blocks(p_), next = upto(i0, i1, std::min(done + 1, span));
+    const int64_t next = upto(i0, i1, std::min(done + 1, span));
     for (int64_t item = last; item < next; ++item) {
-      const int64_t s = g_.used[item / blocks], j0 = (item % blocks) * ROW_BLOCK;
-      const int64_t nr = std::min(ROW_BLOCK, p_.rows - j0);
-      prefetch_l2(p_.a + (s * p_.rows + j0) * p_.k, nr * p_.k * kBytes);
+      const Item<W> it = item_at(p_, g_, item);
+      prefetch_l2(it.a, it.nr * p_.k * kBytes);
     }
     const int64_t from = upto(c0, c1, done - 1), to = upto(c0, c1, done);
     for (const int64_t s : g_.used) {
