@@ -13,7 +13,8 @@ holds the slices' first output rows, then the layer's width. B holds the adapter
 (alpha / r, or alpha / sqrt(r) for rsLoRA) and ranks below the table's are zero-padded, so a
 padded rank adds exact zeros.
 
-Shapes: x (T, K); y (T, N), contiguous; a (S, L, R, K); b (S, N, R); slots (T,) int64.
+Shapes: x (T, K); y (T, N), contiguous; a (S, L, R, K); b (S, N, R); slots (T,) int64. For
+the C++ kernel, `LoRAWeights` stores b by rank (the transpose of an (S, R, N) tensor).
 `lora_reference` is the torch reference; `lora_apply` runs pagoda's C++ kernel on CPU
 (kernels/cpu/lora.cpp) and the Triton kernel on CUDA (kernels/lora.py), both tested against
 the reference. A layer whose weight is in a quantized CPU-kernel form hands its slots to its
@@ -60,7 +61,7 @@ def lora_apply(
     """lora_reference, on the fastest path the tensors' device has: the Triton kernel on CUDA
     (kernels/lora.py); pagoda_cpu.lora_apply (kernels/cpu/lora.cpp) on CPU for float32 x and y
     and float32, bfloat16 or float16 a and b (one dtype), where pagoda's C++ kernels are built
-    (y, a and b contiguous, as LoRAWeights holds them)."""
+    (y and a contiguous, b contiguous or stored by rank, as LoRAWeights holds them)."""
     if x.is_cuda:
         from pagoda.kernels.lora import lora_apply_triton
 
@@ -68,11 +69,16 @@ def lora_apply(
         return
     weights = a.dtype == b.dtype and a.dtype in CPU_KERNEL_WEIGHT_DTYPES
     floats = x.dtype == y.dtype == torch.float32
-    whole = y.is_contiguous() and a.is_contiguous() and b.is_contiguous()
+    whole = y.is_contiguous() and a.is_contiguous() and (b.is_contiguous() or _by_rank(b))
     if x.device.type == "cpu" and floats and weights and whole and _cpu_kernels():
         torch.ops.pagoda_cpu.lora_apply(y, x, a, b, slots, offsets, 2)
         return
     lora_reference(y, x, a, b, slots, offsets)
+
+
+def _by_rank(b: torch.Tensor) -> bool:
+    """b (S, N, R) is the transpose of a contiguous (S, R, N) tensor (LoRAWeights' CPU layout)."""
+    return b.transpose(1, 2).is_contiguous()
 
 
 @torch.compiler.assume_constant_result
@@ -109,14 +115,19 @@ class LoRAWeights(nn.Module):
         device = slots.device
         shape_a = (num_slots, num_slices, max_rank, input_size)
         self.register_buffer("a", torch.zeros(shape_a, dtype=dtype, device=device))
-        shape_b = (num_slots, offsets[-1], max_rank)
-        self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device))
         self.register_buffer("slots", slots, persistent=False)
         # On CPU with pagoda's C++ kernels built, a and b float32, bfloat16 or float16 (the
         # kernel widens them as it reads them; x and y float32): their op, called directly (a
         # step runs it once per projection; lora_apply's checks would cost as much as the op).
         on_cpu = device.type == "cpu" and dtype in CPU_KERNEL_WEIGHT_DTYPES
         self.cpu_kernel = on_cpu and _cpu_kernels()
+        # b is (S, N, R); for the C++ kernel it is stored by rank, the transpose of an (S, R, N)
+        # tensor, so the kernel reads each rank's output columns in place (lora.cpp).
+        if self.cpu_kernel:
+            b = torch.zeros(num_slots, max_rank, offsets[-1], dtype=dtype).transpose(1, 2)
+        else:
+            b = torch.zeros(num_slots, offsets[-1], max_rank, dtype=dtype, device=device)
+        self.register_buffer("b", b)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y += the products of x's tokens' adapters (in place when y is contiguous)."""

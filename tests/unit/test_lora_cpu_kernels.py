@@ -1,7 +1,7 @@
 """pagoda_cpu.lora_apply (kernels/cpu/lora.cpp) against layers/lora.py's lora_reference: one
 token or many, slots in runs and alternating, skipped tokens (-1, or a slot past the table's),
-one slice or uneven ones (an empty one among them), ranks and widths off the vector widths,
-every instruction set this CPU has, 1 or 2 threads, A and B float32, bfloat16 or float16 (x and
+one slice or uneven ones (an empty one among them), ranks and widths off the vector widths, B
+(S, N, R) contiguous or stored by rank (LoRAWeights' layout) with the same bits, every instruction set this CPU has, 1 or 2 threads, A and B float32, bfloat16 or float16 (x and
 y float32); lora_apply's and LoRAWeights' routing to it, and a compiled call. Skipped where the extension cannot be built (no compiler): pagoda then runs the reference.
 
 Tolerance: the kernel and the reference sum in different orders, so both are checked against
@@ -119,6 +119,39 @@ def test_lora_apply_matches_the_reference(
         assert torch.equal(got, _kernel(widened, isa))  # type: ignore[arg-type]
 
 
+def _by_rank(b: torch.Tensor) -> torch.Tensor:
+    """b's values stored by rank: the (S, N, R) transpose of a contiguous (S, R, N) tensor."""
+    return b.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"T{s[0]}-K{s[1]}-R{s[2]}-L{len(s[4]) - 1}")
+def test_b_stored_by_rank_gives_the_same_bits(
+    threads: int, isa: int, shape: Any, dtype: torch.dtype
+) -> None:
+    """B read in place by rank (LoRAWeights' CPU layout; widths off the vector widths take the
+    partial-block path) and B transposed block by block give the same products."""
+    y, x, a, b, slots, offsets = _case(*shape, seed=len(shape[4]) * 10 + shape[0], dtype=dtype)
+    by_rank = _by_rank(b)
+    assert not by_rank.is_contiguous() or b.shape[2] == 1
+    expected = _kernel((y, x, a, b, slots, offsets), isa)
+    assert torch.equal(_kernel((y, x, a, by_rank, slots, offsets), isa), expected)
+
+
+def test_a_b_in_another_layout_is_refused() -> None:
+    assert OPS is not None
+    y, x, a, b, slots, offsets = _case(9, 64, 8, 2, [0, 24, 40], seed=17)
+    strided = torch.randn(2, 40, 16)[:, :, ::2]  # (S, N, R), neither layout
+    with pytest.raises(RuntimeError, match="b \\(S, N, R\\) contiguous or the transpose"):
+        OPS.lora_apply(y, x, a, strided, slots, offsets, ISAS[-1])
+    routed = y.clone()
+    lora_apply(routed, x, a, strided, slots, offsets)  # lora_apply takes the reference instead
+    reference = y.clone()
+    lora_reference(reference, x, a, strided, slots, offsets)
+    assert torch.equal(routed, reference)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_a_token_gets_the_same_bits_alone_and_in_a_batch(threads: int, isa: int) -> None:
     case = _case(37, 77, 12, 3, [0, 13, 20, 50], seed=5)
@@ -157,7 +190,7 @@ def test_half_a_and_b_with_float32_activations_run_the_kernel(dtype: torch.dtype
     lora_apply(routed, x, a, b, slots, offsets)
     assert torch.equal(routed, expected)
     layer = LoRAWeights(2, offsets, 8, 64, slots, dtype)
-    assert layer.cpu_kernel
+    assert layer.cpu_kernel and layer.b.transpose(1, 2).is_contiguous()  # stored by rank
     layer.a.copy_(a)
     layer.b.copy_(b)
     assert torch.equal(layer.add_to(y.clone(), x), expected)

@@ -4,19 +4,22 @@
 //     y[t, o] += sum_r b[s, o, r] * h[t, l, r],   h[t, l, r] = sum_k a[s, l, r, k] * x[t, k]
 //   for each token t whose slot s = slots[t] is in [0, S) (others, -1 among them, are left as
 //   they are), l the slice whose columns [offsets[l], offsets[l + 1]) hold o.
-//   y (T, N) contiguous; x (T, K), rows contiguous; a (S, L, R, K) and b (S, N, R) contiguous;
-//   slots (T,) int64; offsets L + 1 ascending ints within [0, N]. x and y float32; a and b
-//   float32, bfloat16 or float16 (the same), widened to float32 exactly as they are loaded, so
-//   a bfloat16 / float16 A and B give the bits their float32 copies give.
+//   y (T, N) contiguous; x (T, K), rows contiguous; a (S, L, R, K) contiguous; b (S, N, R)
+//   contiguous, or stored by rank (the transpose of a contiguous (S, R, N), as LoRAWeights
+//   keeps it for this kernel); slots (T,) int64; offsets L + 1 ascending ints within [0, N].
+//   x and y float32; a and b float32, bfloat16 or float16 (the same), widened to float32
+//   exactly as they are loaded, so a bfloat16 / float16 A and B give the bits their float32
+//   copies give.
 //
 // Tokens are grouped by slot (a stable counting sort), so each slot's A and B are read once a
 // step wherever its tokens sit in the batch. Shrink: h (T, L * R), split over (slot, block of 4
 // rows of A); each block's rows are dotted with the slot's tokens a few at a time, k in order.
 // Expand: split over blocks of 16 (8 on AVX2) output columns; a thread takes its columns 256 at
-// a time, transposes each slot's B there into blocks of (R, 16) once, and sweeps the slot's
-// tokens over them, up to 8 at a time, r in order. Each output's arithmetic depends on its token
-// alone, not on the batch or the threads. AVX-512 F, AVX2 + FMA and scalar paths, chosen at run
-// time (isa_limit caps it, as the other kernels').
+// a time and sweeps each slot's tokens over them, up to 8 at a time, r in order: B stored by
+// rank is read in place (each rank's columns adjacent), an (S, N, R) B is first transposed
+// there into blocks of (R, 16), once for all the slot's tokens. Each output's arithmetic depends
+// on its token alone, not on the batch, the threads or B's layout. AVX-512 F, AVX2 + FMA and
+// scalar paths, chosen at run time (isa_limit caps it, as the other kernels').
 //
 // lora_stage (lora.h) computes the same products inside a quantized matmul's call: the shrink's
 // items between the matmul's tiles, the expand after them.
@@ -104,10 +107,11 @@ struct Lora {
   const float* x;
   int64_t ldx;
   const W* a;  // (S, L * R, K)
-  const W* b;  // (S, N, R)
+  const W* b;  // (S, N, R), or (S, R, N) in memory when b_by_rank
   float* y;        // (T, N)
   int64_t k, n, rank, rows;  // rows = L * R
   std::vector<int64_t> offsets;
+  bool b_by_rank;
 };
 
 // The tokens of each slot in batch order: order[start[s], start[s + 1]); `used` the slots that
@@ -220,8 +224,10 @@ void dots(const W* a, int64_t k, const float* const* x, float* const* h, int64_t
 
 // Asks for [p, p + bytes) in this core's L2 ahead of its reads (lora.h says why).
 inline void prefetch_l2(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p), end = start + std::max<int64_t>(0, bytes);
+  for (uintptr_t line = start & ~uintptr_t{63}; line < end; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+  }
 }
 
 // The shrink's work items: (used slot, block of ROW_BLOCK rows of A), in A's memory order.
@@ -342,34 +348,47 @@ PAGODA_LORA_AVX2 void transpose8(const W* const* rows, int64_t rank, float* buf)
   transpose_tail(rows, r0, rank, 8, buf);
 }
 
-// A run of `cols` output columns for up to 8 tokens: buf its B columns in transposed blocks of
-// W, h[t] the token's slice of h, y[t] its row at the run's first column.
+// B's values for a run of columns, as float32 (S = float) or as stored (S = W): column c's value
+// at rank r is at p[(c - c % w) * cmul + c % w + r * rs], w the ISA's block width. Transposed
+// blocks in a buffer: cmul = rank, rs = w; B stored by rank, read in place: cmul = 1, rs = N.
+template <typename S>
+struct Cols {
+  const S* p;
+  int64_t cmul, rs;
+};
+
+// A run of `cols` output columns for up to 8 tokens: b its B columns, h[t] the token's slice of
+// h, y[t] its row at the run's first column.
+template <typename S>
 struct ExpandRun {
-  const float* buf;  // ceil(cols / W) blocks of (rank, W)
+  Cols<S> b;
   int64_t rank, cols;
   const float* const* h;
   float* const* y;
 };
 
-// NB adjacent blocks for NT tokens, r in order; the last block's first `last` columns exist.
-template <int NT, int NB>
-PAGODA_LORA_AVX512 void blocks_avx512(const ExpandRun& e, int64_t c, int64_t last) {
-  const float* buf = e.buf + c * e.rank;
+// NB adjacent blocks for NT tokens, r in order; of the last block only the first `last` columns
+// are read and written.
+template <typename S, int NT, int NB>
+PAGODA_LORA_AVX512 void blocks_avx512(const ExpandRun<S>& e, int64_t c, int64_t last) {
+  const __mmask16 tail = static_cast<__mmask16>((1u << last) - 1u);
   __m512 acc[NB][NT];
   for (int i = 0; i < NB; ++i) {
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
   }
   for (int64_t r = 0; r < e.rank; ++r) {
     __m512 col[NB];
-    for (int i = 0; i < NB; ++i) col[i] = _mm512_loadu_ps(buf + (i * e.rank + r) * 16);
+    for (int i = 0; i < NB; ++i) {
+      const S* p = e.b.p + (c + 16 * i) * e.b.cmul + r * e.b.rs;
+      col[i] = load16(p, i == NB - 1 ? tail : static_cast<__mmask16>(0xFFFF));
+    }
     for (int t = 0; t < NT; ++t) {
       const __m512 ht = _mm512_set1_ps(e.h[t][r]);
       for (int i = 0; i < NB; ++i) acc[i][t] = _mm512_fmadd_ps(col[i], ht, acc[i][t]);
     }
   }
   for (int i = 0; i < NB; ++i) {
-    const int64_t cols = i == NB - 1 ? last : 16;
-    const __mmask16 m = static_cast<__mmask16>((1u << cols) - 1u);
+    const __mmask16 m = i == NB - 1 ? tail : static_cast<__mmask16>(0xFFFF);
     for (int t = 0; t < NT; ++t) {
       float* y = e.y[t] + c + 16 * i;
       _mm512_mask_storeu_ps(y, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, y), acc[i][t]));
@@ -377,23 +396,26 @@ PAGODA_LORA_AVX512 void blocks_avx512(const ExpandRun& e, int64_t c, int64_t las
   }
 }
 
-template <int NT>
-PAGODA_LORA_AVX512 void expand_avx512(const ExpandRun& e) {
+template <typename S, int NT>
+PAGODA_LORA_AVX512 void expand_avx512(const ExpandRun<S>& e) {
   int64_t c = 0;
-  for (; e.cols - c > 16; c += 32) blocks_avx512<NT, 2>(e, c, std::min<int64_t>(16, e.cols - c - 16));
-  if (c < e.cols) blocks_avx512<NT, 1>(e, c, e.cols - c);
+  for (; e.cols - c > 16; c += 32) {
+    blocks_avx512<S, NT, 2>(e, c, std::min<int64_t>(16, e.cols - c - 16));
+  }
+  if (c < e.cols) blocks_avx512<S, NT, 1>(e, c, e.cols - c);
 }
 
-template <int NT, int NB>
-PAGODA_LORA_AVX2 void blocks_avx2(const ExpandRun& e, int64_t c, int64_t last) {
-  const float* buf = e.buf + c * e.rank;
+// As blocks_avx512, 8 columns a block; every block's 8 columns are read (the caller's Cols hold
+// them: a buffer's last block repeats its last column).
+template <typename S, int NT, int NB>
+PAGODA_LORA_AVX2 void blocks_avx2(const ExpandRun<S>& e, int64_t c, int64_t last) {
   __m256 acc[NB][NT];
   for (int i = 0; i < NB; ++i) {
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm256_setzero_ps();
   }
   for (int64_t r = 0; r < e.rank; ++r) {
     __m256 col[NB];
-    for (int i = 0; i < NB; ++i) col[i] = _mm256_loadu_ps(buf + (i * e.rank + r) * 8);
+    for (int i = 0; i < NB; ++i) col[i] = load8(e.b.p + (c + 8 * i) * e.b.cmul + r * e.b.rs);
     for (int t = 0; t < NT; ++t) {
       const __m256 ht = _mm256_set1_ps(e.h[t][r]);
       for (int i = 0; i < NB; ++i) acc[i][t] = _mm256_fmadd_ps(col[i], ht, acc[i][t]);
@@ -414,19 +436,22 @@ PAGODA_LORA_AVX2 void blocks_avx2(const ExpandRun& e, int64_t c, int64_t last) {
   }
 }
 
-template <int NT>
-PAGODA_LORA_AVX2 void expand_avx2(const ExpandRun& e) {
+template <typename S, int NT>
+PAGODA_LORA_AVX2 void expand_avx2(const ExpandRun<S>& e) {
   int64_t c = 0;
-  for (; e.cols - c > 8; c += 16) blocks_avx2<NT, 2>(e, c, std::min<int64_t>(8, e.cols - c - 8));
-  if (c < e.cols) blocks_avx2<NT, 1>(e, c, e.cols - c);
+  for (; e.cols - c > 8; c += 16) {
+    blocks_avx2<S, NT, 2>(e, c, std::min<int64_t>(8, e.cols - c - 8));
+  }
+  if (c < e.cols) blocks_avx2<S, NT, 1>(e, c, e.cols - c);
 }
 
-void expand_scalar(const ExpandRun& e, int64_t w, int64_t nt) {
+template <typename S>
+void expand_scalar(const ExpandRun<S>& e, int64_t w, int64_t nt) {
   for (int64_t t = 0; t < nt; ++t) {
     for (int64_t j = 0; j < e.cols; ++j) {
-      const float* col = e.buf + (j / w) * w * e.rank + j % w;
+      const S* col = e.b.p + (j - j % w) * e.b.cmul + j % w;
       float sum = 0.f;
-      for (int64_t r = 0; r < e.rank; ++r) sum += col[r * w] * e.h[t][r];
+      for (int64_t r = 0; r < e.rank; ++r) sum += widen(col[r * e.b.rs]) * e.h[t][r];
       e.y[t][j] += sum;
     }
   }
@@ -438,7 +463,7 @@ int64_t expand_width(Isa isa) { return isa == Isa::kAvx2 ? 8 : 16; }
 int64_t expand_tokens(Isa isa) { return isa == Isa::kVnni ? 8 : isa == Isa::kAvx2 ? 4 : 1; }
 
 // Slot s's B at columns [o, o + cols) as blocks of W columns, each (rank, W) transposed
-// (buf[(block * rank + r) * W + j]); a last, partial block repeats its last column.
+// (buf[(block * rank + r) * W + j]); a last, partial block repeats its last column. B (S, N, R).
 template <typename W>
 void transpose_columns(const Lora<W>& p, int64_t s, int64_t o, int64_t cols, Isa isa, float* buf) {
   const int64_t w = expand_width(isa);
@@ -458,11 +483,11 @@ void transpose_columns(const Lora<W>& p, int64_t s, int64_t o, int64_t cols, Isa
   }
 }
 
-// Columns [o, o + cols) of slice l for every token of slot s, B's columns transposed in buf; a
-// pass of tokens sweeps the columns in order.
-template <typename W>
+// Columns [o, o + cols) of slice l for every token of slot s, B's columns in b; a pass of tokens
+// sweeps the columns in order.
+template <typename W, typename S>
 void expand_columns(const Lora<W>& p, const Groups& g, Isa isa, const float* h, int64_t s,
-                    int64_t l, int64_t o, int64_t cols, const float* buf) {
+                    int64_t l, int64_t o, int64_t cols, Cols<S> b) {
   const int64_t per_pass = expand_tokens(isa);
   const float* hs[8];
   float* ys[8];
@@ -472,19 +497,36 @@ void expand_columns(const Lora<W>& p, const Groups& g, Isa isa, const float* h, 
       hs[t] = h + g.order[i + t] * p.rows + l * p.rank;
       ys[t] = p.y + g.order[i + t] * p.n + o;
     }
-    const ExpandRun e{buf, p.rank, cols, hs, ys};
+    const ExpandRun<S> e{b, p.rank, cols, hs, ys};
     if (isa == Isa::kVnni) {
-      with_count<8>(nt, [&](auto t) { expand_avx512<decltype(t)::value>(e); });
+      with_count<8>(nt, [&](auto t) { expand_avx512<S, decltype(t)::value>(e); });
     } else if (isa == Isa::kAvx2) {
-      with_count<4>(nt, [&](auto t) { expand_avx2<decltype(t)::value>(e); });
+      with_count<4>(nt, [&](auto t) { expand_avx2<S, decltype(t)::value>(e); });
     } else {
       expand_scalar(e, expand_width(isa), nt);
     }
   }
 }
 
+// expand_columns for B stored by rank: its whole blocks read in place, a last partial block's
+// columns copied into buf as transpose_columns lays them out (no load passes the run's end).
+template <typename W>
+void expand_by_rank(const Lora<W>& p, const Groups& g, Isa isa, const float* h, int64_t s,
+                    int64_t l, int64_t o, int64_t cols, float* buf) {
+  const int64_t w = expand_width(isa), whole = cols - cols % w, rest = cols - whole;
+  const W* b = p.b + s * p.rank * p.n;
+  if (whole > 0) expand_columns(p, g, isa, h, s, l, o, whole, Cols<W>{b + o, 1, p.n});
+  if (rest == 0) return;
+  for (int64_t r = 0; r < p.rank; ++r) {
+    const W* row = b + r * p.n + o + whole;
+    for (int64_t j = 0; j < w; ++j) buf[r * w + j] = widen(row[std::min(j, rest - 1)]);
+  }
+  expand_columns(p, g, isa, h, s, l, o + whole, rest, Cols<float>{buf, p.rank, w});
+}
+
 // Columns split over the threads in blocks of W; a thread's columns are cut at the slices'
-// edges and taken CHUNK at a time, each slot's B there transposed once for all its tokens.
+// edges and taken CHUNK at a time, each slot's B there transposed once for all its tokens (or,
+// stored by rank, read in place).
 template <typename W>
 void expand(const Lora<W>& p, const Groups& g, Isa isa, const float* h) {
   const int64_t w = expand_width(isa), blocks = (p.n + w - 1) / w;
@@ -500,8 +542,12 @@ void expand(const Lora<W>& p, const Groups& g, Isa isa, const float* h) {
       for (int64_t o = first; o < last; o += CHUNK) {
         const int64_t cols = std::min(CHUNK, last - o);
         for (const int64_t s : g.used) {
-          transpose_columns(p, s, o, cols, isa, buf.data());
-          expand_columns(p, g, isa, h, s, l, o, cols, buf.data());
+          if (p.b_by_rank) {
+            expand_by_rank(p, g, isa, h, s, l, o, cols, buf.data());
+          } else {
+            transpose_columns(p, s, o, cols, isa, buf.data());
+            expand_columns(p, g, isa, h, s, l, o, cols, Cols<float>{buf.data(), p.rank, w});
+          }
         }
       }
     }
@@ -527,6 +573,13 @@ void check_weights(const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), "a and b must be on CPU");
 }
 
+// Whether b (S, N, R) is the transpose of a contiguous (S, R, N) tensor: B stored by rank, so the
+// expand reads each rank's columns in place (one row of N), with no transposes.
+bool stored_by_rank(const at::Tensor& b) {
+  const int64_t n = b.size(1), r = b.size(2);
+  return !b.is_contiguous() && b.stride(0) == n * r && b.stride(1) == 1 && b.stride(2) == n;
+}
+
 void check_shapes(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                   const at::Tensor& b, const at::Tensor& slots, at::IntArrayRef offsets) {
   check_float(y, "y", 2);
@@ -534,10 +587,11 @@ void check_shapes(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
   check_weights(a, b);
   const int64_t t = x.size(0), n = y.size(1);
   TORCH_CHECK(y.size(0) == t && y.is_contiguous(), "y must be contiguous (T, N), T = x's rows");
-  TORCH_CHECK(a.is_contiguous() && b.is_contiguous(), "a and b must be contiguous");
   TORCH_CHECK(a.size(3) == x.size(1), "a (S, L, R, K): K = x's columns");
   TORCH_CHECK(b.size(0) == a.size(0) && b.size(1) == n && b.size(2) == a.size(2),
               "b must be (S, N, R) for a (S, L, R, K) and y (T, N), got ", b.sizes());
+  TORCH_CHECK(a.is_contiguous() && (b.is_contiguous() || stored_by_rank(b)),
+              "a must be contiguous, b (S, N, R) contiguous or the transpose of an (S, R, N) one");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == t && slots.scalar_type() == at::kLong &&
                   slots.device().is_cpu(),
               "slots must be int64 (T,) on CPU");
@@ -554,7 +608,7 @@ Lora<W> lora_of(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a,
                 const at::Tensor& b, at::IntArrayRef offsets) {
   return Lora<W>{x.data_ptr<float>(), x.stride(0), a.data_ptr<W>(), b.data_ptr<W>(),
                  y.data_ptr<float>(), x.size(1), y.size(1), a.size(2),
-                 a.size(1) * a.size(2), offsets.vec()};
+                 a.size(1) * a.size(2), offsets.vec(), stored_by_rank(b)};
 }
 
 // Calls fn(W{}) for a's element type W.
@@ -614,15 +668,25 @@ class Stage final : public LoraStage {
       const Item<W> it = item_at(p_, g_, item);
       prefetch_l2(it.a, it.nr * p_.k * kBytes);
     }
-    const int64_t from = upto(c0, c1, done - 1), to = upto(c0, c1, done);
-    for (const int64_t s : g_.used) {
-      prefetch_l2(p_.b + (s * p_.n + from) * p_.rank, (to - from) * p_.rank * kBytes);
-    }
+    prefetch_b(upto(c0, c1, done - 1), upto(c0, c1, done));
   }
 
   void finish() override { expand(p_, g_, isa_, h_.data_ptr<float>()); }
 
  private:
+  // The used slots' B at columns [from, to).
+  void prefetch_b(int64_t from, int64_t to) const {
+    for (const int64_t s : g_.used) {
+      if (!p_.b_by_rank) {
+        prefetch_l2(p_.b + (s * p_.n + from) * p_.rank, (to - from) * p_.rank * kBytes);
+        continue;
+      }
+      for (int64_t r = 0; r < p_.rank; ++r) {
+        prefetch_l2(p_.b + (s * p_.rank + r) * p_.n + from, (to - from) * kBytes);
+      }
+    }
+  }
+
   Lora<W> p_;
   Groups g_;
   Isa isa_;

@@ -31,7 +31,7 @@ using LoraOpt = c10::optional<at::Tensor>;
 // The optional lora_* arguments of a matmul op: all of a, b and slots, or none of them.
 struct LoraArgs {
   const LoraOpt& a;         // (S, L, R, K), float32, bfloat16 or float16
-  const LoraOpt& b;         // (S, N, R), a's dtype
+  const LoraOpt& b;         // (S, N, R), a's dtype; contiguous or stored by rank (lora.cpp)
   const LoraOpt& slots;     // (T,) int64, -1: no adapter
   at::IntArrayRef offsets;  // L + 1 ascending column edges within [0, N]
 };
