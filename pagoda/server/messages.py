@@ -59,12 +59,14 @@ async def create_message(state: ServerState, body: MessagesRequest, request: Req
     rid = f"msg_{uuid.uuid4().hex}"
     streams = await add_all(state, rid, [(text, ids)], params, chat)
     if body.stream:
-        events = message_events(state, rid, plan.parse, streams[0], reasoning)
+        model = state.served_name(body.model)
+        events = message_events(state, rid, model, plan.parse, streams[0], reasoning)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def work() -> Response:
         out = (await collect(state.engine, streams))[0]
-        return JSONResponse(_message(state, plan, reasoning, rid, out).model_dump())
+        message = _message(state.served_name(body.model), plan, reasoning, rid, out)
+        return JSONResponse(message.model_dump())
 
     return await until_disconnect(request, work)
 
@@ -160,8 +162,9 @@ def _check_blocks(i: int, m: InputMessage) -> None:
 
 
 def _message(
-    state: ServerState, plan: ToolPlan, reasoning: Reasoning | None, rid: str, out: RequestOutput
+    model: str, plan: ToolPlan, reasoning: Reasoning | None, rid: str, out: RequestOutput
 ) -> MessageResponse:
+    """model: the name the response gives (the adapter's, when the request named one)."""
     c: CompletionOutput = out.outputs[0]
     thought, answer = (None, c.text) if reasoning is None else reasoning.split(c, True)
     text, calls = parse_tool_calls(answer or "") if plan.parse else (answer, [])
@@ -173,7 +176,7 @@ def _message(
     reason, sequence = stop_reason(c, len(calls))
     return MessageResponse(
         id=rid,
-        model=state.model_name,
+        model=model,
         content=content,
         stop_reason=reason,
         stop_sequence=sequence,

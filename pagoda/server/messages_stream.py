@@ -128,14 +128,16 @@ class _Blocks:
 async def message_events(
     state: ServerState,
     rid: str,
+    model: str,
     parse: bool,
     stream: RequestStream,
     reasoning: Reasoning | None = None,
 ) -> AsyncIterator[str]:
-    """The events of one sample's stream; `parse`: read tool calls out of its text;
-    `reasoning`: split its thinking off."""
+    """The events of one sample's stream; `model`: the name its message gives (the adapter's,
+    when the request named one); `parse`: read tool calls out of its text; `reasoning`: split
+    its thinking off."""
     usage = MessageUsage(input_tokens=len(stream.state.prompt_token_ids), output_tokens=0)
-    start = MessageResponse(id=rid, model=state.model_name, content=[], usage=usage)
+    start = MessageResponse(id=rid, model=model, content=[], usage=usage)
     yield sse(MessageStartEvent(message=start))
     blocks = _Blocks()
     calls = ToolCallStream() if parse else None

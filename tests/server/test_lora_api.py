@@ -3,13 +3,15 @@ named as `model` (from --lora-modules, or loaded at run time with
 PAGODA_ALLOW_RUNTIME_LORA_UPDATING) gives the offline engine's greedy text with that adapter
 (itself HF+PEFT's tokens: tests/models/test_lora.py), /v1/models lists base and
 adapters, unloading makes the name a 404, a bad adapter is a 400 and the server goes on, the
-load routes need the API key, and /metrics names the adapters in pagoda:lora_requests_info."""
+load routes need the API key, Anthropic's Messages route runs and names the adapter, and /metrics
+names the adapters in pagoda:lora_requests_info."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -121,6 +123,26 @@ def test_static_and_runtime_adapters_give_the_offline_engines_text(
     missing = server.post("/v1/unload_lora_adapter", {"lora_name": "chat"})
     assert missing.status_code == 404
     assert missing.json()["error"]["message"] == "The lora adapter 'chat' cannot be found."
+
+
+def test_the_messages_route_runs_the_named_adapter_and_names_it(server: ServerProcess) -> None:
+    """Anthropic's Messages route (and its stream's message_start) names the adapter the request
+    named, as the OpenAI routes do, and gives the chat completion's text with it."""
+    messages: list[Any] = [{"role": "user", "content": "Say something."}]
+    chat = server.client().chat.completions.create(
+        model="sql", messages=messages, max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    # anthropic's client takes no sampling arguments: temperature goes in the body
+    greedy: dict[str, Any] = {"max_tokens": MAX_TOKENS, "extra_body": {"temperature": 0.0}}
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    message = client.messages.create(model="sql", messages=messages, **greedy)
+    text = "".join(b.text for b in message.content if b.type == "text")
+    assert message.model == "sql" and text == chat.choices[0].message.content
+    with client.messages.stream(model="sql", messages=messages, **greedy) as stream:
+        started = [e.message.model for e in stream if e.type == "message_start"]
+        streamed = stream.get_final_message()
+    assert started == ["sql"] and streamed.model == "sql"
+    assert "".join(b.text for b in streamed.content if b.type == "text") == text
 
 
 def test_bad_adapters_are_400s_and_the_server_goes_on(
