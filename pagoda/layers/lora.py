@@ -124,7 +124,8 @@ class LoRAWeights(nn.Module):
         # b is (S, N, R); for the C++ kernel it is stored by rank, the transpose of an (S, R, N)
         # tensor, so the kernel reads each rank's output columns in place (lora.cpp).
         if self.cpu_kernel:
-            b = torch.zeros(num_slots, max_rank, offsets[-1], dtype=dtype).transpose(1, 2)
+            b = torch.zeros(num_slots, max_rank, offsets[-1], dtype=dtype, device=device)
+            b = b.transpose(1, 2)
         else:
             b = torch.zeros(num_slots, offsets[-1], max_rank, dtype=dtype, device=device)
         self.register_buffer("b", b)

@@ -58,15 +58,14 @@ async def create_message(state: ServerState, body: MessagesRequest, request: Req
     params = chat_params(chat, body.max_tokens, None, plan, reasoning)
     rid = f"msg_{uuid.uuid4().hex}"
     streams = await add_all(state, rid, [(text, ids)], params, chat)
+    model = state.served_name(body.model)
     if body.stream:
-        model = state.served_name(body.model)
         events = message_events(state, rid, model, plan.parse, streams[0], reasoning)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def work() -> Response:
         out = (await collect(state.engine, streams))[0]
-        message = _message(state.served_name(body.model), plan, reasoning, rid, out)
-        return JSONResponse(message.model_dump())
+        return JSONResponse(_message(model, plan, reasoning, rid, out).model_dump())
 
     return await until_disconnect(request, work)
 

@@ -50,7 +50,7 @@ def _stream() -> Any:
 def test_a_message_streams_its_thinking_then_its_text() -> None:
     state: Any = SimpleNamespace(engine=FakeEngine(), model_name="m")
     reasoning = Reasoning("qwen3", "<think>", FakeTokenizer())
-    events = _events(message_events(state, "msg_1", False, _stream(), reasoning))
+    events = _events(message_events(state, "msg_1", "m", False, _stream(), reasoning))
     shown = [
         (e["type"], e.get("index"), e.get("delta", e.get("content_block")))
         for e in events
