@@ -535,7 +535,8 @@ void expand(const Lora<W>& p, const Groups& g, Isa isa, const float* h) {
   const int64_t grain =
       std::max(EXPAND_GRAIN, MIN_THREAD_WORK / std::max<int64_t>(1, block_work));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(p.rank * (CHUNK + w));
+    // B by rank needs room for one partial block; an (S, N, R) B for a chunk's transposed blocks
+    std::vector<float> buf(p.rank * ((p.b_by_rank ? 0 : CHUNK) + w));
     const int64_t lo = begin * w, hi = std::min(end * w, p.n);
     for (int64_t l = 0; l < slices; ++l) {
       const int64_t first = std::max(lo, p.offsets[l]), last = std::min(hi, p.offsets[l + 1]);
