@@ -75,6 +75,8 @@ def machine_record() -> dict[str, Any]:
         "aten_cpu_capability_env": os.environ.get("ATEN_CPU_CAPABILITY"),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "pagoda_kernels_isa": None if ops is None else ISA_NAMES[ops.isa()],
+        # the quantized matmuls' passes of 16+ rows on the tile unit (kernels/cpu/quant_gemm.cpp)
+        "pagoda_kernels_amx": None if ops is None else bool(ops.amx()),
     }
 
 

@@ -372,6 +372,11 @@ FLOAT16_KERNELS = ("cpu_f16", "cpu_bf16")
 CPU_KERNELS = (*NIBBLE_FORMS, *FLOAT16_KERNELS, "cpu_q8", "cpu_parts")
 
 
+# The quantized matmuls' isa_limit: 3 lets their passes of 16 or more rows take the tile unit
+# (AMX) where the CPU has it, with the bits of the AVX-512 VNNI path (kernels/cpu/quant_gemm.cpp).
+MATMUL_ISA = 3
+
+
 def _lora_args(lora: Any, rows: torch.Tensor) -> tuple[Any, ...]:
     """The quantized matmul ops' optional lora_a, lora_b, lora_slots, lora_offsets for a
     LoRAWeights (layers/lora.py) and x's rows; () without adapters."""
@@ -391,14 +396,18 @@ def cpu_matmul(layer: Any, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
         y = torch.cat([cpu_matmul(p, rows) for p in layer.parts], -1)
     elif layer.kernel in NIBBLE_FORMS:
         form = NIBBLE_FORMS[layer.kernel]
-        y = ops.q4x16_matmul(rows, layer.packed, layer.cpu_rows, 2, form, *_lora_args(lora, rows))
+        y = ops.q4x16_matmul(
+            rows, layer.packed, layer.cpu_rows, MATMUL_ISA, form, *_lora_args(lora, rows)
+        )
         lora = None
     elif layer.kernel in FLOAT16_KERNELS:
         bf16 = layer.kernel == "cpu_bf16"
         y = ops.f16x16_matmul(rows, layer.packed, layer.cpu_rows, 2, bf16)
     else:
         lora_args = _lora_args(lora, rows)
-        y = ops.q8x16_matmul(rows, layer.packed, layer.packed_scales, layer.cpu_rows, 2, *lora_args)
+        y = ops.q8x16_matmul(
+            rows, layer.packed, layer.packed_scales, layer.cpu_rows, MATMUL_ISA, *lora_args
+        )
         lora = None
     if lora is not None:
         y = lora.add_to(y, rows)
@@ -419,7 +428,15 @@ def cpu_matmul_norm(
     if layer.kernel in NIBBLE_FORMS:
         form = NIBBLE_FORMS[layer.kernel]
         return ops.q4x16_matmul_norm(  # type: ignore[no-any-return]
-            x, residual, norm.weight, norm.eps, layer.packed, layer.cpu_rows, 2, form, *lora_args
+            x,
+            residual,
+            norm.weight,
+            norm.eps,
+            layer.packed,
+            layer.cpu_rows,
+            MATMUL_ISA,
+            form,
+            *lora_args,
         )
     return ops.q8x16_matmul_norm(  # type: ignore[no-any-return]
         x,
@@ -429,7 +446,7 @@ def cpu_matmul_norm(
         layer.packed,
         layer.packed_scales,
         layer.cpu_rows,
-        2,
+        MATMUL_ISA,
         *lora_args,
     )
 
@@ -443,7 +460,9 @@ def cpu_matmul_silu(layer: Any, x: torch.Tensor, lora: Any = None) -> torch.Tens
     lora_args = _lora_args(lora, x)
     if layer.kernel in NIBBLE_FORMS:
         form = NIBBLE_FORMS[layer.kernel]
-        return ops.q4x16_matmul_silu(x, layer.packed, layer.cpu_rows, 2, form, *lora_args)  # type: ignore[no-any-return]
+        return ops.q4x16_matmul_silu(  # type: ignore[no-any-return]
+            x, layer.packed, layer.cpu_rows, MATMUL_ISA, form, *lora_args
+        )
     return ops.q8x16_matmul_silu(  # type: ignore[no-any-return]
-        x, layer.packed, layer.packed_scales, layer.cpu_rows, 2, *lora_args
+        x, layer.packed, layer.packed_scales, layer.cpu_rows, MATMUL_ISA, *lora_args
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -48,6 +49,9 @@ from pagoda.layers.quant_forms import quantize_int8_rows
 OPS = built()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the CPU kernels cannot be built here")
 ISAS = [] if OPS is None else list(range(OPS.isa() + 1))
+# The quantized matmuls' isa_limits: 3 adds the tile unit (AMX) where OPS.amx(), for passes of
+# 16 rows and more; where the CPU has no AMX it runs the VNNI path, so it is only listed there.
+MATMUL_ISAS = ISAS + ([3] if ISAS and ISAS[-1] == 2 else [])
 
 
 # Where a block's fp16 fields start and how many there are: (d, m) / (d, dmin), or d alone.
@@ -145,7 +149,7 @@ def _check(qtype: str, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     torch.testing.assert_close(y.double(), exact, rtol=0, atol=2e-6 * scale + 1e-6)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", MATMUL_ISAS)
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize(
     ("m", "n", "k"), [(1, 37, 256), (3, 64, 512), (5, 1538, 256), (9, 20, 768), (67, 48, 256)]
@@ -293,12 +297,13 @@ def test_aten_cpu_capability_caps_the_kernels_isa_for_the_process(
     assert int(out.stdout.strip().splitlines()[-1]) == min(cap, OPS.isa())
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", MATMUL_ISAS)
 def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
     """Every pass size (1 .. 8 rows on AVX-512 VNNI; on AVX2 1 .. 4, and 1 .. 8 for the forms
     whose tiles take a block at a time: Q4_0, Q4_1, Q4_K, Q6_K; AVX2 passes of 1-2 rows walk a
-    tile once for both its 8-row halves, larger ones twice) does each row's arithmetic alone: a
-    verification step's rows equal the plain steps' exactly."""
+    tile once for both its 8-row halves, larger ones twice; isa 3 with AMX, 16 rows on the tile
+    unit and the rest on VNNI) does each row's arithmetic alone: a verification step's rows equal
+    the plain steps' exactly."""
     assert OPS is not None
     gen = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 16, (40, 96), dtype=torch.uint8, generator=gen)
@@ -325,6 +330,37 @@ def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
         assert torch.equal(OPS.q8x16_matmul(x[:m], q8, q8_scales, 40, isa), alone8[:m]), m
         for q, held in super_blocks.items():
             assert torch.equal(_matmul(held, xk[:m], isa), alone_k[q][:m]), (q, m)
+
+
+@pytest.mark.parametrize("qtype", [q for q in QTYPES if KERNEL_OF[q] in NIBBLE_FORMS])
+@pytest.mark.parametrize("m", [16, 17, 33, 70])
+def test_the_tile_unit_gives_the_vnni_bits(threads: int, qtype: str, m: int) -> None:
+    """isa_limit 3 (AMX where OPS.amx(): passes of 16 rows on the tile unit, the rest of the rows
+    and the two-scale forms on VNNI) gives every nibble form the VNNI path's bits, on a tile
+    count that splits unevenly over the threads and a partial last tile."""
+    assert OPS is not None
+    if OPS.isa() < 2:
+        assert not OPS.amx()  # no VNNI path to match: the tile path is never taken
+        return
+    weight = _blocks(qtype, 53, 512, seed=m)
+    held = _held(weight)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    assert torch.equal(_matmul(held, x, 3), _matmul(held, x, 2))
+
+
+def test_amx_is_used_only_where_the_cpu_lists_it_and_can_be_turned_off() -> None:
+    """OPS.amx() never claims the tile unit on a CPU whose flags lack AMX-INT8 (it also runs a
+    tile instruction before it says yes), and PAGODA_CPU_AMX=0 turns it off for the process."""
+    assert OPS is not None
+    flags = Path("/proc/cpuinfo").read_text().split()
+    if OPS.amx():
+        assert "amx_int8" in flags and "amx_tile" in flags
+    code = "from pagoda.kernels.cpu import built; print(built().amx())"
+    env = {**os.environ, "PAGODA_CPU_AMX": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False"
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -59,7 +59,12 @@
 // tiles are split over torch's intra-op threads.
 
 #include <ATen/Parallel.h>
+#include <cpuid.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <sys/syscall.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <vector>
 
@@ -100,6 +105,8 @@ inline void load_words(const int8_t* q, int32_t* words, int count) {
 }
 
 #define PAGODA_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define PAGODA_AMX \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")))
 #define PAGODA_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // ---- the nibble forms ------------------------------------------------------------------------
@@ -301,45 +308,53 @@ PAGODA_VNNI inline void group_scales_vnni(const uint8_t* tile, int64_t g, __m512
   }
 }
 
+// Group g's codes as 8 blocks of 64 bytes in dpbusd's order (block i, byte 4j + b: row j's
+// code 4i + b of the group), unsigned: the nibbles with the 5-bit forms' fifth bits, kQ6K's high
+// bits, or the IQ4 forms' values + 128; the crumb forms' 2-bit codes with their masks' bits.
+template <Form F>
+PAGODA_VNNI inline void unpack_codes_vnni(const uint8_t* b, __m512i* w) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  if constexpr (kCrumb<F>) {
+    const __m512i three = _mm512_set1_epi8(3);
+    for (int t = 0; t < 2; ++t) {
+      const __m512i v = _mm512_loadu_si512(b + 64 * t);
+      for (int c = 0; c < 4; ++c) w[4 * t + c] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * c), three);
+    }
+  } else {
+    for (int s = 0; s < 4; ++s) {
+      const __m512i v = _mm512_loadu_si512(b + 64 * s);
+      w[2 * s] = _mm512_and_si512(v, mask);
+      w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+    }
+  }
+  if constexpr (kFifth<F>) {
+    const __m512i fifth = _mm512_set1_epi8(kMaskBit<F>);
+    for (int i = 0; i < 8; ++i) {
+      w[i] = _mm512_or_si512(w[i], _mm512_maskz_mov_epi8(fifth_mask<F>(b, i), fifth));
+    }
+  } else if constexpr (kTable<F>) {
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Unsigned)));
+    for (int i = 0; i < 8; ++i) w[i] = _mm512_shuffle_epi8(lut, w[i]);
+  } else if constexpr (F == Form::kQ6K) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int s = 0; s < 4; ++s) {
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * s));
+      const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(hb, low4)),
+                                           _mm256_and_si256(_mm256_srli_epi16(hb, 4), low4), 1);
+      w[2 * s] = _mm512_or_si512(w[2 * s], _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(3)), 4));
+      w[2 * s + 1] = _mm512_or_si512(w[2 * s + 1], _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(12)), 2));
+    }
+  }
+}
+
 template <int M, Form F>
 PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
-  const __m512i mask = _mm512_set1_epi8(0x0F);
   __m512 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
     const uint8_t* b = codes_at<F>(tile, g);
     __m512i w[8];
-    if constexpr (kCrumb<F>) {
-      const __m512i three = _mm512_set1_epi8(3);
-      for (int t = 0; t < 2; ++t) {
-        const __m512i v = _mm512_loadu_si512(b + 64 * t);
-        for (int c = 0; c < 4; ++c) w[4 * t + c] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * c), three);
-      }
-    } else {
-      for (int s = 0; s < 4; ++s) {
-        const __m512i v = _mm512_loadu_si512(b + 64 * s);
-        w[2 * s] = _mm512_and_si512(v, mask);
-        w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-      }
-    }
-    if constexpr (kFifth<F>) {
-      const __m512i fifth = _mm512_set1_epi8(kMaskBit<F>);
-      for (int i = 0; i < 8; ++i) {
-        w[i] = _mm512_or_si512(w[i], _mm512_maskz_mov_epi8(fifth_mask<F>(b, i), fifth));
-      }
-    } else if constexpr (kTable<F>) {
-      const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Unsigned)));
-      for (int i = 0; i < 8; ++i) w[i] = _mm512_shuffle_epi8(lut, w[i]);
-    } else if constexpr (F == Form::kQ6K) {
-      const __m256i low4 = _mm256_set1_epi8(0x0F);
-      for (int s = 0; s < 4; ++s) {
-        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * s));
-        const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(hb, low4)),
-                                             _mm256_and_si256(_mm256_srli_epi16(hb, 4), low4), 1);
-        w[2 * s] = _mm512_or_si512(w[2 * s], _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(3)), 4));
-        w[2 * s + 1] = _mm512_or_si512(w[2 * s + 1], _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(12)), 2));
-      }
-    }
+    unpack_codes_vnni<F>(b, w);
     __m512 s0, s1, o0, o1;
     group_scales_vnni<F>(tile, g, &s0, &s1);
     if constexpr (F == Form::kQ2K) q2k_offsets_vnni(unit_at<F>(tile, g), meta_of<F>(tile, g), &o0, &o1);
@@ -377,6 +392,169 @@ PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << p.valid) - 1u);
   for (int r = 0; r < M; ++r) _mm512_mask_storeu_ps(p.y + r * p.ldy, keep, acc[r]);
+}
+
+// ---- AMX: passes of 16 rows on the tile unit ----------------------------------------------------
+//
+// A group's 16 x 16 dot products of a 16-row pass, in one tdpbsud: A the pass's activation codes
+// (16 rows x the group's 32 bytes, signed), B the group's 8 unpacked code blocks (8 rows x 64
+// bytes, unsigned: unpack_codes_vnni's, which are already the tile unit's layout, 4 codes of each
+// output row a 32-bit word). The dot products are integers, so each equals nibble_tile_vnni's
+// d0 + d1 exactly, and the epilogue is its, operation for operation: a row gets the same bits on
+// either path. The forms with two dot products a group (kHalves) stay on VNNI.
+
+// ldtilecfg's 64 bytes, palette 1: tiles 0 and 3 dot products (16 x 16 int32), 1 and 4
+// activations (16 x 32 bytes), 2 and 5 codes (8 x 64 bytes)
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 32, 64, 64, 32, 64};
+  uint8_t rows[16] = {16, 16, 8, 16, 16, 8};
+};
+
+sigjmp_buf probe_jump;
+void on_sigill(int) { siglongjmp(probe_jump, 1); }
+
+// Runs a tile instruction with SIGILL caught: a virtual machine may list AMX in CPUID and grant
+// the permission, yet fault on the first tile instruction.
+PAGODA_AMX bool tiles_run() {
+  struct sigaction action {}, previous {};
+  action.sa_handler = on_sigill;
+  sigemptyset(&action.sa_mask);
+  if (sigaction(SIGILL, &action, &previous) != 0) return false;
+  bool ran = false;
+  if (sigsetjmp(probe_jump, 1) == 0) {
+    static const TileConfig config;
+    _tile_loadconfig(&config);
+    _tile_zero(0);
+    _tile_release();
+    ran = true;
+  }
+  sigaction(SIGILL, &previous, nullptr);
+  return ran;
+}
+
+// Whether this process may run tile instructions: the CPU has AMX-TILE and AMX-INT8 (CPUID 7.0
+// EDX bits 24, 25), Linux grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM) and a tile
+// instruction runs; found once. PAGODA_CPU_AMX=0 turns the tile path off.
+bool amx_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("PAGODA_CPU_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (((d >> 24) & 1u) == 0 || ((d >> 25) & 1u) == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0 && tiles_run();
+  }();
+  return ready;
+}
+
+// The tile intrinsics are asm without a memory operand: the barrier keeps the compiler's stores
+// to what a tile loads before it, and its loads of what a tile stores after it.
+inline void memory_barrier() { asm volatile("" ::: "memory"); }
+
+constexpr int AMX_ROWS = 16;  // activation rows a pass
+
+// Rows [r, ...) of a pass, as a pass of their own.
+inline Pass pass_from(const Pass& p, int64_t r) {
+  Pass q = p;
+  q.q += r * p.k;
+  q.xd += r * p.groups;
+  q.xs += r * p.groups;
+  q.qsum += r * p.groups;
+  if (q.qsum16 != nullptr) q.qsum16 += r * 2 * p.groups;
+  q.y += r * p.ldy;
+  return q;
+}
+
+// Every group's codes of a tile, unpacked once for all of its passes: groups x 512 bytes.
+template <Form F>
+PAGODA_VNNI void unpack_tile_vnni(const uint8_t* tile, int64_t groups, uint8_t* out) {
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i w[8];
+    unpack_codes_vnni<F>(codes_at<F>(tile, g), w);
+    for (int i = 0; i < 8; ++i) _mm512_store_si512(out + 512 * g + 64 * i, w[i]);
+  }
+}
+
+// Group G's dot products into tile C, from activations in tile A and codes in tile B.
+#define PAGODA_AMX_DOTS(C, A, B, G)                  \
+  do {                                               \
+    _tile_zero(C);                                   \
+    _tile_loadd(A, p.q + (G) * GROUP, p.k);          \
+    _tile_loadd(B, codes + 512 * (G), 64);           \
+    _tile_dpbsud(C, A, B);                           \
+  } while (0)
+
+// Group g's share of a 16-row pass, from its dot products as the tile unit stored them: the
+// epilogue nibble_tile_vnni gives d0 + d1.
+template <Form F>
+PAGODA_VNNI inline void amx_epilogue(const uint8_t* tile, const Pass& p, int64_t g,
+                                     const int32_t* dots, __m512* acc) {
+  memory_barrier();
+  __m512 s0, s1;
+  group_scales_vnni<F>(tile, g, &s0, &s1);
+  for (int r = 0; r < AMX_ROWS; ++r) {
+    const int64_t i = r * p.groups + g;
+    __m512i dot = _mm512_load_si512(dots + 16 * r);
+    if constexpr (kTable<F>) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(-128 * p.qsum[i]));
+    const __m512 xd = _mm512_set1_ps(p.xd[i]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s0, xd), acc[r]);
+    if constexpr (!kTable<F>) acc[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(p.xs[i]), acc[r]);
+  }
+  memory_barrier();
+}
+
+// One 16-row pass; the tiles are configured and `codes` holds the tile's unpacked groups. Two
+// sets of tiles (0-2, 3-5) take the groups in turn, so that the unit computes a group's dot
+// products while the vector units take the one before it.
+template <Form F>
+PAGODA_AMX void nibble_pass_amx(const uint8_t* tile, const uint8_t* codes, const Pass& p) {
+  static_assert(!kHalves<F>);
+  alignas(64) int32_t dots[AMX_ROWS * 16];
+  __m512 acc[AMX_ROWS];
+  for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  memory_barrier();
+  PAGODA_AMX_DOTS(0, 1, 2, 0);
+  for (int64_t g = 0; g < p.groups; g += 2) {
+    if (g + 1 < p.groups) PAGODA_AMX_DOTS(3, 4, 5, g + 1);
+    _tile_stored(0, dots, 64);
+    amx_epilogue<F>(tile, p, g, dots, acc);
+    if (g + 1 < p.groups) {
+      if (g + 2 < p.groups) PAGODA_AMX_DOTS(0, 1, 2, g + 2);
+      _tile_stored(3, dots, 64);
+      amx_epilogue<F>(tile, p, g + 1, dots, acc);
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << p.valid) - 1u);
+  for (int r = 0; r < AMX_ROWS; ++r) _mm512_mask_storeu_ps(p.y + r * p.ldy, keep, acc[r]);
+}
+#undef PAGODA_AMX_DOTS
+
+// 64 bytes, aligned: a row of the codes' buffer
+struct alignas(64) Line {
+  uint8_t bytes[64];
+};
+
+// A tile against all `m` rows of p: 16-row passes on the tile unit, the rest on VNNI.
+template <Form F>
+PAGODA_AMX void nibble_tile_amx(const uint8_t* tile, const Pass& p, int64_t m) {
+  int64_t r = 0;
+  if (m >= AMX_ROWS) {
+    thread_local std::vector<Line> codes;  // this thread's, as large as its largest tile
+    if (codes.size() < static_cast<size_t>(8 * p.groups)) codes.resize(8 * p.groups);
+    uint8_t* c = codes.data()->bytes;
+    unpack_tile_vnni<F>(tile, p.groups, c);
+    static const TileConfig config;
+    _tile_loadconfig(&config);  // other code (oneDNN) may have configured this thread's tiles
+    for (; r + AMX_ROWS <= m; r += AMX_ROWS) nibble_pass_amx<F>(tile, c, pass_from(p, r));
+  }
+  for (; r < m; r += MAX_M_VNNI) {
+    const Pass rest = pass_from(p, r);
+    with_rows<MAX_M_VNNI>(static_cast<int>(std::min<int64_t>(MAX_M_VNNI, m - r)),
+                          [&](auto rows) { nibble_tile_vnni<decltype(rows)::value, F>(tile, rest); });
+  }
 }
 
 // `value` in byte i where bit i of `word` is set (32 codes of rows 8h .. 8h + 7).
@@ -869,6 +1047,12 @@ void q8_tile_scalar(const uint8_t* tile, const float* scales, int64_t sstep, con
 
 // ---- dispatch -------------------------------------------------------------------------------
 
+// isa_limit 3 lets a call take the tile unit (AMX) where amx_ready(), for its passes of 16
+// rows (the same bits as VNNI's); below 16 rows there is no full pass.
+bool use_amx(int64_t isa_limit, Isa isa, int64_t m) {
+  return isa_limit >= 3 && isa == Isa::kVnni && m >= AMX_ROWS && amx_ready();
+}
+
 int64_t rows_per_pass(Isa isa, bool by_block = false) {
   if (isa == Isa::kVnni) return MAX_M_VNNI;
   return by_block && isa == Isa::kAvx2 ? MAX_M_AVX2_BY_BLOCK : MAX_M_AVX2;
@@ -962,10 +1146,19 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
   const Isa isa = pick_isa(isa_limit);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t tile_bytes = (k / per_unit) * unit_bytes(form);
+  bool halves = false, by_block = false;
+  with_form(form, [&](auto tag) {
+    halves = kHalves<decltype(tag)::value>;
+    by_block = kByBlockAvx2<decltype(tag)::value>;
+  });
+  const bool amx = use_amx(isa_limit, isa, x.size(0)) && !halves;
   const auto tile_fn = [&](int64_t t, const Pass& p, int m) {
     const uint8_t* tile = w + t * tile_bytes;
     with_form(form, [&](auto tag) {
       constexpr Form F = decltype(tag)::value;
+      if constexpr (!kHalves<F>) {
+        if (amx) return nibble_tile_amx<F>(tile, p, m);
+      }
       if (isa == Isa::kVnni) {
         with_rows<MAX_M_VNNI>(m, [&](auto rows) { nibble_tile_vnni<decltype(rows)::value, F>(tile, p); });
       } else if (isa == Isa::kAvx2) {
@@ -981,13 +1174,9 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
       }
     });
   };
-  bool halves = false, by_block = false;
-  with_form(form, [&](auto tag) {
-    halves = kHalves<decltype(tag)::value>;
-    by_block = kByBlockAvx2<decltype(tag)::value>;
-  });
   const LoraArgs lora{lora_a, lora_b, lora_slots, lora_offsets};
-  return run_tiles(x, n, tiles, isa, rows_per_pass(isa, by_block), tile_fn, halves, lora);
+  const int64_t per_pass = amx ? x.size(0) : rows_per_pass(isa, by_block);
+  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, halves, lora);
 }
 
 // packed: (ceil(n / 16), K / 32, 512) uint8; scales: (ceil(n / 16), K / 32 or 1, 16) float32
@@ -1105,6 +1294,7 @@ TORCH_LIBRARY(pagoda_cpu, m) {
         LORA_ARGS ") -> Tensor");
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.def("isa() -> int", &pagoda_cpu::isa);
+  m.def("amx() -> bool", &pagoda_cpu::amx_ready);
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
