@@ -332,20 +332,24 @@ def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
             assert torch.equal(_matmul(held, xk[:m], isa), alone_k[q][:m]), (q, m)
 
 
-@pytest.mark.parametrize("qtype", [q for q in QTYPES if KERNEL_OF[q] in NIBBLE_FORMS])
+@pytest.mark.parametrize("qtype", [q for q in QTYPES if q not in gguf.FLOAT16_TYPES])
 @pytest.mark.parametrize("m", [16, 17, 33, 70])
 def test_the_tile_unit_gives_the_vnni_bits(threads: int, qtype: str, m: int) -> None:
     """isa_limit 3 (AMX where OPS.amx(): passes of 16 rows on the tile unit, the rest of the rows
-    and the two-scale forms on VNNI) gives every nibble form the VNNI path's bits, on a tile
-    count that splits unevenly over the threads and a partial last tile."""
+    and the two-scale forms on VNNI) gives every quantized form the VNNI path's bits, on a tile
+    count that splits unevenly over the threads and a partial last tile; the int8 rows (one
+    scale a row, an LM head's) too."""
     assert OPS is not None
     if OPS.isa() < 2:
         assert not OPS.amx()  # no VNNI path to match: the tile path is never taken
         return
-    weight = _blocks(qtype, 53, 512, seed=m)
-    held = _held(weight)
-    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    gen = torch.Generator().manual_seed(m)
+    held = _held(_blocks(qtype, 53, 512, seed=m))
+    x = torch.randn(m, 512, generator=gen)
     assert torch.equal(_matmul(held, x, 3), _matmul(held, x, 2))
+    codes, scale = quantize_int8_rows(torch.randn(53, 512, generator=gen))
+    rows = pack_q8x16(codes, scale[:, None])
+    assert torch.equal(OPS.q8x16_matmul(x, *rows, 53, 3), OPS.q8x16_matmul(x, *rows, 53, 2))
 
 
 def test_amx_is_used_only_where_the_cpu_lists_it_and_can_be_turned_off() -> None:
@@ -363,7 +367,7 @@ def test_amx_is_used_only_where_the_cpu_lists_it_and_can_be_turned_off() -> None
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", MATMUL_ISAS)
 @pytest.mark.parametrize("m", [1, 2, 6, 33])
 def test_int8_rows_match_the_reference(threads: int, isa: int, m: int) -> None:
     assert OPS is not None

@@ -487,31 +487,60 @@ PAGODA_VNNI void unpack_tile_vnni(const uint8_t* tile, int64_t groups, uint8_t* 
     _tile_dpbsud(C, A, B);                           \
   } while (0)
 
-// Group g's share of a 16-row pass, from its dot products as the tile unit stored them: the
-// epilogue nibble_tile_vnni gives d0 + d1.
+// The nibble forms' share of group g in a 16-row pass, from its dot products as the tile unit
+// stored them: nibble_tile_vnni's epilogue on its d0 + d1.
 template <Form F>
-PAGODA_VNNI inline void amx_epilogue(const uint8_t* tile, const Pass& p, int64_t g,
-                                     const int32_t* dots, __m512* acc) {
-  memory_barrier();
-  __m512 s0, s1;
-  group_scales_vnni<F>(tile, g, &s0, &s1);
-  for (int r = 0; r < AMX_ROWS; ++r) {
-    const int64_t i = r * p.groups + g;
-    __m512i dot = _mm512_load_si512(dots + 16 * r);
-    if constexpr (kTable<F>) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(-128 * p.qsum[i]));
-    const __m512 xd = _mm512_set1_ps(p.xd[i]);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s0, xd), acc[r]);
-    if constexpr (!kTable<F>) acc[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(p.xs[i]), acc[r]);
+struct NibbleGroups {
+  const uint8_t* tile;
+  PAGODA_VNNI void add(const Pass& p, int64_t g, const int32_t* dots, __m512* acc) const {
+    __m512 s0, s1;
+    group_scales_vnni<F>(tile, g, &s0, &s1);
+    for (int r = 0; r < AMX_ROWS; ++r) {
+      const int64_t i = r * p.groups + g;
+      __m512i dot = _mm512_load_si512(dots + 16 * r);
+      if constexpr (kTable<F>) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(-128 * p.qsum[i]));
+      const __m512 xd = _mm512_set1_ps(p.xd[i]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s0, xd), acc[r]);
+      if constexpr (!kTable<F>) acc[r] = _mm512_fmadd_ps(s1, _mm512_set1_ps(p.xs[i]), acc[r]);
+    }
   }
-  memory_barrier();
-}
+  PAGODA_VNNI __m512 out(__m512 acc) const { return acc; }
+};
 
-// One 16-row pass; the tiles are configured and `codes` holds the tile's unpacked groups. Two
-// sets of tiles (0-2, 3-5) take the groups in turn, so that the unit computes a group's dot
-// products while the vector units take the one before it.
-template <Form F>
-PAGODA_AMX void nibble_pass_amx(const uint8_t* tile, const uint8_t* codes, const Pass& p) {
-  static_assert(!kHalves<F>);
+// The 8-bit form's: q8_tile_vnni's epilogue (codes + 128, so 128 * qsum comes off).
+template <bool kRowScale>
+struct Q8Groups {
+  const float* scales;
+  PAGODA_VNNI void add(const Pass& p, int64_t g, const int32_t* dots, __m512* acc) const {
+    const __m512 scale = kRowScale ? _mm512_setzero_ps() : _mm512_loadu_ps(scales + 16 * g);
+    for (int r = 0; r < AMX_ROWS; ++r) {
+      const int64_t i = r * p.groups + g;
+      const __m512i dot = _mm512_add_epi32(_mm512_load_si512(dots + 16 * r),
+                                           _mm512_set1_epi32(-128 * p.qsum[i]));
+      const __m512 xd = _mm512_set1_ps(p.xd[i]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), kRowScale ? xd : _mm512_mul_ps(scale, xd), acc[r]);
+    }
+  }
+  PAGODA_VNNI __m512 out(__m512 acc) const {
+    return kRowScale ? _mm512_mul_ps(acc, _mm512_loadu_ps(scales)) : acc;
+  }
+};
+
+// Group G's dot products into tile C, from activations in tile A and codes in tile B.
+#define PAGODA_AMX_DOTS(C, A, B, G)                  \
+  do {                                               \
+    _tile_zero(C);                                   \
+    _tile_loadd(A, p.q + (G) * GROUP, p.k);          \
+    _tile_loadd(B, codes + 512 * (G), 64);           \
+    _tile_dpbsud(C, A, B);                           \
+  } while (0)
+
+// One 16-row pass; the tiles are configured and `codes` holds the tile's groups of 8 code
+// blocks (512 bytes a group), in the tile unit's layout. Two sets of tiles (0-2, 3-5) take the
+// groups in turn, so that the unit computes a group's dot products while the vector units take
+// the one before it (groups.add).
+template <class Groups>
+PAGODA_AMX void pass_amx(const Groups& groups, const uint8_t* codes, const Pass& p) {
   alignas(64) int32_t dots[AMX_ROWS * 16];
   __m512 acc[AMX_ROWS];
   for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
@@ -520,15 +549,19 @@ PAGODA_AMX void nibble_pass_amx(const uint8_t* tile, const uint8_t* codes, const
   for (int64_t g = 0; g < p.groups; g += 2) {
     if (g + 1 < p.groups) PAGODA_AMX_DOTS(3, 4, 5, g + 1);
     _tile_stored(0, dots, 64);
-    amx_epilogue<F>(tile, p, g, dots, acc);
+    memory_barrier();
+    groups.add(p, g, dots, acc);
+    memory_barrier();
     if (g + 1 < p.groups) {
       if (g + 2 < p.groups) PAGODA_AMX_DOTS(0, 1, 2, g + 2);
       _tile_stored(3, dots, 64);
-      amx_epilogue<F>(tile, p, g + 1, dots, acc);
+      memory_barrier();
+      groups.add(p, g + 1, dots, acc);
+      memory_barrier();
     }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << p.valid) - 1u);
-  for (int r = 0; r < AMX_ROWS; ++r) _mm512_mask_storeu_ps(p.y + r * p.ldy, keep, acc[r]);
+  for (int r = 0; r < AMX_ROWS; ++r) _mm512_mask_storeu_ps(p.y + r * p.ldy, keep, groups.out(acc[r]));
 }
 #undef PAGODA_AMX_DOTS
 
@@ -548,12 +581,32 @@ PAGODA_AMX void nibble_tile_amx(const uint8_t* tile, const Pass& p, int64_t m) {
     unpack_tile_vnni<F>(tile, p.groups, c);
     static const TileConfig config;
     _tile_loadconfig(&config);  // other code (oneDNN) may have configured this thread's tiles
-    for (; r + AMX_ROWS <= m; r += AMX_ROWS) nibble_pass_amx<F>(tile, c, pass_from(p, r));
+    for (; r + AMX_ROWS <= m; r += AMX_ROWS) pass_amx(NibbleGroups<F>{tile}, c, pass_from(p, r));
   }
   for (; r < m; r += MAX_M_VNNI) {
     const Pass rest = pass_from(p, r);
     with_rows<MAX_M_VNNI>(static_cast<int>(std::min<int64_t>(MAX_M_VNNI, m - r)),
                           [&](auto rows) { nibble_tile_vnni<decltype(rows)::value, F>(tile, rest); });
+  }
+}
+
+template <int M, bool kRowScale>
+PAGODA_VNNI void q8_tile_vnni(const uint8_t* tile, const float* scales, const Pass& p);
+
+// The 8-bit form's tile against all `m` rows: its groups are already the tile unit's layout.
+template <bool kRowScale>
+PAGODA_AMX void q8_tile_amx(const uint8_t* tile, const float* scales, const Pass& p, int64_t m) {
+  int64_t r = 0;
+  if (m >= AMX_ROWS) {
+    static const TileConfig config;
+    _tile_loadconfig(&config);
+    for (; r + AMX_ROWS <= m; r += AMX_ROWS) pass_amx(Q8Groups<kRowScale>{scales}, tile, pass_from(p, r));
+  }
+  for (; r < m; r += MAX_M_VNNI) {
+    const Pass rest = pass_from(p, r);
+    with_rows<MAX_M_VNNI>(static_cast<int>(std::min<int64_t>(MAX_M_VNNI, m - r)), [&](auto rows) {
+      q8_tile_vnni<decltype(rows)::value, kRowScale>(tile, scales, rest);
+    });
   }
 }
 
@@ -1053,6 +1106,14 @@ bool use_amx(int64_t isa_limit, Isa isa, int64_t m) {
   return isa_limit >= 3 && isa == Isa::kVnni && m >= AMX_ROWS && amx_ready();
 }
 
+// Rows a block of a tile-unit call: whole passes whose int8 activations fill at most about 1 MB,
+// half a core's L2 (the other half holds a tile's unpacked codes and what y takes), read by
+// every tile; at most 256, so that the rows of y a tile writes (N floats apart) stay within
+// fewer pages.
+int64_t amx_row_block(int64_t k) {
+  return std::clamp<int64_t>((int64_t{1} << 20) / k / AMX_ROWS * AMX_ROWS, AMX_ROWS, 256);
+}
+
 int64_t rows_per_pass(Isa isa, bool by_block = false) {
   if (isa == Isa::kVnni) return MAX_M_VNNI;
   return by_block && isa == Isa::kAvx2 ? MAX_M_AVX2_BY_BLOCK : MAX_M_AVX2;
@@ -1061,9 +1122,12 @@ int64_t rows_per_pass(Isa isa, bool by_block = false) {
 // Runs tile_fn(tile index, pass of up to per_pass rows, rows in it) over every tile
 // and row block. Each row's arithmetic is the same whatever the pass holds: a row gives the same
 // bits in any batch. lora: the adapters' products added to y (lora.h), taken between the tiles.
+// row_block > 0 (without adapters): the rows in blocks of that many, each block over every tile
+// before the next, so that a block's activations stay in the cache across the tiles.
 template <typename TileFn>
 at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, int64_t per_pass,
-                     TileFn&& tile_fn, bool half_sums, const LoraArgs& lora) {
+                     TileFn&& tile_fn, bool half_sums, const LoraArgs& lora,
+                     int64_t row_block = 0) {
   const at::Tensor x = float_rows(x_in);
   const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
   const Activations a = quantize(x, isa);
@@ -1080,20 +1144,32 @@ at::Tensor run_tiles(const at::Tensor& x_in, int64_t n, int64_t tiles, Isa isa, 
   }
   float* yp = y.data_ptr<float>();
   const std::unique_ptr<LoraStage> stage = lora_stage(x, y, lora, isa);
+  const auto pass_at = [&](int64_t t, int64_t r) {
+    return Pass{q + r * k,
+                k,
+                xd + r * groups,
+                xs + r * groups,
+                qsum + r * groups,
+                half_sums ? sums16.data() + r * 2 * groups : nullptr,
+                groups,
+                yp + r * n + t * ROWS,
+                n,
+                std::min(ROWS, n - t * ROWS)};
+  };
+  if (row_block > 0 && !stage && m > row_block) {
+    for (int64_t r0 = 0; r0 < m; r0 += row_block) {
+      at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          tile_fn(t, pass_at(t, r0), static_cast<int>(std::min(row_block, m - r0)));
+        }
+      });
+    }
+    return y;
+  }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t r = 0; r < m; r += per_pass) {
-        const Pass pass{q + r * k,
-                        k,
-                        xd + r * groups,
-                        xs + r * groups,
-                        qsum + r * groups,
-                        half_sums ? sums16.data() + r * 2 * groups : nullptr,
-                        groups,
-                        yp + r * n + t * ROWS,
-                        n,
-                        std::min(ROWS, n - t * ROWS)};
-        tile_fn(t, pass, static_cast<int>(std::min(per_pass, m - r)));
+        tile_fn(t, pass_at(t, r), static_cast<int>(std::min(per_pass, m - r)));
       }
       if (stage) stage->after_tile(t, begin, end, tiles);
     }
@@ -1176,7 +1252,7 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
   };
   const LoraArgs lora{lora_a, lora_b, lora_slots, lora_offsets};
   const int64_t per_pass = amx ? x.size(0) : rows_per_pass(isa, by_block);
-  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, halves, lora);
+  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, halves, lora, amx ? amx_row_block(k) : 0);
 }
 
 // packed: (ceil(n / 16), K / 32, 512) uint8; scales: (ceil(n / 16), K / 32 or 1, 16) float32
@@ -1198,10 +1274,13 @@ at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at:
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
   const LoraArgs lora{lora_a, lora_b, lora_slots, lora_offsets};
+  const bool amx = use_amx(isa_limit, isa, x.size(0));
   const auto tile_fn = [&](int64_t t, const Pass& p, int m) {
     const uint8_t* tile = w + t * groups * Q8_BYTES;
     const float* s = sc + t * scales.size(1) * ROWS;
-    if (isa == Isa::kVnni) {
+    if (amx) {
+      row_scale ? q8_tile_amx<true>(tile, s, p, m) : q8_tile_amx<false>(tile, s, p, m);
+    } else if (isa == Isa::kVnni) {
       with_rows<MAX_M_VNNI>(m, [&](auto rows) {
         constexpr int M = decltype(rows)::value;
         row_scale ? q8_tile_vnni<M, true>(tile, s, p) : q8_tile_vnni<M, false>(tile, s, p);
@@ -1212,7 +1291,8 @@ at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at:
       q8_tile_scalar(tile, s, sstep, p, m);
     }
   };
-  return run_tiles(x, n, tiles, isa, rows_per_pass(isa), tile_fn, false, lora);
+  const int64_t per_pass = amx ? x.size(0) : rows_per_pass(isa);
+  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, false, lora, amx ? amx_row_block(k) : 0);
 }
 
 // ---- with a prologue: the row op before the matmul in the same call ----------------------------
