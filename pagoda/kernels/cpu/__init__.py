@@ -39,8 +39,8 @@ their optional trailing `lora_a, lora_b, lora_slots, lora_offsets` (lora.h: the 
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
 caps it (tests run every path). The quantized matmuls also take isa_limit 3: their passes of
 16 rows and more then run on the tile unit (AMX-INT8, where the CPU has it and Linux grants it;
-`amx()` says whether it does, PAGODA_CPU_AMX=0 turns it off) with the VNNI path's bits, except
-the forms with two scales a group (Q6_K, Q3_K, Q2_K) and the 8-bit one, which stay on VNNI.
+`amx()` says whether it does, PAGODA_CPU_AMX=0 turns it off) with the VNNI path's bits, every
+quantized form (the integer dot products are exact, the float epilogue VNNI's).
 ATEN_CPU_CAPABILITY, torch's switch, caps it for the whole
 process (`avx2`: AVX2 + FMA, `default`: scalar), as it caps torch's kernels and the code
 torch.compile generates: so an AVX-512 machine runs and measures the AVX2 path end to end.

@@ -401,7 +401,7 @@ PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
 // bytes, unsigned: unpack_codes_vnni's, which are already the tile unit's layout, 4 codes of each
 // output row a 32-bit word). The dot products are integers, so each equals nibble_tile_vnni's
 // d0 + d1 exactly, and the epilogue is its, operation for operation: a row gets the same bits on
-// either path. The forms with two dot products a group (kHalves) stay on VNNI.
+// either path. The forms with a scale per 16 values (kHalves) take two dot products a group.
 
 // ldtilecfg's 64 bytes, palette 1: tiles 0 and 3 dot products (16 x 16 int32), 1 and 4
 // activations (16 x 32 bytes), 2 and 5 codes (8 x 64 bytes)
@@ -565,6 +565,85 @@ PAGODA_AMX void pass_amx(const Groups& groups, const uint8_t* codes, const Pass&
 }
 #undef PAGODA_AMX_DOTS
 
+// The two-scale forms' (kHalves: Q6_K, Q3_K, Q2_K) share of group g: nibble_tile_vnni's
+// epilogue on the halves' dot products d0, d1 (their codes' offset taken off in integers).
+template <Form F>
+struct HalvesGroups {
+  const uint8_t* tile;
+  PAGODA_VNNI void add(const Pass& p, int64_t g, const int32_t* dots0, const int32_t* dots1,
+                       __m512* acc) const {
+    __m512 s0, s1, o0, o1;
+    group_scales_vnni<F>(tile, g, &s0, &s1);
+    if constexpr (F == Form::kQ2K) q2k_offsets_vnni(unit_at<F>(tile, g), meta_of<F>(tile, g), &o0, &o1);
+    for (int r = 0; r < AMX_ROWS; ++r) {
+      const int64_t i = r * p.groups + g;
+      const __m512i d0 = _mm512_add_epi32(_mm512_load_si512(dots0 + 16 * r),
+                                          _mm512_set1_epi32(-kHalfOffset<F> * p.qsum16[2 * i]));
+      const __m512i d1 = _mm512_add_epi32(_mm512_load_si512(dots1 + 16 * r),
+                                          _mm512_set1_epi32(-kHalfOffset<F> * p.qsum16[2 * i + 1]));
+      const __m512 xd = _mm512_set1_ps(p.xd[i]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(s0, xd), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(s1, xd), acc[r]);
+      if constexpr (F == Form::kQ2K) {
+        acc[r] = _mm512_fmadd_ps(o0, _mm512_set1_ps(p.xd[i] * static_cast<float>(p.qsum16[2 * i])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(o1, _mm512_set1_ps(p.xd[i] * static_cast<float>(p.qsum16[2 * i + 1])), acc[r]);
+      }
+    }
+  }
+};
+
+// ldtilecfg for the two-scale forms: tiles 0, 1 and 4, 5 the halves' dot products (16 x 16
+// int32), 2 and 6 a half's activations (16 x 16 bytes), 3 and 7 its codes (4 x 64 bytes)
+struct alignas(64) HalvesTileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 16, 64, 64, 64, 16, 64};
+  uint8_t rows[16] = {16, 16, 16, 4, 16, 16, 16, 4};
+};
+
+// Group G's halves' dot products into tiles C0 and C1 (A a half's activations, B its codes).
+#define PAGODA_AMX_HALVES(C0, C1, A, B, G)                    \
+  do {                                                        \
+    _tile_zero(C0);                                           \
+    _tile_zero(C1);                                           \
+    _tile_loadd(A, p.q + (G) * GROUP, p.k);                   \
+    _tile_loadd(B, codes + 512 * (G), 64);                    \
+    _tile_dpbsud(C0, A, B);                                   \
+    _tile_loadd(A, p.q + (G) * GROUP + 16, p.k);              \
+    _tile_loadd(B, codes + 512 * (G) + 256, 64);              \
+    _tile_dpbsud(C1, A, B);                                   \
+  } while (0)
+
+// pass_amx for the two-scale forms, with HalvesTileConfig loaded.
+template <Form F>
+PAGODA_AMX void halves_pass_amx(const uint8_t* tile, const uint8_t* codes, const Pass& p) {
+  const HalvesGroups<F> groups{tile};
+  alignas(64) int32_t dots0[AMX_ROWS * 16], dots1[AMX_ROWS * 16];
+  __m512 acc[AMX_ROWS];
+  for (int r = 0; r < AMX_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  memory_barrier();
+  PAGODA_AMX_HALVES(0, 1, 2, 3, 0);
+  for (int64_t g = 0; g < p.groups; g += 2) {
+    if (g + 1 < p.groups) PAGODA_AMX_HALVES(4, 5, 6, 7, g + 1);
+    _tile_stored(0, dots0, 64);
+    _tile_stored(1, dots1, 64);
+    memory_barrier();
+    groups.add(p, g, dots0, dots1, acc);
+    memory_barrier();
+    if (g + 1 < p.groups) {
+      if (g + 2 < p.groups) PAGODA_AMX_HALVES(0, 1, 2, 3, g + 2);
+      _tile_stored(4, dots0, 64);
+      _tile_stored(5, dots1, 64);
+      memory_barrier();
+      groups.add(p, g + 1, dots0, dots1, acc);
+      memory_barrier();
+    }
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << p.valid) - 1u);
+  for (int r = 0; r < AMX_ROWS; ++r) _mm512_mask_storeu_ps(p.y + r * p.ldy, keep, acc[r]);
+}
+#undef PAGODA_AMX_HALVES
+
 // 64 bytes, aligned: a row of the codes' buffer
 struct alignas(64) Line {
   uint8_t bytes[64];
@@ -579,9 +658,16 @@ PAGODA_AMX void nibble_tile_amx(const uint8_t* tile, const Pass& p, int64_t m) {
     if (codes.size() < static_cast<size_t>(8 * p.groups)) codes.resize(8 * p.groups);
     uint8_t* c = codes.data()->bytes;
     unpack_tile_vnni<F>(tile, p.groups, c);
-    static const TileConfig config;
-    _tile_loadconfig(&config);  // other code (oneDNN) may have configured this thread's tiles
-    for (; r + AMX_ROWS <= m; r += AMX_ROWS) pass_amx(NibbleGroups<F>{tile}, c, pass_from(p, r));
+    // other code (oneDNN) may have configured this thread's tiles: configured at every call
+    if constexpr (kHalves<F>) {
+      static const HalvesTileConfig config;
+      _tile_loadconfig(&config);
+      for (; r + AMX_ROWS <= m; r += AMX_ROWS) halves_pass_amx<F>(tile, c, pass_from(p, r));
+    } else {
+      static const TileConfig config;
+      _tile_loadconfig(&config);
+      for (; r + AMX_ROWS <= m; r += AMX_ROWS) pass_amx(NibbleGroups<F>{tile}, c, pass_from(p, r));
+    }
   }
   for (; r < m; r += MAX_M_VNNI) {
     const Pass rest = pass_from(p, r);
@@ -1227,15 +1313,14 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
     halves = kHalves<decltype(tag)::value>;
     by_block = kByBlockAvx2<decltype(tag)::value>;
   });
-  const bool amx = use_amx(isa_limit, isa, x.size(0)) && !halves;
+  const bool amx = use_amx(isa_limit, isa, x.size(0));
   const auto tile_fn = [&](int64_t t, const Pass& p, int m) {
     const uint8_t* tile = w + t * tile_bytes;
     with_form(form, [&](auto tag) {
       constexpr Form F = decltype(tag)::value;
-      if constexpr (!kHalves<F>) {
-        if (amx) return nibble_tile_amx<F>(tile, p, m);
-      }
-      if (isa == Isa::kVnni) {
+      if (amx) {
+        nibble_tile_amx<F>(tile, p, m);
+      } else if (isa == Isa::kVnni) {
         with_rows<MAX_M_VNNI>(m, [&](auto rows) { nibble_tile_vnni<decltype(rows)::value, F>(tile, p); });
       } else if (isa == Isa::kAvx2) {
         if constexpr (kPlain4<F>) {
