@@ -478,15 +478,6 @@ PAGODA_VNNI void unpack_tile_vnni(const uint8_t* tile, int64_t groups, uint8_t* 
   }
 }
 
-// Group G's dot products into tile C, from activations in tile A and codes in tile B.
-#define PAGODA_AMX_DOTS(C, A, B, G)                  \
-  do {                                               \
-    _tile_zero(C);                                   \
-    _tile_loadd(A, p.q + (G) * GROUP, p.k);          \
-    _tile_loadd(B, codes + 512 * (G), 64);           \
-    _tile_dpbsud(C, A, B);                           \
-  } while (0)
-
 // The nibble forms' share of group g in a 16-row pass, from its dot products as the tile unit
 // stored them: nibble_tile_vnni's epilogue on its d0 + d1.
 template <Form F>
