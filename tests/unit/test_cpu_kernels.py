@@ -336,9 +336,9 @@ def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
 @pytest.mark.parametrize("m", [16, 17, 33, 70])
 def test_the_tile_unit_gives_the_vnni_bits(threads: int, qtype: str, m: int) -> None:
     """isa_limit 3 (AMX where OPS.amx(): passes of 16 rows on the tile unit, the rest of the rows
-    on VNNI) gives every quantized form the VNNI path's bits, on a tile
-    count that splits unevenly over the threads and a partial last tile; the int8 rows (one
-    scale a row, an LM head's) too."""
+    on VNNI) gives every quantized form the VNNI path's bits, on a tile count that splits
+    unevenly over the threads and a partial last tile; the int8 rows (one scale a row, an LM
+    head's) too."""
     assert OPS is not None
     if OPS.isa() < 2:
         assert not OPS.amx()  # no VNNI path to match: the tile path is never taken
