@@ -640,6 +640,17 @@ struct alignas(64) Line {
   uint8_t bytes[64];
 };
 
+// Rows [r, m) of p, the rows a tile-unit call leaves, in VNNI passes of up to MAX_M_VNNI:
+// vnni(std::integral_constant<int, rows>, pass).
+template <typename VnniFn>
+void rest_on_vnni(const Pass& p, int64_t r, int64_t m, VnniFn&& vnni) {
+  for (; r < m; r += MAX_M_VNNI) {
+    const Pass rest = pass_from(p, r);
+    with_rows<MAX_M_VNNI>(static_cast<int>(std::min<int64_t>(MAX_M_VNNI, m - r)),
+                          [&](auto rows) { vnni(rows, rest); });
+  }
+}
+
 // A tile against all `m` rows of p: 16-row passes on the tile unit, the rest on VNNI.
 template <Form F>
 PAGODA_AMX void nibble_tile_amx(const uint8_t* tile, const Pass& p, int64_t m) {
@@ -660,11 +671,9 @@ PAGODA_AMX void nibble_tile_amx(const uint8_t* tile, const Pass& p, int64_t m) {
       for (; r + AMX_ROWS <= m; r += AMX_ROWS) pass_amx(NibbleGroups<F>{tile}, c, pass_from(p, r));
     }
   }
-  for (; r < m; r += MAX_M_VNNI) {
-    const Pass rest = pass_from(p, r);
-    with_rows<MAX_M_VNNI>(static_cast<int>(std::min<int64_t>(MAX_M_VNNI, m - r)),
-                          [&](auto rows) { nibble_tile_vnni<decltype(rows)::value, F>(tile, rest); });
-  }
+  rest_on_vnni(p, r, m, [&](auto rows, const Pass& rest) {
+    nibble_tile_vnni<decltype(rows)::value, F>(tile, rest);
+  });
 }
 
 template <int M, bool kRowScale>
@@ -679,12 +688,9 @@ PAGODA_AMX void q8_tile_amx(const uint8_t* tile, const float* scales, const Pass
     _tile_loadconfig(&config);
     for (; r + AMX_ROWS <= m; r += AMX_ROWS) pass_amx(Q8Groups<kRowScale>{scales}, tile, pass_from(p, r));
   }
-  for (; r < m; r += MAX_M_VNNI) {
-    const Pass rest = pass_from(p, r);
-    with_rows<MAX_M_VNNI>(static_cast<int>(std::min<int64_t>(MAX_M_VNNI, m - r)), [&](auto rows) {
-      q8_tile_vnni<decltype(rows)::value, kRowScale>(tile, scales, rest);
-    });
-  }
+  rest_on_vnni(p, r, m, [&](auto rows, const Pass& rest) {
+    q8_tile_vnni<decltype(rows)::value, kRowScale>(tile, scales, rest);
+  });
 }
 
 // `value` in byte i where bit i of `word` is set (32 codes of rows 8h .. 8h + 7).
