@@ -72,9 +72,11 @@ struct Shape {
 // alternating runs). The bits are the same with or without it.
 constexpr int64_t PREFETCH_AHEAD = 8;
 
-// Every line of one position's key row and value row (row_floats each; v null: a latent cache).
-inline void prefetch_row(const float* k, const float* v, int64_t row_floats) {
-  for (int64_t i = 0; i < row_floats; i += 16) {
+// Every line of one position's key row and value row (row_floats values each; v null: a latent
+// cache); T: float, or uint16_t for a bfloat16 cache read in place.
+template <typename T>
+inline void prefetch_row(const T* k, const T* v, int64_t row_floats) {
+  for (int64_t i = 0; i < row_floats; i += 64 / static_cast<int64_t>(sizeof(T))) {
     _mm_prefetch(reinterpret_cast<const char*>(k + i), _MM_HINT_T0);
     if (v != nullptr) _mm_prefetch(reinterpret_cast<const char*>(v + i), _MM_HINT_T0);
   }
@@ -139,6 +141,19 @@ __attribute__((target("avx2,fma"))) inline void scores_avx2(const float* q, cons
     for (; i < d; ++i) r += qj[i] * k[i];
     scores[j * n] = r * scale;
   }
+}
+
+// scores_avx2 of a bfloat16 key row (d <= 128 values): the row converted exactly, then the
+// float32 function, so the same bits.
+__attribute__((target("avx2,fma"))) inline void scores_avx2(const float* q, const uint16_t* k,
+                                                            int64_t group, int64_t d, float scale,
+                                                            float* scores, int64_t n) {
+  alignas(32) float row[128];
+  for (int64_t i = 0; i < d; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(k[i]) << 16;
+    std::memcpy(row + i, &bits, sizeof(float));
+  }
+  scores_avx2(q, row, group, d, scale, scores, n);
 }
 
 // out_j += sum_r w[j * n + r] * v[r] over four positions' values (out_j = out + j * stride)
@@ -248,6 +263,14 @@ PAGODA_AVX512 inline __m256 half(__m512 a) {
 
 PAGODA_AVX512 inline __m128 sum4_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return sum4_avx2(half(a0), half(a1), half(a2), half(a3));
+}
+
+// Sixteen values of a row as float32: a float32 cache's, or a bfloat16 one's (exact: its bits
+// are a float32's top half).
+PAGODA_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+PAGODA_AVX512 inline __m512 load16(const uint16_t* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 // The four-position steps with 512-bit registers, where d is a multiple of 16 (AVX-512).
@@ -453,8 +476,8 @@ PAGODA_AVX512 inline __m512 sum16_avx512(const __m512 (&acc)[4][4]) {
 }
 
 // scores[p .. p + 3] of NQ query vectors against four positions' keys k[0..3].
-template <int NQ>
-PAGODA_AVX512 inline void scores4_block_avx512(const QueryVec* v, const float* const* k, int64_t d,
+template <int NQ, typename T>
+PAGODA_AVX512 inline void scores4_block_avx512(const QueryVec* v, const T* const* k, int64_t d,
                                                float scale, int64_t p) {
   __m512 acc[NQ][4];
 #pragma GCC unroll 4
@@ -462,8 +485,8 @@ PAGODA_AVX512 inline void scores4_block_avx512(const QueryVec* v, const float* c
     for (int c = 0; c < 4; ++c) acc[a][c] = _mm512_setzero_ps();
   }
   for (int64_t i = 0; i < d; i += 16) {
-    const __m512 k0 = _mm512_loadu_ps(k[0] + i), k1 = _mm512_loadu_ps(k[1] + i),
-                 k2 = _mm512_loadu_ps(k[2] + i), k3 = _mm512_loadu_ps(k[3] + i);
+    const __m512 k0 = load16(k[0] + i), k1 = load16(k[1] + i), k2 = load16(k[2] + i),
+                 k3 = load16(k[3] + i);
 #pragma GCC unroll 4
     for (int a = 0; a < NQ; ++a) {
       const __m512 qv = _mm512_loadu_ps(v[a].q + i);
@@ -487,21 +510,22 @@ PAGODA_AVX512 inline void scores4_block_avx512(const QueryVec* v, const float* c
   }
 }
 
-PAGODA_AVX512 inline void scores4_blocks_avx512(const QueryVec* v, int count, const float* const* k,
+template <typename T>
+PAGODA_AVX512 inline void scores4_blocks_avx512(const QueryVec* v, int count, const T* const* k,
                                                 int64_t d, float scale, int64_t p) {
   switch (count) {
-    case 4: scores4_block_avx512<4>(v, k, d, scale, p); break;
-    case 3: scores4_block_avx512<3>(v, k, d, scale, p); break;
-    case 2: scores4_block_avx512<2>(v, k, d, scale, p); break;
-    case 1: scores4_block_avx512<1>(v, k, d, scale, p); break;
+    case 4: scores4_block_avx512<4, T>(v, k, d, scale, p); break;
+    case 3: scores4_block_avx512<3, T>(v, k, d, scale, p); break;
+    case 2: scores4_block_avx512<2, T>(v, k, d, scale, p); break;
+    case 1: scores4_block_avx512<1, T>(v, k, d, scale, p); break;
     default: break;
   }
 }
 
 // out_h[0 .. 16 * DV) = sum over positions [0, n) in order of w_h[p] * v[p] (FMAs, from 0), for
 // HB query heads of one kv head; v[p] + off is position p's values of that kv head.
-template <int DV, int HB>
-PAGODA_AVX512 inline void weighted_block_avx512(const float* const* w, const float* const* v,
+template <int DV, int HB, typename T>
+PAGODA_AVX512 inline void weighted_block_avx512(const float* const* w, const T* const* v,
                                                 int64_t off, int64_t n, float* const* out) {
   __m512 acc[HB][DV];
 #pragma GCC unroll 8
@@ -514,7 +538,7 @@ PAGODA_AVX512 inline void weighted_block_avx512(const float* const* w, const flo
     for (int h = 0; h < HB; ++h) wv[h] = _mm512_set1_ps(w[h][p]);
 #pragma GCC unroll 8
     for (int i = 0; i < DV; ++i) {
-      const __m512 x = _mm512_loadu_ps(v[p] + off + 16 * i);
+      const __m512 x = load16(v[p] + off + 16 * i);
 #pragma GCC unroll 8
       for (int h = 0; h < HB; ++h) acc[h][i] = _mm512_fmadd_ps(wv[h], x, acc[h][i]);
     }
@@ -526,19 +550,19 @@ PAGODA_AVX512 inline void weighted_block_avx512(const float* const* w, const flo
 }
 
 // Heads per weighted_block_avx512 call: accumulators (HB x DV registers) within 24 of the 32.
-template <int DV>
-PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const float* const* v,
+template <int DV, typename T>
+PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const T* const* v,
                                                 int64_t off, int64_t n, float* const* out,
                                                 int64_t heads) {
   constexpr int HB = DV <= 4 ? 6 : 3;
   int64_t h = 0;
-  for (; h + HB <= heads; h += HB) weighted_block_avx512<DV, HB>(w + h, v, off, n, out + h);
+  for (; h + HB <= heads; h += HB) weighted_block_avx512<DV, HB, T>(w + h, v, off, n, out + h);
   switch (heads - h) {
-    case 5: weighted_block_avx512<DV, 5>(w + h, v, off, n, out + h); break;
-    case 4: weighted_block_avx512<DV, 4>(w + h, v, off, n, out + h); break;
-    case 3: weighted_block_avx512<DV, 3>(w + h, v, off, n, out + h); break;
-    case 2: weighted_block_avx512<DV, 2>(w + h, v, off, n, out + h); break;
-    case 1: weighted_block_avx512<DV, 1>(w + h, v, off, n, out + h); break;
+    case 5: weighted_block_avx512<DV, 5, T>(w + h, v, off, n, out + h); break;
+    case 4: weighted_block_avx512<DV, 4, T>(w + h, v, off, n, out + h); break;
+    case 3: weighted_block_avx512<DV, 3, T>(w + h, v, off, n, out + h); break;
+    case 2: weighted_block_avx512<DV, 2, T>(w + h, v, off, n, out + h); break;
+    case 1: weighted_block_avx512<DV, 1, T>(w + h, v, off, n, out + h); break;
     default: break;
   }
 }
@@ -566,8 +590,8 @@ PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const flo
            ++a) {                                                                              \
         prefetch_row(krow[a], vrow[a], row);                                                   \
       }                                                                                        \
-      const float* k4[4] = {krow[p] + kh * d, krow[p + 1] + kh * d, krow[p + 2] + kh * d,      \
-                            krow[p + 3] + kh * d};                                             \
+      std::remove_reference_t<decltype(*krow)> k4[4] = {                                       \
+          krow[p] + kh * d, krow[p + 1] + kh * d, krow[p + 2] + kh * d, krow[p + 3] + kh * d};   \
       QueryVec block[4];                                                                       \
       int filled = 0;                                                                          \
       for (int i = 0; i < count; ++i) {                                                        \
@@ -609,21 +633,24 @@ PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const flo
     }                                                                                          \
   }
 
-PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const float* const* v,
+template <typename T>
+PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const T* const* v,
                                                 int64_t off, int64_t n, float* const* out,
                                                 int64_t heads, int64_t d) {
   if (d == 64) {
-    weighted_heads_avx512<4>(w, v, off, n, out, heads);
+    weighted_heads_avx512<4, T>(w, v, off, n, out, heads);
   } else {
-    weighted_heads_avx512<8>(w, v, off, n, out, heads);
+    weighted_heads_avx512<8, T>(w, v, off, n, out, heads);
   }
 }
 
-// attend_group_avx512 for d = 64 or 128.
+// attend_group_avx512 for d = 64 or 128; T: float, or uint16_t where a bfloat16 cache is read in
+// place (its values converted in registers, exactly: the bits of the float32 rows convert_rows
+// would give).
+template <typename T>
 PAGODA_AVX512 void attend_group_avx512_blocked(const Shape& s, const RowWork* w, int count,
-                                               const float* kc, const float* vc,
-                                               const int32_t* table, int64_t begin,
-                                               const float** krow, const float** vrow) {
+                                               const T* kc, const T* vc, const int32_t* table,
+                                               int64_t begin, const T** krow, const T** vrow) {
   PAGODA_ATTEND_BLOCKED(scores4_blocks_avx512, exp_shifted_sum_avx512, weighted_heads_avx512)
 }
 
@@ -808,7 +835,9 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
   const bool wide = isa == pagoda_cpu::Isa::kVnni && d % 16 == 0 && vd % 16 == 0;  // AVX-512 F
   const bool blocked = simd && (d == 64 || d == 128) && vd == d && s.group <= MAX_HEADS;
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const bool convert = kr.type != KvType::kF32;
+  // a bfloat16 cache on the blocked AVX-512 path is read in place (half the bytes, no scratch)
+  const bool bf16_in_place = blocked && wide && kr.type == KvType::kBf16 && vr.type == KvType::kBf16;
+  const bool convert = kr.type != KvType::kF32 && !bf16_in_place;
   // a converted item's rows: positions 0, 1, ... of its scratch, through this table
   std::vector<int32_t> identity(convert ? widest / s.block_size + 2 : 0);
   std::iota(identity.begin(), identity.end(), 0);
@@ -844,7 +873,12 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
         table = identity.data();
         begin = 0;
       }
-      if (blocked && wide) {
+      if (bf16_in_place) {
+        attend_group_avx512_blocked(s, work, count, static_cast<const uint16_t*>(kr.data),
+                                    static_cast<const uint16_t*>(vr.data), table, begin,
+                                    reinterpret_cast<const uint16_t**>(krow.get()),
+                                    reinterpret_cast<const uint16_t**>(vrow.get()));
+      } else if (blocked && wide) {
         attend_group_avx512_blocked(s, work, count, kc, vc, table, begin, krow.get(), vrow.get());
       } else if (blocked) {
         attend_group_avx2_blocked(s, work, count, kc, vc, table, begin, krow.get(), vrow.get());
