@@ -2,8 +2,9 @@
 // float32 cache in place; a bfloat16, float16, int8 or float8 e4m3 one (the last two with their
 // k_scale, v_scale per token and kv head) converted to float32 rows a work item at a time, into
 // a scratch of at most MAX_CHUNK positions per thread (kv_rows.h: exact conversions, code *
-// scale), so each row's result is the float32 path's over the cache the torch path reads back,
-// and the bytes streamed from memory are the cache's own.
+// scale), or, a bfloat16 one on the blocked AVX-512 path, converted in registers as it is read;
+// so each row's result is the float32 path's over the cache the torch path reads back, and the
+// bytes streamed from memory are the cache's own.
 //
 // Every query row, decode or prefill, is reduced the same way: its result depends on its query,
 // its length and the cache only, never on the rows beside it, so a position gets the same bits

@@ -114,7 +114,7 @@ inline void load_words(const int8_t* q, int32_t* words, int count) {
 // in while this one is computed. Without it a pass of few rows stalls on each group's loads
 // instead of overlapping them with the arithmetic. Batch 1, the 1.5B's Q4_K / Q6_K layers in a
 // step's order from memory, 2 threads (GB/s of the packed bytes):
-//   AVX2 EPYC (Zen 3), AVX2 tiles: none 9.7, to L1 (T0) 4 KB ahead 13.7;
+//   AVX2 EPYC (Zen 3), AVX2 tiles: none 9.7, to L1 (T0) 4 KB ahead 13.7 (L2 not measured there);
 //   Sapphire Rapids, VNNI tiles: none 13.3, T0 15, T1 or T2 at 3.5-5 KB ahead 18-22; 2 to 8
 //   rows 1.35-1.75x; AVX2 tiles there: T0 14, T1 18.
 constexpr int64_t PREFETCH_BYTES = 4096;
