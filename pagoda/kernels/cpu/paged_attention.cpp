@@ -149,11 +149,10 @@ __attribute__((target("avx2,fma"))) inline void scores_avx2(const float* q, cons
 __attribute__((target("avx2,fma"))) inline void scores_avx2(const float* q, const uint16_t* k,
                                                             int64_t group, int64_t d, float scale,
                                                             float* scores, int64_t n) {
+  KvRows bf16;
+  bf16.type = KvType::kBf16;
   alignas(32) float row[128];
-  for (int64_t i = 0; i < d; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(k[i]) << 16;
-    std::memcpy(row + i, &bits, sizeof(float));
-  }
+  pagoda_cpu::to_float_avx2(bf16, k, d, 1.f, row);
   scores_avx2(q, row, group, d, scale, scores, n);
 }
 
@@ -846,6 +845,9 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
     std::unique_ptr<float[]> scores(new float[largest * s.heads * widest]);  // written before read
     RowWork work[MAX_GROUP];
     std::unique_ptr<const float*[]> krow(new const float*[widest]), vrow(new const float*[widest]);
+    // the same for a bfloat16 cache read in place
+    std::unique_ptr<const uint16_t*[]> krow16(bf16_in_place ? new const uint16_t*[widest] : nullptr);
+    std::unique_ptr<const uint16_t*[]> vrow16(bf16_in_place ? new const uint16_t*[widest] : nullptr);
     const int64_t row = s.kv_heads * d;
     std::unique_ptr<float[]> kbuf(convert ? new float[widest * row] : nullptr);
     std::unique_ptr<float[]> vbuf(convert && vr.data != kr.data ? new float[widest * row] : nullptr);
@@ -877,8 +879,7 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
       if (bf16_in_place) {
         attend_group_avx512_blocked(s, work, count, static_cast<const uint16_t*>(kr.data),
                                     static_cast<const uint16_t*>(vr.data), table, begin,
-                                    reinterpret_cast<const uint16_t**>(krow.get()),
-                                    reinterpret_cast<const uint16_t**>(vrow.get()));
+                                    krow16.get(), vrow16.get());
       } else if (blocked && wide) {
         attend_group_avx512_blocked(s, work, count, kc, vc, table, begin, krow.get(), vrow.get());
       } else if (blocked) {

@@ -202,6 +202,10 @@ constexpr int64_t unit_groups() {
   return kSuper<F> ? 8 : 1;
 }
 
+// A group's share of its unit's bytes (the tile walks' stride for prefetching).
+template <Form F>
+constexpr int64_t group_share() { return unit_bytes(F) / unit_groups<F>(); }
+
 // A group's code bytes: the 4-bit blocks, then the 5-bit forms' masks or kQ6K's high bits. A
 // super-block holds its groups' code bytes one after the other, then the per-group numbers
 // (meta_at), then the fp16 ones (d_at).
@@ -367,7 +371,7 @@ template <int M, Form F>
 PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
   __m512 acc[M];
   for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
-  constexpr int64_t kGroupBytes = unit_bytes(F) / unit_groups<F>();  // a group's share of a unit
+  constexpr int64_t kGroupBytes = group_share<F>();
   for (int64_t g = 0; g < p.groups; ++g) {
     prefetch_ahead(tile + g * kGroupBytes, kGroupBytes);
     const uint8_t* b = codes_at<F>(tile, g);
@@ -489,7 +493,7 @@ inline Pass pass_from(const Pass& p, int64_t r) {
 // Every group's codes of a tile, unpacked once for all of its passes: groups x 512 bytes.
 template <Form F>
 PAGODA_VNNI void unpack_tile_vnni(const uint8_t* tile, int64_t groups, uint8_t* out) {
-  constexpr int64_t kGroupBytes = unit_bytes(F) / unit_groups<F>();
+  constexpr int64_t kGroupBytes = group_share<F>();
   for (int64_t g = 0; g < groups; ++g) {
     prefetch_ahead(tile + g * kGroupBytes, kGroupBytes);
     __m512i w[8];
@@ -902,7 +906,7 @@ PAGODA_AVX2 inline void nibble_group_avx2(const uint8_t* tile, const Pass& p, in
 
 template <int M, Form F>
 PAGODA_AVX2 void nibble_tile_avx2(const uint8_t* tile, const Pass& p) {
-  walk_tile_avx2<M>(tile, p, unit_bytes(F) / unit_groups<F>(),
+  walk_tile_avx2<M>(tile, p, group_share<F>(),
                     [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 { nibble_group_avx2<M, F>(tile, p, g, h, acc); });
 }
 
@@ -955,7 +959,7 @@ PAGODA_AVX2 inline void plain4_group_avx2(const uint8_t* tile, const Pass& p, in
 
 template <int M, Form F>
 PAGODA_AVX2 void plain4_tile_avx2(const uint8_t* tile, const Pass& p) {
-  walk_tile_avx2<M>(tile, p, unit_bytes(F) / unit_groups<F>(),
+  walk_tile_avx2<M>(tile, p, group_share<F>(),
                     [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 { plain4_group_avx2<M, F>(tile, p, g, h, acc); });
 }
 
@@ -1005,7 +1009,7 @@ PAGODA_AVX2 inline void q6k_group_avx2(const uint8_t* tile, const Pass& p, int64
 template <int M>
 PAGODA_AVX2 void q6k_tile_avx2(const uint8_t* tile, const Pass& p) {
   constexpr Form F = Form::kQ6K;
-  walk_tile_avx2<M>(tile, p, unit_bytes(F) / unit_groups<F>(),
+  walk_tile_avx2<M>(tile, p, group_share<F>(),
                     [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 { q6k_group_avx2<M>(tile, p, g, h, acc); });
 }
 
