@@ -10,7 +10,10 @@ The Sampler works on R rows (one per request that samples this step) in this ord
 
 The exponential race picks argmax(p_i / E_i) with E_i ~ Exponential(1), which draws i with
 probability p_i. A seeded row draws its E from its own generator, so its tokens do not depend on
-the batch it shares a step with nor on its row position.
+the batch it shares a step with nor on its row position. On CPU with pagoda's kernels, the rows
+without a seed race in one pass over their logits (race.cpp's race_sample: exp, a counter-based
+uniform and its log per element, no (R, vocab) tensors in between), its noise keyed by one draw
+of torch's default generator per step, so torch.manual_seed still reproduces a run.
 
 For a large vocabulary a step's sampling costs its passes over (R, vocab) tensors
 (tests/unit/test_sampler_passes.py counts them), so a stage runs only when some row uses it
@@ -227,6 +230,16 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return exponential_race(probs, uniform)
 
 
+def _race_kernel(logits: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """race.cpp's race_sample where the logits are on the CPU and pagoda's kernels are on."""
+    if logits.device.type != "cpu":
+        return None
+    from pagoda.kernels.cpu import kernels
+
+    ops = kernels()
+    return None if ops is None else ops.race_sample
+
+
 def exponential_race(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """random_sample's race over (N, V) nonnegative weights (need not sum to 1) with its noise
     U ~ Uniform[0, 1) already drawn: argmax(w / E), E = -log(U); (N,) int64. `uniform` is
@@ -300,11 +313,39 @@ class Sampler:
         if meta.all_greedy:
             assert greedy is not None
             return greedy
-        sampled = random_sample(Sampler.probabilities(logits, meta, own), meta.generators)
+        sampled = Sampler.random_rows(logits, meta, own)
         if greedy is None:
             return sampled
         assert meta.is_greedy is not None
         return torch.where(meta.is_greedy, greedy, sampled)
+
+    @staticmethod
+    def random_rows(
+        logits: torch.Tensor, meta: SamplingMetadata, own: bool = False
+    ) -> torch.Tensor:
+        """Every row's draw from its final distribution, (R,) int64 (what greedy rows draw is
+        not used). On CPU with pagoda's kernels, the rows without a generator of their own run
+        race.cpp's race on the logits in one pass, its noise from one draw of torch's default
+        generator (no (R, vocab) probabilities, noise or ratios); seeded rows draw as
+        random_sample does, so their tokens are those of the torch path."""
+        race = _race_kernel(logits)
+        if race is None or len(meta.generators) == logits.shape[0]:
+            return random_sample(Sampler.probabilities(logits, meta, own), meta.generators)
+        seed = torch.empty((), dtype=torch.int64).random_()  # read by the kernel
+        inv_temperature = None
+        filtered = meta.top_k is not None or meta.top_p is not None or meta.min_p is not None
+        if filtered or meta.generators:
+            logits = Sampler.filtered_logits(logits, meta, own)
+        elif meta.temperature is not None:
+            inv_temperature = meta.temperature.reciprocal()
+        rows = logits if logits.dtype == torch.float32 else logits.float()
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        sampled = race(rows, inv_temperature, seed, 2)
+        for row, generator in meta.generators.items():  # slices: no host index to upload
+            probs = logits[row : row + 1].softmax(dim=-1, dtype=torch.float32)
+            sampled[row] = random_sample(probs, {0: generator})[0]
+        return sampled
 
     @staticmethod
     def probabilities(
@@ -313,6 +354,14 @@ class Sampler:
         """The random rows' final distributions (R, vocab) float32 from already penalized
         logits: temperature -> top_k -> top_p -> min_p -> softmax (greedy rows: the softmax of
         their logits, which nothing reads). own: as for sample."""
+        return Sampler.filtered_logits(logits, meta, own).softmax(dim=-1, dtype=torch.float32)
+
+    @staticmethod
+    def filtered_logits(
+        logits: torch.Tensor, meta: SamplingMetadata, own: bool = False
+    ) -> torch.Tensor:
+        """probabilities' logits before its softmax: temperature -> top_k -> top_p -> min_p
+        (dropped tokens at -inf); `logits` itself where no stage applies. own: as for sample."""
         temperature = meta.temperature
         if temperature is not None:  # 1.0 in greedy rows, whose argmax the caller takes
             divisor = temperature.unsqueeze(1)
@@ -327,6 +376,6 @@ class Sampler:
             apply_top_p(logits, meta.top_p, inplace=True)
         if meta.min_p is not None:
             apply_min_p(logits, meta.min_p, inplace=True)
-        return logits.softmax(dim=-1, dtype=torch.float32)
+        return logits
 
     compute_logprobs_for = staticmethod(compute_logprobs_for)

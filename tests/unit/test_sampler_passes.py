@@ -5,7 +5,9 @@ at 256 rows: 156 MB per float32 pass), so every aten op that reads or writes a t
 elements counts as a pass, and its bytes (inputs read, outputs written) are added up in units
 of one float32 (R, V) tensor. Views, allocations and (R,)-sized work are free; so is an op that
 touches only the elements an index names. The logits come as the LM head gives them on a GPU,
-in bfloat16. The bounds are today's counts: a change that adds a pass fails here.
+in bfloat16. The bounds are today's counts: a change that adds a pass fails here. BOUNDS are the
+torch path's (PAGODA_CPU_KERNELS=0, the GPU's); KERNEL_BOUNDS the CPU's, where the rows without
+a seed of their own run race.cpp's race_sample, one read of the logits that counts as one op.
 
 Before the sampler's passes were cut (W1, temperature 0.6: widen, divide, softmax, uniform, log,
 negate, divide, argmax), the same table read 8 passes, 14.5 tensors for W1; 2 and 2.5 for greedy;
@@ -24,6 +26,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pagoda.kernels.cpu import built
 from pagoda.runner.input_batch import BatchColumns, InputBatch, SamplingRows
 from pagoda.runner.sampler import Sampler, SamplingMetadata, random_sample
 from pagoda.sampling_params import SamplingParams
@@ -116,7 +119,7 @@ def count(params: list[SamplingParams], dtype: torch.dtype = torch.bfloat16) -> 
     return counter
 
 
-# name -> (passes, traffic in float32 (R, V) tensors) from bfloat16 logits, at most
+# name -> (passes, traffic in float32 (R, V) tensors) from bfloat16 logits, at most: torch path
 BOUNDS = {
     "greedy": (1, 0.5),  # argmax straight from the LM head's output
     "greedy + logprobs": (6, 6.5),
@@ -128,14 +131,39 @@ BOUNDS = {
     "repetition penalty only": (15, 26.25),
     "logit bias + min_tokens": (7, 13.5),
 }
+# The same with race.cpp (CPU): W1 widens, then races; the seeded rows keep the torch path.
+KERNEL_BOUNDS = {
+    "greedy": (1, 0.5),
+    "greedy + logprobs": (6, 6.5),
+    "random (W1: temperature 0.6)": (2, 2.5),
+    "random, seeded": (5, 10.5),
+    "greedy and random rows": (3, 3.0),
+    "top-k, top-p, min-p": (16, 30.75),
+    "penalties": (14, 24.5),
+    "repetition penalty only": (10, 15.25),
+    "logit bias + min_tokens": (2, 2.5),
+}
+
+
+def _assert_within(counter: PassCounter, bound: tuple[int, float]) -> None:
+    passes, traffic = bound
+    assert sum(counter.ops.values()) <= passes, counter.ops
+    assert counter.traffic <= traffic + 1e-9, counter.ops
 
 
 @pytest.mark.parametrize("name", list(BOUNDS))
-def test_passes_over_the_logits(name: str) -> None:
+def test_passes_over_the_logits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGODA_CPU_KERNELS", "0")
+    _assert_within(count(SCENARIOS[name]), BOUNDS[name])
+
+
+@pytest.mark.skipif(built() is None, reason="the CPU kernels cannot be built here")
+@pytest.mark.parametrize("name", list(KERNEL_BOUNDS))
+def test_passes_over_the_logits_with_the_cpu_race(name: str) -> None:
     counter = count(SCENARIOS[name])
-    passes, traffic = BOUNDS[name]
-    assert sum(counter.ops.values()) <= passes, counter.ops
-    assert counter.traffic <= traffic + 1e-9, counter.ops
+    _assert_within(counter, KERNEL_BOUNDS[name])
+    if SCENARIOS[name][0].temperature > 0 and SCENARIOS[name][0].seed is None:
+        assert counter.ops["race_sample"] == 1, counter.ops
 
 
 def test_16_bit_logits_sample_as_their_float32_widening() -> None:
@@ -174,7 +202,7 @@ def test_the_race_without_negation_has_the_same_winner() -> None:
         assert torch.equal(got, (probs / noise).argmax(-1))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # PAGODA_CPU_KERNELS=0 for the torch path's table
     for dtype in (torch.bfloat16, torch.float32):
         print(f"logits from the LM head in {dtype}")
         for name, params in SCENARIOS.items():

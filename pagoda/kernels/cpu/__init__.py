@@ -1,5 +1,5 @@
 """pagoda's CPU kernels: a C++ extension (quant_gemm.cpp, float_gemm.cpp, paged_attention.cpp,
-row_ops.cpp, lora.cpp) built on first use with torch's cpp_extension and cached
+row_ops.cpp, lora.cpp, race.cpp) built on first use with torch's cpp_extension and cached
 (TORCH_EXTENSIONS_DIR, by default under ~/.cache/torch_extensions), with a log line saying so;
 `python -m pagoda.kernels.cpu` builds it ahead (the Makefile's setup does). Where there is no C++
 compiler, `kernels()` is None and pagoda keeps its torch path, with a warning. Where a compiler
@@ -35,7 +35,10 @@ the activation before them in one call; `lora_apply(y, x, a, b, slots, offsets, 
 (lora.cpp), layers/lora.py's batched LoRA product added into y in place, x and y float32, A and
 B float32, bfloat16 or float16 (widened as they are read), each slot's A and B read once a step
 for all its tokens, which the six quantized matmuls also take inside their own call through
-their optional trailing `lora_a, lora_b, lora_slots, lora_offsets` (lora.h: the same bits); `isa()` names the instruction set picked at run time (0
+their optional trailing `lora_a, lora_b, lora_slots, lora_offsets` (lora.h: the same bits);
+`race_sample(logits, inv_temperature, seed, isa_limit)` (race.cpp), the sampler's exponential
+race for rows without a seed of their own, its noise counter-based (a function of seed, row and
+token), so the rows split across threads; `isa()` names the instruction set picked at run time (0
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
 caps it (tests run every path). The quantized matmuls also take isa_limit 3: their passes of
 16 rows and more then run on the tile unit (AMX-INT8, where the CPU has it and Linux grants it;
@@ -63,7 +66,14 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(n)
-    for n in ("quant_gemm.cpp", "float_gemm.cpp", "paged_attention.cpp", "row_ops.cpp", "lora.cpp")
+    for n in (
+        "quant_gemm.cpp",
+        "float_gemm.cpp",
+        "paged_attention.cpp",
+        "row_ops.cpp",
+        "lora.cpp",
+        "race.cpp",
+    )
 ]
 HEADERS = [Path(__file__).with_name(n) for n in ("common.h", "kv_rows.h", "lora.h")]
 ISA_NAMES = ("scalar", "AVX2 + FMA", "AVX-512 VNNI")
@@ -152,6 +162,7 @@ def _register_fakes() -> None:
     _register_attention_fakes()
     _register_row_op_fakes()
     _register_lora_fake()
+    _register_race_fake()
 
 
 def _register_matmul_fakes() -> None:
@@ -276,3 +287,11 @@ def _register_lora_fake() -> None:
         y: Any, x: Any, a: Any, b: Any, slots: Any, offsets: list[int], isa_limit: int
     ) -> None:
         return None
+
+
+def _register_race_fake() -> None:
+    """race_sample (race.cpp): one token id per row."""
+
+    @torch.library.register_fake("pagoda_cpu::race_sample")  # type: ignore[misc]
+    def _race(logits: Any, inv_temperature: Any, seed: Any, isa_limit: int) -> Any:
+        return logits.new_empty((logits.shape[0],), dtype=torch.int64)
