@@ -22,7 +22,7 @@ from pagoda.loading.pooling import matryoshka_dimensions
 from pagoda.loading.tokenizer import load_tokenizer_for
 from pagoda.lora_request import LoRARequest
 from pagoda.model_config import SCALED_KV_DTYPES, ModelConfig
-from pagoda.runner.device import resolve_device
+from pagoda.runner.device import kernels_name, resolve_device
 from pagoda.runner.executor import Executor, StepOutput
 from pagoda.scheduling.block_pool import BlockPool
 from pagoda.scheduling.kv_cache_manager import KVCacheManager
@@ -113,7 +113,7 @@ class EngineCore:
         logger.info(
             "kernels: %s; optimization level %d: decode CUDA graphs %s, compiled decode %s; "
             "async scheduling %s",
-            config.kernel_backend,
+            kernels_name(config.kernel_backend, self.device.type),
             config.level,
             "on" if config.use_cuda_graphs else "off",
             ("on, C++ wrapper" if config.decode_cpp_wrapper else "on")

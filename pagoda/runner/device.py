@@ -1,6 +1,6 @@
 """Where the engine runs: EngineConfig's "auto" device made concrete, config dtype names as
-torch dtypes (the configs are torch-free and name dtypes as strings), and small host-to-device
-copies that never wait for the device."""
+torch dtypes (the configs are torch-free and name dtypes as strings), small host-to-device
+copies that never wait for the device, and the name of the kernels a step runs."""
 
 from __future__ import annotations
 
@@ -18,6 +18,19 @@ def resolve_device(config: EngineConfig) -> EngineConfig:
     if config.device != "auto":
         return config
     return config.with_device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def kernels_name(backend: str, device_type: str) -> str:
+    """The engine log's name for a step's kernels: the backend, and on CPU whether pagoda's C++
+    kernels run under it (the torch backend calls them for matmuls, attention and row ops)."""
+    if device_type != "cpu":
+        return backend
+    from pagoda.kernels.cpu import ISA_NAMES, kernels
+
+    ops = kernels()
+    if ops is None:
+        return f"{backend}, pagoda's C++ CPU kernels off"
+    return f"{backend}, pagoda's C++ CPU kernels ({ISA_NAMES[ops.isa()]})"
 
 
 def torch_dtype(name: str) -> torch.dtype:
