@@ -31,6 +31,7 @@ from pagoda.runner.sampler import Sampler, SamplingMetadata
 ROOT = Path(__file__).resolve().parents[1]
 W_CPU = "-O2 --num-prompts 64 --input-len-range 16,256 --output-len-range 16,256".split()
 SIDES = ("race", "torch_path")
+KEPT = ("output_tok_s", "elapsed_s", "num_output_tokens", "num_preemptions")  # of each run
 TORCH_PATH = "import pagoda.runner.sampler as s; s._race_kernel = lambda logits: None; "
 
 
@@ -95,7 +96,7 @@ def _wcpu(torch_path: bool) -> dict[str, Any]:
         subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True,
                        stdout=subprocess.DEVNULL)  # fmt: skip
         pagoda = json.loads(out.read_text())["pagoda"]
-    return {k: pagoda[k] for k in ("output_tok_s", "elapsed_s", "output_tokens")}
+    return {k: pagoda[k] for k in KEPT}
 
 
 def wcpu_rounds(rounds: int) -> dict[str, Any]:

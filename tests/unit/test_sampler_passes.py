@@ -127,9 +127,9 @@ BOUNDS = {
     "random, seeded": (5, 10.5),
     "greedy and random rows": (7, 12.0),
     "top-k, top-p, min-p": (20, 39.75),
-    "penalties": (19, 35.5),
-    "repetition penalty only": (15, 26.25),
-    "logit bias + min_tokens": (7, 13.5),
+    "penalties": (18, 33.5),
+    "repetition penalty only": (14, 24.25),
+    "logit bias + min_tokens": (6, 11.5),
 }
 # The same with race.cpp (CPU): W1 widens, then races; the seeded rows keep the torch path.
 KERNEL_BOUNDS = {

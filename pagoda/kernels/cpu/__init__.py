@@ -37,8 +37,8 @@ B float32, bfloat16 or float16 (widened as they are read), each slot's A and B r
 for all its tokens, which the six quantized matmuls also take inside their own call through
 their optional trailing `lora_a, lora_b, lora_slots, lora_offsets` (lora.h: the same bits);
 `race_sample(logits, inv_temperature, seed, isa_limit)` (race.cpp), the sampler's exponential
-race for rows without a seed of their own, its noise counter-based (a function of seed, row and
-token), so the rows split across threads; `isa()` names the instruction set picked at run time (0
+race for rows without a seed of their own, its noise counter-based (a function of seed, a
+one-element int64 tensor, row and token), so the rows split across threads; `isa()` names the instruction set picked at run time (0
 scalar, 1 AVX2 + FMA, 2 AVX-512 VNNI, under which the attention runs AVX-512 F); `isa_limit`
 caps it (tests run every path). The quantized matmuls also take isa_limit 3: their passes of
 16 rows and more then run on the tile unit (AMX-INT8, where the CPU has it and Linux grants it;
