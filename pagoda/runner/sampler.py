@@ -341,7 +341,7 @@ class Sampler:
         rows = logits if logits.dtype == torch.float32 else logits.float()
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        sampled = race(rows, inv_temperature, seed, 2)
+        sampled = race(rows, inv_temperature, seed, 2)  # isa_limit 2: the CPU's best path
         for row, generator in meta.generators.items():  # slices: no host index to upload
             probs = logits[row : row + 1].softmax(dim=-1, dtype=torch.float32)
             sampled[row] = random_sample(probs, {0: generator})[0]
