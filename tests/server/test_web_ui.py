@@ -111,7 +111,9 @@ def test_a_chat_streams_into_the_page_and_a_load_shows_live(
     )
     assert json.loads(ui.data("[data-plot='preemptions (total)']", "latest"))["preemptions"] > 0
     assert json.loads(ui.data("[data-plot='E2E latency']", "latest"))["p50"] > 0
-    assert int(ui.data("[data-plot='TTFT']", "samples")) > 5
+    # one sample a feed tick while the load ran: several, however fast the CPU (a Zen 5 ran the
+    # load in 5 ticks; fresh-clone CI, 2026-12-01)
+    assert int(ui.data("[data-plot='TTFT']", "samples")) > 2
 
     # the chat's explanation (the load's requests are not the page's "last request")
     page.click("#explain")
