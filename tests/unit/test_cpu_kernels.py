@@ -332,6 +332,33 @@ def test_a_row_gets_the_same_bits_in_any_batch(isa: int) -> None:
             assert torch.equal(_matmul(held, xk[:m], isa), alone_k[q][:m]), (q, m)
 
 
+@pytest.mark.parametrize("isa", MATMUL_ISAS)
+def test_a_prefill_sized_call_gives_each_row_its_bits_alone(threads: int, isa: int) -> None:
+    """A call of 512 groups of 32 or more (common.h QUANTIZE_GRAIN: a prefill chunk's) quantizes
+    its activations, and Q6_K's sums per 16 values, over torch's threads: each of its 70 rows of
+    256 values (560 groups) equals the same row's call alone, whatever the thread count."""
+    assert OPS is not None
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(70, 256, generator=gen)
+    codes = torch.randint(0, 16, (40, 256), dtype=torch.uint8, generator=gen)
+    q4 = pack_q4x16(
+        codes, torch.rand(40, 8, generator=gen) * 0.02, torch.randn(40, 8, generator=gen)
+    )
+    q8_codes, q8_scale = quantize_int8_rows(torch.randn(40, 256, generator=gen))
+    q8, q8_scales = pack_q8x16(q8_codes, q8_scale[:, None])
+    calls = {
+        "q4": lambda rows: OPS.q4x16_matmul(rows, q4, 40, isa, 0),
+        "q8": lambda rows: OPS.q8x16_matmul(rows, q8, q8_scales, 40, isa),
+        **{
+            q: (lambda held: lambda rows: _matmul(held, rows, isa))(_held(_blocks(q, 40, 256, 7)))
+            for q in ("Q4_K", "Q6_K")
+        },
+    }
+    for name, call in calls.items():
+        alone = torch.cat([call(x[i : i + 1]) for i in range(70)])
+        assert torch.equal(call(x), alone), name
+
+
 @pytest.mark.parametrize("qtype", [q for q in QTYPES if q not in gguf.FLOAT16_TYPES])
 @pytest.mark.parametrize("m", [16, 17, 33, 70])
 def test_the_tile_unit_gives_the_vnni_bits(threads: int, qtype: str, m: int) -> None:
