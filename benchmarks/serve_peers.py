@@ -21,7 +21,11 @@ through each server (its TTFT and TPOT).
 (the burst study: `--peers vllm --pagoda-args=-O2 --pagoda-args="-O2
 --max-num-batched-tokens 512"`).
 
-All servers are up at once (an idle one waits on its socket). Each round sends new prompts
+One server is up at a time: each is started for its load and stopped after it, so that no
+idle engine runs beside the one measured (an idle vLLM's worker keeps 13 gloo threads that wake
+about 100 times a second each; with it up and idle after a load, pagoda's TTFT p50 under this
+load was 1.2-1.5x its own alone: benchmarks/README.md, issue 42 tenth part). `--all-up` starts
+every server once and keeps them up, as this script did before. Each round sends new prompts
 (seed + 100 x round: a prompt an earlier round sent would be a prefix-cache hit) to every
 server in turn, the order alternating round by round; the record holds each round's summaries,
 the per-round ratios pagoda / peer (output tok/s, TTFT p50 / p99, TPOT p50 / p99) with their
@@ -137,6 +141,17 @@ def export_vllm_folder(model: str | None, folder: str) -> None:
     AutoTokenizer.from_pretrained(source, gguf_file=gguf_file).save_pretrained(folder)
 
 
+def load_alone(
+    system: System, gguf: str, seed: int, raw_dir: str, r: int, workload: list[str]
+) -> dict[str, Any]:
+    """run_load with only this server up: started for the load, stopped after it."""
+    proc, url = start_server(system, gguf, raw_dir)
+    try:
+        return run_load(system.label, url, gguf, seed, raw_dir, r, workload)
+    finally:
+        stop_server(proc)
+
+
 def run_load(
     label: str, url: str, gguf: str, seed: int, raw_dir: str, r: int, workload: list[str]
 ) -> dict[str, Any]:
@@ -216,6 +231,11 @@ def main() -> int:
         "(labels pagoda, pagoda-2, ...), every one against every peer",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--all-up",
+        action="store_true",
+        help="start every server once and keep all up (default: one up at a time, for its load)",
+    )
     parser.add_argument("--output-json", default=os.path.join(RESULTS, "serve_peers.json"))
     args = parser.parse_args()
     gguf = gguf_path(args.model)
@@ -232,15 +252,20 @@ def main() -> int:
     workload = WORKLOADS[args.workload] + COMMON
     record: dict[str, Any] = {"bench": "serve_peers", "model": gguf, "workload": workload}
     record["rounds"] = []
+    record["servers_up"] = "all at once" if args.all_up else "one at a time"
     try:
-        for s in served:
+        for s in served if args.all_up else []:
             proc, urls[s.system.label] = start_server(s.system, gguf, raw_dir)
             procs.append(proc)
+        by_label = {s.system.label: s.system for s in served}
         for r in range(args.rounds):
             entry: dict[str, Any] = {"order": round_order(r, labels)}
             seed = args.seed + 100 * r
             for label in entry["order"]:
-                entry[label] = run_load(label, urls[label], gguf, seed, raw_dir, r, workload)
+                if args.all_up:
+                    entry[label] = run_load(label, urls[label], gguf, seed, raw_dir, r, workload)
+                else:
+                    entry[label] = load_alone(by_label[label], gguf, seed, raw_dir, r, workload)
             record["rounds"].append(entry)
     finally:
         for proc in procs:

@@ -106,8 +106,8 @@ struct Pass {
 #define PAGODA_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 // Activation word i (4 int8 codes) of a row's group, broadcast to every 32-bit lane: loaded from
-// memory by the broadcast itself (vpbroadcastd m32, which dpbusd can fold in), not through a
-// general register (a GPR-to-vector move per word, which bound the prefill tiles' issue rate).
+// memory by the broadcast itself (vpbroadcastd m32, a load), not through a general register (a
+// GPR-to-vector move per word, 64 a group at 8 rows, which bound the many-row passes).
 PAGODA_VNNI inline __m512i word_x16(const int8_t* q, int i) {
   return _mm512_broadcastd_epi32(_mm_loadu_si32(q + 4 * i));
 }
@@ -388,7 +388,7 @@ PAGODA_VNNI void nibble_tile_vnni(const uint8_t* tile, const Pass& p) {
     if constexpr (F == Form::kQ2K) q2k_offsets_vnni(unit_at<F>(tile, g), meta_of<F>(tile, g), &o0, &o1);
     // Unrolled, the rows' accumulators stay in registers (rolled, GCC kept them in memory: a
     // load and a store a row and group). With word_x16, 512 rows of the 1.5B's shapes on a
-    // 2-core Zen 5: Q4_K 1.3-1.45x, Q6_K 1.4x (benchmarks/prefill_matmuls.py).
+    // 2-core Zen 5: Q4_K 1.26-1.48x, Q6_K 1.41x (benchmarks/results/issue42/part10).
 #pragma GCC unroll 8
     for (int r = 0; r < M; ++r) {
       const int8_t* qw = p.q + r * p.k + g * GROUP;
