@@ -254,9 +254,10 @@ def main() -> int:
     record["rounds"] = []
     record["servers_up"] = "all at once" if args.all_up else "one at a time"
     try:
-        for s in served if args.all_up else []:
-            proc, urls[s.system.label] = start_server(s.system, gguf, raw_dir)
-            procs.append(proc)
+        if args.all_up:
+            for s in served:
+                proc, urls[s.system.label] = start_server(s.system, gguf, raw_dir)
+                procs.append(proc)
         by_label = {s.system.label: s.system for s in served}
         for r in range(args.rounds):
             entry: dict[str, Any] = {"order": round_order(r, labels)}

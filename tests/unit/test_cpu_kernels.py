@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -349,10 +350,7 @@ def test_a_prefill_sized_call_gives_each_row_its_bits_alone(threads: int, isa: i
     calls = {
         "q4": lambda rows: OPS.q4x16_matmul(rows, q4, 40, isa, 0),
         "q8": lambda rows: OPS.q8x16_matmul(rows, q8, q8_scales, 40, isa),
-        **{
-            q: (lambda held: lambda rows: _matmul(held, rows, isa))(_held(_blocks(q, 40, 256, 7)))
-            for q in ("Q4_K", "Q6_K")
-        },
+        **{q: partial(_matmul, _held(_blocks(q, 40, 256, 7)), isa=isa) for q in ("Q4_K", "Q6_K")},
     }
     for name, call in calls.items():
         alone = torch.cat([call(x[i : i + 1]) for i in range(70)])
