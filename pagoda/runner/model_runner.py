@@ -33,7 +33,7 @@ from pagoda.runner.cuda_graphs import (
     capture_sizes,
     padded_size,
 )
-from pagoda.runner.device import to_device
+from pagoda.runner.device import keep_freed_host_memory, to_device
 from pagoda.runner.draft_sampling import DraftSampler
 from pagoda.runner.draft_step import DraftModelStep
 from pagoda.runner.grammar_mask import apply_grammar_bitmask
@@ -164,6 +164,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_caches(num_blocks)
         if self.draft_step is not None:
             self.draft_step.allocate(num_blocks, self.kv_caches)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # after the cache (mapped apart), before any step
 
     def capture_cuda_graphs(self) -> None:
         """After allocate_kv_cache: capture the decode graphs when they are enabled."""

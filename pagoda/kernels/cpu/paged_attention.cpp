@@ -43,6 +43,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -801,7 +802,33 @@ int64_t window_start(int64_t len, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, len - window) : 0;
 }
 
-// Attends every row into out (rows, heads, D). Rows [group_start[g], group_start[g + 1]) are a
+// A call's chunk results, `floats` of them, not initialised (every one is written before it is
+// read): the calling thread's buffer, kept between calls up to KEEP_PARTS floats, so a prefill's
+// layers do not each fault in (and zero) tens of megabytes afresh; a larger call's is `own`.
+constexpr int64_t KEEP_PARTS = int64_t{32} << 20;  // 128 MiB
+
+float* chunk_results(int64_t floats, std::unique_ptr<float[]>& own) {
+  thread_local std::unique_ptr<float[]> kept;
+  thread_local int64_t kept_floats = 0;
+  if (floats > KEEP_PARTS) {
+    own.reset(new float[floats]);
+    return own.get();
+  }
+  if (floats > kept_floats) {
+    kept.reset(new float[floats]);
+    kept_floats = floats;
+  }
+  return kept.get();
+}
+
+// What a work item of group g costs, roughly: its rows times its chunk's positions.
+int64_t item_cost(const std::vector<int64_t>& group_start, const std::vector<int64_t>& chunk, int64_t g) {
+  return (group_start[g + 1] - group_start[g]) * chunk[group_start[g]];
+}
+
+// Attends every row into out (rows, heads, D). Work items are handed out one at a time from a
+// shared counter, costliest first (a prefill's late rows read far more than its early ones; an
+// even split of the items left one thread idle a fifth of the time). Rows [group_start[g], group_start[g + 1]) are a
 // group: rows whose tables agree on every block any of them reads, all with the same lo and
 // chunk size; the group reads its first row's table, in one pass over the keys and values. A
 // row's result depends on its query, its [lo, len) and the cache only (its chunks follow from
@@ -829,7 +856,12 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
     for (int64_t c = 0; c < most; ++c) items.emplace_back(static_cast<int64_t>(g), c);
   }
   const int64_t d = s.dim, vd = s.vdim, per_item = s.heads * (vd + 2);
-  std::vector<float> parts(first[num_rows] * per_item);  // (row's chunk, head, max|sum|D)
+  std::unique_ptr<float[]> own;
+  float* parts = chunk_results(first[num_rows] * per_item, own);  // (row's chunk, head, max|sum|D)
+  // costliest first (rows x positions), so that the last items handed out are small ones
+  std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) {
+    return item_cost(group_start, chunk, a.first) > item_cost(group_start, chunk, b.first);
+  });
   const pagoda_cpu::Isa isa = pagoda_cpu::pick_isa(isa_limit);
   const bool simd = isa != pagoda_cpu::Isa::kScalar;
   const bool wide = isa == pagoda_cpu::Isa::kVnni && d % 16 == 0 && vd % 16 == 0;  // AVX-512 F
@@ -841,7 +873,8 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
   // a converted item's rows: positions 0, 1, ... of its scratch, through this table
   std::vector<int32_t> identity(convert ? widest / s.block_size + 2 : 0);
   std::iota(identity.begin(), identity.end(), 0);
-  at::parallel_for(0, num_items, 1, [&](int64_t begin_item, int64_t end_item) {
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::unique_ptr<float[]> scores(new float[largest * s.heads * widest]);  // written before read
     RowWork work[MAX_GROUP];
     std::unique_ptr<const float*[]> krow(new const float*[widest]), vrow(new const float*[widest]);
@@ -851,7 +884,7 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
     const int64_t row = s.kv_heads * d;
     std::unique_ptr<float[]> kbuf(convert ? new float[widest * row] : nullptr);
     std::unique_ptr<float[]> vbuf(convert && vr.data != kr.data ? new float[widest * row] : nullptr);
-    for (int64_t it = begin_item; it < end_item; ++it) {
+    for (int64_t it = next_item++; it < num_items; it = next_item++) {
       const auto [g, c] = items[it];
       const int64_t g0 = group_start[g], g1 = group_start[g + 1];
       int64_t begin = rows[g0].lo + c * chunk[g0];  // the group's rows share lo
@@ -860,7 +893,7 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
       for (int64_t b = g0; b < g1; ++b) {
         const int64_t n = std::min<int64_t>(rows[b].len, begin + chunk[b]) - begin;
         if (n <= 0) continue;
-        work[count] = RowWork{rows[b].q, n, n / 4 * 4, parts.data() + (first[b] + c) * per_item,
+        work[count] = RowWork{rows[b].q, n, n / 4 * 4, parts + (first[b] + c) * per_item,
                               scores.get() + count * s.heads * widest};
         most = std::max(most, n);
         ++count;
@@ -896,7 +929,7 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
   at::parallel_for(0, num_rows, 16, [&](int64_t begin_row, int64_t end_row) {
     for (int64_t b = begin_row; b < end_row; ++b) {
       const int64_t used = first[b + 1] - first[b];
-      if (used > 0) merge(s, parts.data() + first[b] * per_item, used, op + b * s.heads * vd);
+      if (used > 0) merge(s, parts + first[b] * per_item, used, op + b * s.heads * vd);
     }
   });
 }
