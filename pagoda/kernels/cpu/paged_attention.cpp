@@ -822,15 +822,17 @@ float* chunk_results(int64_t floats, std::unique_ptr<float[]>& own) {
 }
 
 // What a work item of group g costs, roughly: its rows times its chunk's positions.
-int64_t item_cost(const std::vector<int64_t>& group_start, const std::vector<int64_t>& chunk, int64_t g) {
+int64_t item_cost(const std::vector<int64_t>& group_start, const std::vector<int64_t>& chunk,
+                  int64_t g) {
   return (group_start[g + 1] - group_start[g]) * chunk[group_start[g]];
 }
 
 // Attends every row into out (rows, heads, D). Work items are handed out one at a time from a
 // shared counter, costliest first (a prefill's late rows read far more than its early ones; an
-// even split of the items left one thread idle a fifth of the time). Rows [group_start[g], group_start[g + 1]) are a
-// group: rows whose tables agree on every block any of them reads, all with the same lo and
-// chunk size; the group reads its first row's table, in one pass over the keys and values. A
+// even split of the items left one thread idle a fifth of the time). Rows [group_start[g],
+// group_start[g + 1]) are a group: rows whose tables agree on every block any of them reads,
+// all with the same lo and chunk size; the group reads its first row's table, in one pass over
+// the keys and values. A
 // row's result depends on its query, its [lo, len) and the cache only (its chunks follow from
 // them; each chunk and the merge see the same operations in any group), so it is the same bits
 // in any batch, any group, any step.
@@ -857,7 +859,8 @@ void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
   }
   const int64_t d = s.dim, vd = s.vdim, per_item = s.heads * (vd + 2);
   std::unique_ptr<float[]> own;
-  float* parts = chunk_results(first[num_rows] * per_item, own);  // (row's chunk, head, max|sum|D)
+  // (row's chunk, head, max|sum|D)
+  float* parts = chunk_results(first[num_rows] * per_item, own);
   // costliest first (rows x positions), so that the last items handed out are small ones
   std::stable_sort(items.begin(), items.end(), [&](const auto& a, const auto& b) {
     return item_cost(group_start, chunk, a.first) > item_cost(group_start, chunk, b.first);

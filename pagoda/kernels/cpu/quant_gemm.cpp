@@ -1204,8 +1204,10 @@ bool use_amx(int64_t isa_limit, Isa isa, int64_t m) {
 // Rows a block of a tile-unit call (AMX) or of a VNNI call: whole passes whose int8 activations
 // fill at most about 1 MB, half a core's L2 (the other half holds a tile's unpacked codes and
 // what y takes), read by every tile; at most 256, so that the rows of y a tile writes (N floats
-// apart) stay within fewer pages. On VNNI, 2,048 rows of the 1.5B's shapes in 3 alternating
-// runs: 1.02-1.12x qkv, 1.02-1.09x gate/up, 1.05-1.20x down, 1.01-1.12x Q6_K down.
+// apart) stay within fewer pages. On VNNI, 2,048 rows of the 1.5B's shapes, 3 alternating runs
+// against unblocked (benchmarks/results/issue42/part11/prefill_matmuls_2048_ab.json): down
+// 1.32x (Q4_K) and 1.17x (Q6_K), whose K = 8,960 rows fill L2 many times over; qkv and gate/up
+// (K = 1,536) level.
 int64_t rows_per_block(int64_t k) {
   return std::clamp<int64_t>((int64_t{1} << 20) / k / AMX_ROWS * AMX_ROWS, AMX_ROWS, 256);
 }
@@ -1353,7 +1355,8 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
   };
   const LoraArgs lora{lora_a, lora_b, lora_slots, lora_offsets};
   const int64_t per_pass = amx ? x.size(0) : rows_per_pass(isa, by_block);
-  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, halves, lora, amx || isa == Isa::kVnni ? rows_per_block(k) : 0);
+  const int64_t block = amx || isa == Isa::kVnni ? rows_per_block(k) : 0;
+  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, halves, lora, block);
 }
 
 // packed: (ceil(n / 16), K / 32, 512) uint8; scales: (ceil(n / 16), K / 32 or 1, 16) float32
@@ -1393,7 +1396,8 @@ at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at:
     }
   };
   const int64_t per_pass = amx ? x.size(0) : rows_per_pass(isa);
-  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, false, lora, amx || isa == Isa::kVnni ? rows_per_block(k) : 0);
+  const int64_t block = amx || isa == Isa::kVnni ? rows_per_block(k) : 0;
+  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, false, lora, block);
 }
 
 // ---- with a prologue: the row op before the matmul in the same call ----------------------------
