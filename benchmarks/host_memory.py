@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import resource
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
+
+import psutil
 
 from pagoda.bench.common import write_json
 from pagoda.bench.machine import machine_record, pagoda_version
@@ -28,13 +28,10 @@ from pagoda.bench.machine import machine_record, pagoda_version
 MODES = ("keep", "system")
 
 
-def _resident_mb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGESIZE") >> 20
-
-
 def _child(model: str | None, input_len: int, runs: int) -> list[dict[str, Any]]:
-    from pagoda import LLM, SamplingParams
+    from profile_prefill import _prefill_s  # this folder's: one random prompt, prefilled
+
+    from pagoda import LLM
 
     llm = LLM(
         model,
@@ -42,19 +39,15 @@ def _child(model: str | None, input_len: int, runs: int) -> list[dict[str, Any]]
         max_num_batched_tokens=input_len,
         enable_prefix_caching=False,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     out = []
     for i in range(runs):
-        rng = random.Random(i)
-        prompt = [rng.randrange(100, 20000) for _ in range(input_len)]
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        seconds = _prefill_s(llm, input_len, i)
         out.append(
             {
-                "s": round(time.perf_counter() - t0, 3),
+                "s": round(seconds, 3),
                 "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
-                "resident_mb": _resident_mb(),
+                "resident_mb": psutil.Process().memory_info().rss >> 20,
             }
         )
     return out

@@ -1207,8 +1207,9 @@ bool use_amx(int64_t isa_limit, Isa isa, int64_t m) {
 // apart) stay within fewer pages. On VNNI, 2,048 rows of the 1.5B's shapes, 3 alternating runs
 // against unblocked (benchmarks/results/issue42/part11/prefill_matmuls_2048_ab.json): down
 // 1.32x (Q4_K) and 1.17x (Q6_K), whose K = 8,960 rows fill L2 many times over; qkv and gate/up
-// (K = 1,536) level.
-int64_t rows_per_block(int64_t k) {
+// (K = 1,536) level. 0 (the rows in one block) on AVX2 and scalar.
+int64_t rows_per_block(bool amx, Isa isa, int64_t k) {
+  if (!amx && isa != Isa::kVnni) return 0;
   return std::clamp<int64_t>((int64_t{1} << 20) / k / AMX_ROWS * AMX_ROWS, AMX_ROWS, 256);
 }
 
@@ -1355,8 +1356,7 @@ at::Tensor q4x16_matmul(const at::Tensor& x, const at::Tensor& packed, int64_t n
   };
   const LoraArgs lora{lora_a, lora_b, lora_slots, lora_offsets};
   const int64_t per_pass = amx ? x.size(0) : rows_per_pass(isa, by_block);
-  const int64_t block = amx || isa == Isa::kVnni ? rows_per_block(k) : 0;
-  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, halves, lora, block);
+  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, halves, lora, rows_per_block(amx, isa, k));
 }
 
 // packed: (ceil(n / 16), K / 32, 512) uint8; scales: (ceil(n / 16), K / 32 or 1, 16) float32
@@ -1396,8 +1396,7 @@ at::Tensor q8x16_matmul(const at::Tensor& x, const at::Tensor& packed, const at:
     }
   };
   const int64_t per_pass = amx ? x.size(0) : rows_per_pass(isa);
-  const int64_t block = amx || isa == Isa::kVnni ? rows_per_block(k) : 0;
-  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, false, lora, block);
+  return run_tiles(x, n, tiles, isa, per_pass, tile_fn, false, lora, rows_per_block(amx, isa, k));
 }
 
 // ---- with a prologue: the row op before the matmul in the same call ----------------------------
