@@ -5,6 +5,8 @@ before. Two measures, alternating the two in rounds and taking medians:
 
 - attention alone, one layer of SmolLM2 (9 heads, 3 kv heads, 64 wide) and of Qwen2.5-1.5B (12
   heads, 2 kv heads, 128 wide), a whole prompt of each length, at each instruction set;
+- one prefill step of a served burst (prompts of 16-256 tokens filling the 2,048-token budget)
+  in one call, against SDPA over the same prompts one by one;
 - TTFT of the embedded SmolLM2 GGUF (-O0, the CPU default) on prompts of each length, the same
   engine with its prefill rows sent to SDPA instead (layers/attention.paged_attention_torch).
 
@@ -14,6 +16,7 @@ before. Two measures, alternating the two in rounds and taking medians:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -135,13 +138,65 @@ def ttft(lens: list[int], rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
+def burst_step(rounds: int, tokens: int = 2048) -> list[dict[str, Any]]:
+    """One prefill step of a served burst (W-CPU's prompts, U[16, 256] tokens, seed 0, until the
+    2,048-token budget is full) in one paged_attention call, at each SIMD instruction set, and
+    SDPA over the same prompts one at a time."""
+    from pagoda.kernels.cpu import built
+
+    ops = built()
+    assert ops is not None, "needs pagoda's CPU kernels (a C++ compiler)"
+    rng = random.Random(0)
+    lens: list[int] = []
+    while sum(lens) < tokens:
+        lens.append(min(rng.randint(16, 256), tokens - sum(lens)))
+    blocks = [-(-n // 16) for n in lens]
+    table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    for i, b in enumerate(blocks):
+        table[i, :b] = torch.arange(sum(blocks[:i]), sum(blocks[: i + 1]), dtype=torch.int32)
+    starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for model, (heads, kv_heads, dim) in SHAPES.items():
+        k = torch.randn(sum(blocks), 16, kv_heads, dim, generator=gen)
+        v = torch.randn(sum(blocks), 16, kv_heads, dim, generator=gen)
+        q = torch.randn(tokens, heads, dim, generator=gen)
+        firsts = [int(t) * 16 for t in table[:, 0]]
+        per_prompt = [
+            (
+                q[a:b].transpose(0, 1)[None],
+                k.view(-1, kv_heads, dim)[f : f + n].transpose(0, 1)[None],
+                v.view(-1, kv_heads, dim)[f : f + n].transpose(0, 1)[None],
+            )
+            for a, b, f, n in zip(starts[:-1].tolist(), starts[1:].tolist(), firsts, lens)
+        ]
+
+        def sdpa(parts: list[tuple[torch.Tensor, ...]] = per_prompt) -> None:
+            for qq, kk, vv in parts:
+                F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+
+        for isa in range(1, ops.isa() + 1):
+            kernel = partial(ops.paged_attention, q, k, v, table, starts, seq, dim**-0.5, 0, isa)
+            ms = _median_ms({"row_kernel": kernel, "sdpa": sdpa}, rounds)
+            row = {"model": model, "prompt_lens": lens, "isa": isa, **ms}
+            row["ratio"] = round(ms["row_kernel"] / ms["sdpa"], 3)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lens", default="128,512,1024,2048,4000")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--parts", default="alone,burst,ttft", help="of alone, burst (burst_step), ttft"
+    )
     parser.add_argument("--output-json")
     args = parser.parse_args()
     lens = [int(x) for x in args.lens.split(",")]
+    parts = set(args.parts.split(","))
     from pagoda.kernels.cpu import ISA_NAMES, built
 
     ops = built()
@@ -151,8 +206,9 @@ def main() -> int:
         "threads": torch.get_num_threads(),
         "isa": None if ops is None else ISA_NAMES[ops.isa()],
         "isa_names": list(ISA_NAMES),
-        "attention_alone": attention_alone(lens, args.rounds),
-        "ttft_smollm2_gguf_O0": ttft(lens, args.rounds),
+        "attention_alone": attention_alone(lens, args.rounds) if "alone" in parts else None,
+        "burst_step": burst_step(args.rounds) if "burst" in parts else None,
+        "ttft_smollm2_gguf_O0": ttft(lens, args.rounds) if "ttft" in parts else None,
     }
     if args.output_json:
         write_json(result, args.output_json)
