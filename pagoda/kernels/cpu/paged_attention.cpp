@@ -58,9 +58,11 @@
 namespace {
 
 constexpr int64_t MAX_CHUNK = 256;  // positions per work item at most
-// and at least (whole blocks): a short row is one item, not four small ones, each with its own
-// per-head max, sums and merge (a prefill step of 13 prompts of 26-251 tokens, SmolLM2's heads:
-// 3.0-3.1 -> 2.4 ms on 2 AVX-512 cores); a long row still splits over the threads
+// and at least (then whole blocks): a short row is one item or two, not four small ones each
+// with its own per-head maxima, sums and merge; a row of 512 positions and more splits as
+// before. One prefill step of a burst (13 prompts of 26-251 tokens), SmolLM2's heads on 2
+// AVX-512 cores: 4.0 -> 3.1 ms, 1.31x (benchmarks/results/issue42/part12/
+// burst_step_attention_ab.json).
 constexpr int64_t MIN_CHUNK = 128;
 constexpr int64_t MAX_GROUP = 8;    // rows sharing one pass over their keys and values
 constexpr int64_t MAX_HEADS = 64;   // query heads per kv head (the blocked AVX-512 path)
@@ -782,15 +784,15 @@ void convert_rows(const Shape& s, const KvRows& kr, const KvRows& vr, const int3
   }
 }
 
-// Positions per work item of a row of `length` positions (its span len - lo): a quarter of it,
-// in whole blocks, at least MIN_CHUNK and at most MAX_CHUNK. A function of the length alone, not of the threads, so a
-// row's bits are the same in any process (a tensor-parallel worker runs on its share of the
-// cores).
+// Positions per work item of a row of `length` positions (its span len - lo): a quarter of it
+// but at least MIN_CHUNK, in whole blocks, at most MAX_CHUNK. A function of the length alone,
+// not of the threads, so a row's bits are the same in any process (a tensor-parallel worker
+// runs on its share of the cores).
 int64_t chunk_size(int64_t length, int64_t block_size) {
   constexpr int64_t pieces = 4;
-  int64_t size = (length + pieces - 1) / pieces;
+  int64_t size = std::max((length + pieces - 1) / pieces, MIN_CHUNK);
   size = (size + block_size - 1) / block_size * block_size;
-  return std::clamp<int64_t>(std::max(size, MIN_CHUNK), block_size, std::max(block_size, MAX_CHUNK));
+  return std::clamp<int64_t>(size, block_size, std::max(block_size, MAX_CHUNK));
 }
 
 // One query row: its query heads (heads x D floats), the block table it reads, the keys
@@ -831,15 +833,14 @@ int64_t item_cost(const std::vector<int64_t>& group_start, const std::vector<int
   return (group_start[g + 1] - group_start[g]) * chunk[group_start[g]];
 }
 
-// Attends every row into out (rows, heads, D), every value of which it writes. Work items are handed out one at a time from a
-// shared counter, costliest first (a prefill's late rows read far more than its early ones; an
-// even split of the items left one thread idle a fifth of the time). Rows [group_start[g],
-// group_start[g + 1]) are a group: rows whose tables agree on every block any of them reads,
-// all with the same lo and chunk size; the group reads its first row's table, in one pass over
-// the keys and values. A
-// row's result depends on its query, its [lo, len) and the cache only (its chunks follow from
-// them; each chunk and the merge see the same operations in any group), so it is the same bits
-// in any batch, any group, any step.
+// Attends every row into out (rows, heads, D), writing every value of it. Work items are handed
+// out one at a time from a shared counter, costliest first (a prefill's late rows read far more
+// than its early ones; an even split of the items left one thread idle a fifth of the time).
+// Rows [group_start[g], group_start[g + 1]) are a group: rows whose tables agree on every block
+// any of them reads, all with the same lo and chunk size; the group reads its first row's table,
+// in one pass over the keys and values. A row's result depends on its query, its [lo, len) and
+// the cache only (its chunks follow from them; each chunk and the merge see the same operations
+// in any group), so it is the same bits in any batch, any group, any step.
 void attend_rows(const Shape& s, const std::vector<QueryRow>& rows,
                  const std::vector<int64_t>& group_start, const KvRows& kr, const KvRows& vr,
                  int64_t isa_limit, float* op) {
