@@ -73,4 +73,11 @@ def test_gemma3_file_with_an_adapter_matches_hf_peft_and_keeps_the_quantized_bou
     quantized = LLM(gemma_path, **ENGINE_ARGS, **LORA)
     agreement, ppl_change = compare(lora_scores(quantized, ids, adapter), reference)
     print(f"Gemma-3-270M Q4_K_M + adapter: top-1 {agreement:.2%}, ppl {ppl_change:+.2%}")
-    assert agreement >= 0.92 and abs(ppl_change) <= 0.01
+    # The quantized model's perplexity here moves with the last bits of its float sums: last-bit
+    # differences flip int8 activation codes downstream (as test_real_gguf's Qwen bound notes).
+    # Five attention kernels that differ only in how a row's positions are split into items
+    # (MIN_CHUNK 16, 32, 64, 128, 256 in kernels/cpu/paged_attention.cpp; each exact to float32
+    # rounding, the float model's perplexity the same to 4e-8) gave +0.36%, +0.34%, +0.07%,
+    # +1.18% and +0.27%, top-1 94.3%, 93.0%, 93.6%, 93.4% and 92.8% (2026-12-01). Bounds: 92%
+    # and 1.5%, above that spread.
+    assert agreement >= 0.92 and abs(ppl_change) <= 0.015
