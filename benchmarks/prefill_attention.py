@@ -151,25 +151,25 @@ def burst_step(rounds: int, tokens: int = 2048) -> list[dict[str, Any]]:
     while sum(lens) < tokens:
         lens.append(min(rng.randint(16, 256), tokens - sum(lens)))
     blocks = [-(-n // 16) for n in lens]
+    first_block = [0, *itertools.accumulate(blocks)]  # prompt i's blocks: consecutive, from here
     table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
     for i, b in enumerate(blocks):
-        table[i, :b] = torch.arange(sum(blocks[:i]), sum(blocks[: i + 1]), dtype=torch.int32)
+        table[i, :b] = torch.arange(first_block[i], first_block[i] + b, dtype=torch.int32)
     starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
     seq = torch.tensor(lens, dtype=torch.int32)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for model, (heads, kv_heads, dim) in SHAPES.items():
-        k = torch.randn(sum(blocks), 16, kv_heads, dim, generator=gen)
-        v = torch.randn(sum(blocks), 16, kv_heads, dim, generator=gen)
+        k = torch.randn(first_block[-1], 16, kv_heads, dim, generator=gen)
+        v = torch.randn(first_block[-1], 16, kv_heads, dim, generator=gen)
         q = torch.randn(tokens, heads, dim, generator=gen)
-        firsts = [int(t) * 16 for t in table[:, 0]]
         per_prompt = [
             (
-                q[a:b].transpose(0, 1)[None],
-                k.view(-1, kv_heads, dim)[f : f + n].transpose(0, 1)[None],
-                v.view(-1, kv_heads, dim)[f : f + n].transpose(0, 1)[None],
+                q[a : a + n].transpose(0, 1)[None],
+                k.view(-1, kv_heads, dim)[16 * f : 16 * f + n].transpose(0, 1)[None],
+                v.view(-1, kv_heads, dim)[16 * f : 16 * f + n].transpose(0, 1)[None],
             )
-            for a, b, f, n in zip(starts[:-1].tolist(), starts[1:].tolist(), firsts, lens)
+            for a, f, n in zip(starts.tolist(), first_block, lens)
         ]
 
         def sdpa(parts: list[tuple[torch.Tensor, ...]] = per_prompt) -> None:
