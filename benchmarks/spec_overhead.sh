@@ -27,7 +27,7 @@ for round in $(seq 1 "$rounds"); do
     run none "$round"
     run ngram "$round" --speculative-config "$spec"
 done
-"$python" - "$out" <<'PY'
+"$python" - "$out" "$spec" <<'PY'
 import json, os, statistics, sys
 from pathlib import Path
 
@@ -39,7 +39,8 @@ for side in ("none", "ngram"):
 spec = [json.loads(p.read_text())["pagoda"].get("spec_decode") for p in sorted(out.glob("ngram_*.json"))]
 summary = {
     "bench": "spec_overhead_w_cpu",
-    "note": "same weights (MODEL, default SmolLM2's Q4_1 GGUF, kept quantized), same workload and -O2, alternately",
+    "note": "same weights (MODEL, default SmolLM2's Q4_1 GGUF, kept quantized), same workload and -O2, alternately; side 'ngram' runs speculative_config, whatever its method",
+    "speculative_config": json.loads(sys.argv[2]),
     "model": os.environ.get("MODEL") or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
     "output_tok_s": sides,
     "median": {s: statistics.median(v) for s, v in sides.items()},
@@ -48,6 +49,9 @@ summary = {
 }
 summary["ratio_median"] = round(summary["median"]["ngram"] / summary["median"]["none"], 3)
 summary["ratio_best"] = round(summary["best"]["ngram"] / summary["best"]["none"], 3)
+rounds = [round(s / n, 3) for n, s in zip(sides["none"], sides["ngram"])]
+summary["ratio_per_round"] = rounds
+summary["ratio_per_round_median"] = statistics.median(rounds)
 (out / "summary.json").write_text(json.dumps(summary) + "\n")
 print(json.dumps(summary))
 PY

@@ -16,6 +16,7 @@ SELF_DRAFT = "self"  # `model` value: the target's own checkpoint, kept quantize
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both prompt_lookup_min and prompt_lookup_max
 DEFAULT_MAX_BACKOFF_STEPS = 64
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+DEFAULT_MAX_CATCH_UP_RATIO = 2.0
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -62,6 +63,16 @@ class SpeculativeConfig:
     # step is compute-bound, so its drafts cost about what they save, and the steps they join
     # lose the compiled decode path (measured W-CPU, benchmarks/README.md). None: never.
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # Pagoda's own (draft_model with a cache of its own): a request's draft catches up (feeds
+    # the tokens its cache lacks, the whole context the first time) only while those are at
+    # most this many times the tokens the request may still produce (max_tokens,
+    # max_model_len); None: always. A request that ran in a batch above disable_by_batch_size
+    # joins speculation when the batch shrinks, with its whole context to feed: on two Zen 5
+    # cores the 0.5B drafting for the 1.5B feeds ~0.9 ms a token and its drafts save 1.5-3.7 ms
+    # per token produced (1.07-1.19x), so above 1.7-4.1 tokens fed per token left the
+    # catch-up costs more than its drafts can save (W-CPU's tail: 8 requests, 2,860 tokens
+    # fed, 2.6 s, for 2-40 tokens left each; benchmarks/README.md, issue 43 fourth part).
+    max_catch_up_ratio: float | None = DEFAULT_MAX_CATCH_UP_RATIO
 
     def __post_init__(self) -> None:
         _positive_int("num_speculative_tokens", self.num_speculative_tokens)
@@ -81,10 +92,22 @@ class SpeculativeConfig:
             )
         if self.disable_by_batch_size is not None:
             _positive_int("disable_by_batch_size", self.disable_by_batch_size)
+        self._check_catch_up_ratio()
         if self.method == "ngram":
             self._check_ngram()
         else:
             self._check_draft_model()
+
+    def _check_catch_up_ratio(self) -> None:
+        ratio = self.max_catch_up_ratio
+        if ratio is None:
+            return
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
+            raise ValueError(
+                "speculative_config: max_catch_up_ratio must be a number > 0 (or null: always "
+                f"catch up), got {ratio!r}"
+            )
+        object.__setattr__(self, "max_catch_up_ratio", float(ratio))
 
     def _check_ngram(self) -> None:
         for name in ("model", "quantization"):

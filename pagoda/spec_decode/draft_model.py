@@ -15,7 +15,9 @@ Positions T..T+k-2 lie past the target's computed tokens: the scheduler allocate
 slots beyond each step's tokens for them (Scheduler num_lookahead_tokens). When the target
 accepts a of the drafts, the draft's KV at T..T+min(a, k-1)-1 was computed from accepted tokens
 and so is valid too (`record`). A preempted request's blocks are gone: `remove` forgets it and
-it catches up from position 0. A self-draft on the target's own KV cache (loading/draft.py)
+it catches up from position 0. A request proposes nothing while its catch-up would feed more
+than max_catch_up_ratio tokens per token it may still produce (one that decoded without the
+draft while the batch was large has its whole context to feed when the batch shrinks). A self-draft on the target's own KV cache (loading/draft.py)
 feeds only the last token: the target computed every position before it. The step picks
 each draft as the target samples: the argmax for greedy requests, a draw from the draft's
 processed distribution q otherwise, which verification checks by rejection sampling against
@@ -62,11 +64,14 @@ class DraftModelProposer:
         self.step = step
         self.max_step_tokens = max_step_tokens
         self.backoff = ProposalBackoff(config.max_backoff_steps)
+        self.max_catch_up_ratio = config.max_catch_up_ratio
         self.valid: dict[str, int] = {}  # leading positions of the draft's cache that are valid
         self._proposals: dict[str, _Proposal] = {}
-        # requests' proposals, and tokens fed to catch up, in all (tests, benchmarks)
+        # requests' proposals, tokens fed to catch up, and proposals passed over because the
+        # catch-up would feed too many tokens (max_catch_up_ratio), in all (tests, benchmarks)
         self.num_proposals = 0
         self.num_catch_up_tokens = 0
+        self.num_catch_ups_declined = 0
 
     def propose(self, requests: Sequence[tuple[str, Sequence[int], int]]) -> list[list[int]]:
         """Drafts for (request id, token ids, max tokens allowed) triples, in order (the
@@ -74,7 +79,9 @@ class DraftModelProposer:
         limits = {}
         for rid, tokens, allowed in requests:
             limit = min(self.k, allowed)
-            if limit > 0 and len(tokens) > 0 and self.backoff.allow(rid):
+            if limit <= 0 or len(tokens) == 0 or not self._worth_catching_up(rid, tokens, allowed):
+                continue
+            if self.backoff.allow(rid):
                 limits[rid] = limit
         if not limits:
             return [[] for _ in requests]
@@ -91,6 +98,17 @@ class DraftModelProposer:
             self._proposals[rid] = _Proposal(self.valid[rid], len(d))
         self.num_proposals += len(drafts)
         return [drafts.get(rid, []) for rid, _, _ in requests]
+
+    def _worth_catching_up(self, rid: str, tokens: Sequence[int], allowed: int) -> bool:
+        """Whether the tokens the draft would feed to catch up are at most max_catch_up_ratio
+        times the tokens the request may still produce (allowed drafts plus the target's)."""
+        if self.max_catch_up_ratio is None or self.shares_target_kv:
+            return True
+        to_feed = len(tokens) - self.valid.get(rid, 0)
+        if to_feed <= self.max_catch_up_ratio * (allowed + 1):
+            return True
+        self.num_catch_ups_declined += 1
+        return False
 
     def _catch_up(self, requests: list[tuple[str, Sequence[int]]]) -> dict[str, list[int]]:
         """Feed each request's tokens from its first invalid position to its last, in passes

@@ -384,7 +384,8 @@ def test_own_checkpoint_as_draft_is_always_accepted(folder: str, num_blocks: int
     right at every position."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = _run(_llm(folder, None, num_gpu_blocks_override=num_blocks), params)
-    spec = {"model": folder, "num_speculative_tokens": 3}
+    # every catch-up, however long (a preempted request feeds its whole context again)
+    spec = {"model": folder, "num_speculative_tokens": 3, "max_catch_up_ratio": None}
     llm = _llm(folder, spec, num_gpu_blocks_override=num_blocks)
     got, drafted, accepted = _spec_counts(llm, lambda: _run(llm, params))
     assert _tokens(got) == _tokens(expected)
@@ -393,6 +394,23 @@ def test_own_checkpoint_as_draft_is_always_accepted(folder: str, num_blocks: int
     assert runner.draft_step is not None and runner.draft_step.kv_caches is not runner.kv_caches
     stats = llm.engine.stats()
     assert (stats.num_preemptions > 0) == (num_blocks == 12)
+
+
+@pytest.mark.parametrize("ratio, drafts", [(2.0, False), (None, True)])
+def test_no_catch_up_for_a_request_near_its_end(folder: str, ratio: Any, drafts: bool) -> None:
+    """Two requests are more than disable_by_batch_size; when the first finishes, the second
+    has about 40 tokens to feed the draft and 4 left to produce: the default max_catch_up_ratio (2)
+    passes it over, None catches it up. The tokens are the same either way."""
+    spec = {"model": folder, "num_speculative_tokens": 3, "disable_by_batch_size": 1}
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (20, 24)]
+    expected = _llm(folder, None).generate(prompts, params, use_tqdm=False)
+    llm = _llm(folder, {**spec, "max_catch_up_ratio": ratio})
+    got, drafted, accepted = _spec_counts(
+        llm, lambda: llm.generate(prompts, params, use_tqdm=False)
+    )
+    assert _tokens(got) == _tokens(expected)
+    assert (drafted > 0) == drafts and accepted == drafted
 
 
 def test_draft_of_another_architecture(folder: str, plain: LLM, tiny_weights_dir: Any) -> None:

@@ -5,6 +5,8 @@ that records its rows and predicts t + 1."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagoda.spec_decode.draft_model import DraftModelProposer
 from pagoda.speculative_config import SpeculativeConfig
 
@@ -21,7 +23,7 @@ class FakeDraft:
 
 
 def proposer(
-    k: int = 3, max_step_tokens: int = 64, shared: bool = False, **fields: int
+    k: int = 3, max_step_tokens: int = 64, shared: bool = False, **fields: Any
 ) -> tuple[DraftModelProposer, FakeDraft]:
     config = SpeculativeConfig(num_speculative_tokens=k, method="draft_model", model="d", **fields)
     draft = FakeDraft()
@@ -98,3 +100,28 @@ def test_a_draft_on_the_target_cache_feeds_only_the_last_token() -> None:
     draft.steps.clear()
     p.propose([("a", [*tokens, 5, 6], 8)])
     assert draft.steps[0] == [("a", [6], 11)]
+
+
+def test_no_catch_up_that_feeds_more_than_the_ratio_per_token_left() -> None:
+    """max_catch_up_ratio (default 2): a request joins speculation only while the tokens its
+    draft must feed are at most the ratio times the tokens it may still produce."""
+    p, draft = proposer(k=3)
+    context = list(range(1, 21))  # 20 tokens to feed
+    # 9 left (8 drafts allowed + the target's token): 20 > 2 * 9, passed over, nothing run
+    assert p.propose([("a", context, 8), ("b", context[:18], 8)]) == [[], [19, 20, 21]]
+    assert draft.steps[0] == [("b", context[:18], 0)]  # only b (18 <= 18) caught up
+    assert p.num_catch_ups_declined == 1 and "a" not in p.valid
+    assert p.propose([("a", context, 9)]) == [[21, 22, 23]]  # 20 <= 2 * 10
+    # once caught up, a request feeds only the tokens since: never passed over again
+    p.record("a", 3, 0)
+    assert p.propose([("a", [*context, 5], 0)]) == [[]]  # nothing allowed
+    assert p.propose([("a", [*context, 5, 6], 1)]) == [[7]]
+    assert p.num_catch_ups_declined == 1
+
+
+def test_catch_up_ratio_none_always_catches_up() -> None:
+    p, draft = proposer(k=2, max_catch_up_ratio=None)
+    assert p.propose([("a", list(range(1, 101)), 1)]) == [[101]]
+    assert p.num_catch_up_tokens == 100 and len(draft.steps) == 2  # two passes of <= 64
+    q, _ = proposer(k=2, shared=True)  # a self-draft feeds one token: always worth it
+    assert q.propose([("a", list(range(1, 101)), 1)]) == [[101]]

@@ -11,6 +11,7 @@ from pagoda.model_config import QUANTIZATION_METHODS
 from pagoda.speculative_config import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
     DEFAULT_MAX_BACKOFF_STEPS,
+    DEFAULT_MAX_CATCH_UP_RATIO,
     DEFAULT_PROMPT_LOOKUP,
     SPEC_METHODS,
     SpeculativeConfig,
@@ -134,6 +135,26 @@ def test_draft_quantization_takes_the_engines_methods() -> None:
             {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0},
             "disable_by_batch_size",
         ),
+        (
+            {"model": "d", "num_speculative_tokens": 4, "max_catch_up_ratio": 0},
+            "max_catch_up_ratio",
+        ),
+        (
+            {"model": "d", "num_speculative_tokens": 4, "max_catch_up_ratio": -1.5},
+            "max_catch_up_ratio",
+        ),
+        (
+            {"model": "d", "num_speculative_tokens": 4, "max_catch_up_ratio": "2"},
+            "max_catch_up_ratio",
+        ),
+        (
+            {"model": "d", "num_speculative_tokens": 4, "max_catch_up_ratio": True},
+            "max_catch_up_ratio",
+        ),
+        (
+            {"model": "d", "num_speculative_tokens": 4, "max_catch_up_ratio": float("nan")},
+            "max_catch_up_ratio",
+        ),
     ],
 )
 def test_bad_values_name_the_field(values: dict, names: str) -> None:
@@ -162,6 +183,7 @@ def test_frozen_and_serializable() -> None:
         "prompt_lookup_max": 2,
         "max_backoff_steps": DEFAULT_MAX_BACKOFF_STEPS,
         "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE,
+        "max_catch_up_ratio": DEFAULT_MAX_CATCH_UP_RATIO,
     }
     assert parse(c.to_dict()) == c
     assert hash(c) == hash(parse(json.dumps(c.to_dict())))
