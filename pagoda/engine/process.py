@@ -129,10 +129,10 @@ def freeze_startup_heap() -> int:
     (modules, the model's parameters, the compiled graphs: SmolLM2 at -O2), so a full
     collection, which CPython runs whenever enough objects have outlived two collections,
     stalled every request's step for 0.25-0.4 s (benchmarks/gc_pause.py); after the freeze it
-    scans only what serving made.
-    Objects created later are collected as before; the frozen ones are freed by reference
-    counting when they die, never by the cyclic collector. For a process that holds one engine
-    until it exits (the served engine process), not for a process that builds many."""
+    scans only what serving made. Objects created later are collected as before; the frozen
+    ones are freed by reference counting when they die, never by the cyclic collector: for a
+    process that holds one engine until it exits (the served engine process), not for one
+    that builds many."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

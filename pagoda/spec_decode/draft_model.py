@@ -17,8 +17,9 @@ accepts a of the drafts, the draft's KV at T..T+min(a, k-1)-1 was computed from 
 and so is valid too (`record`). A preempted request's blocks are gone: `remove` forgets it and
 it catches up from position 0. A request proposes nothing while its catch-up would feed more
 than max_catch_up_ratio tokens per token it may still produce (one that decoded without the
-draft while the batch was large has its whole context to feed when the batch shrinks). A self-draft on the target's own KV cache (loading/draft.py)
-feeds only the last token: the target computed every position before it. The step picks
+draft while the batch was large has its whole context to feed when the batch shrinks). A
+self-draft on the target's own KV cache (loading/draft.py) feeds only the last token: the
+target computed every position before it. The step picks
 each draft as the target samples: the argmax for greedy requests, a draw from the draft's
 processed distribution q otherwise, which verification checks by rejection sampling against
 the target's p (runner/draft_sampling.py, runner/speculative.py): the output is distributed
@@ -34,7 +35,8 @@ from pagoda.spec_decode.backoff import ProposalBackoff
 from pagoda.speculative_config import SpeculativeConfig
 
 # One draft forward: rows of (request id, tokens to feed, position of the first) -> each row's
-# next token after its last fed token (the argmax, or a draw: runner/draft_sampling.py). The runner's DraftModelStep is one.
+# next token after its last fed token (the argmax, or a draw: runner/draft_sampling.py). The
+# runner's DraftModelStep is one.
 DraftStepFn = Callable[[list[tuple[str, list[int], int]]], list[int]]
 
 
