@@ -16,7 +16,8 @@ SELF_DRAFT = "self"  # `model` value: the target's own checkpoint, kept quantize
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both prompt_lookup_min and prompt_lookup_max
 DEFAULT_MAX_BACKOFF_STEPS = 64
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-DEFAULT_MAX_CATCH_UP_RATIO = 2.0
+AUTO = "auto"
+CPU_MAX_CATCH_UP_RATIO = 2.0  # max_catch_up_ratio "auto" on CPU (measured there)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -66,13 +67,16 @@ class SpeculativeConfig:
     # Pagoda's own (draft_model with a cache of its own): a request's draft catches up (feeds
     # the tokens its cache lacks, the whole context the first time) only while those are at
     # most this many times the tokens the request may still produce (max_tokens,
-    # max_model_len); None: always. A request that ran in a batch above disable_by_batch_size
-    # joins speculation when the batch shrinks, with its whole context to feed: on two Zen 5
-    # cores the 0.5B drafting for the 1.5B feeds ~0.9 ms a token and its drafts save 1.5-3.7 ms
-    # per token produced (1.07-1.19x), so above 1.7-4.1 tokens fed per token left the
-    # catch-up costs more than its drafts can save (W-CPU's tail: 8 requests, 2,860 tokens
-    # fed, 2.6 s, for 2-40 tokens left each; benchmarks/README.md, issue 43 fourth part).
-    max_catch_up_ratio: float | None = DEFAULT_MAX_CATCH_UP_RATIO
+    # max_model_len); None: always; "auto": CPU_MAX_CATCH_UP_RATIO on CPU, always elsewhere
+    # (as vLLM, whose draft sees every token; on a GPU a draft's prefill costs far less of a
+    # decode step, and it was not measured there). A request that ran in a batch above
+    # disable_by_batch_size joins speculation when the batch shrinks, with its whole context
+    # to feed: on two Zen 5 cores the 0.5B drafting for the 1.5B feeds ~0.9 ms a token and its
+    # drafts save 1.5-3.7 ms per token produced (1.07-1.19x), so above 1.7-4.1 tokens fed per
+    # token left the catch-up costs more than its drafts can save (W-CPU's tail: 8 requests,
+    # 2,860 tokens fed, 2.6 s, for 2-40 tokens left each; benchmarks/README.md, issue 43
+    # fourth part).
+    max_catch_up_ratio: float | str | None = AUTO
 
     def __post_init__(self) -> None:
         _positive_int("num_speculative_tokens", self.num_speculative_tokens)
@@ -100,14 +104,21 @@ class SpeculativeConfig:
 
     def _check_catch_up_ratio(self) -> None:
         ratio = self.max_catch_up_ratio
-        if ratio is None:
+        if ratio is None or ratio == AUTO:
             return
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0:
             raise ValueError(
-                "speculative_config: max_catch_up_ratio must be a number > 0 (or null: always "
-                f"catch up), got {ratio!r}"
+                f"speculative_config: max_catch_up_ratio must be a number > 0, {AUTO!r} or "
+                f"null (always catch up), got {ratio!r}"
             )
         object.__setattr__(self, "max_catch_up_ratio", float(ratio))
+
+    def catch_up_ratio(self, device_type: str) -> float | None:
+        """max_catch_up_ratio on a device of this type ("cpu", "cuda"), "auto" resolved."""
+        if self.max_catch_up_ratio == AUTO:
+            return CPU_MAX_CATCH_UP_RATIO if device_type == "cpu" else None
+        assert not isinstance(self.max_catch_up_ratio, str)
+        return self.max_catch_up_ratio
 
     def _check_ngram(self) -> None:
         for name in ("model", "quantization"):

@@ -119,6 +119,7 @@ class ModelRunner:
                 self.draft_step,
                 self.buffers.max_tokens,
                 draft is not None and draft.shares_target_kv,
+                self.device.type,
             )
 
     def _init_step_state(self) -> None:

@@ -236,12 +236,15 @@ class DraftProposer:
         draft_step: DraftStepFn | None = None,
         max_step_tokens: int = 2048,
         shares_target_kv: bool = False,
+        device_type: str = "cpu",
     ) -> None:
         """draft_step: the draft model's forward (method draft_model); max_step_tokens: the
         most tokens one of its catch-up forwards takes; shares_target_kv: the draft runs on
-        the target's KV cache (a self-draft, loading/draft.py)."""
+        the target's KV cache (a self-draft, loading/draft.py); device_type: the runner's
+        ("cpu", "cuda"), which resolves max_catch_up_ratio "auto"."""
         method = spec_method(config)
-        context = ProposerContext(draft_step, max_step_tokens, shares_target_kv)
+        ratio = config.catch_up_ratio(device_type)
+        context = ProposerContext(draft_step, max_step_tokens, shares_target_kv, ratio)
         self.proposer: Proposer = method.build(config, context)
         self.max_model_len = max_model_len
         self.max_batch = config.disable_by_batch_size

@@ -55,18 +55,20 @@ class DraftModelProposer:
         step: DraftStepFn,
         max_step_tokens: int,
         shares_target_kv: bool = False,
+        max_catch_up_ratio: float | None = None,
     ) -> None:
         """step: the draft's forward (DraftStepFn). max_step_tokens: the most tokens one
         catch-up pass feeds (the engine's max_num_batched_tokens). shares_target_kv: the draft
         runs on the target's KV cache, valid below each request's last token: only that token
-        is ever fed to catch up."""
+        is ever fed to catch up. max_catch_up_ratio: the config's, resolved for the device
+        (SpeculativeConfig.catch_up_ratio); None: always catch up."""
         assert config.model is not None and max_step_tokens >= 1
         self.shares_target_kv = shares_target_kv
         self.k = config.num_speculative_tokens
         self.step = step
         self.max_step_tokens = max_step_tokens
         self.backoff = ProposalBackoff(config.max_backoff_steps)
-        self.max_catch_up_ratio = config.max_catch_up_ratio
+        self.max_catch_up_ratio = max_catch_up_ratio
         self.valid: dict[str, int] = {}  # leading positions of the draft's cache that are valid
         self._proposals: dict[str, _Proposal] = {}
         # requests' proposals, tokens fed to catch up, and proposals passed over because the

@@ -34,11 +34,13 @@ class Proposer(Protocol):
 @dataclass(frozen=True)
 class ProposerContext:
     """What the runner hands a method's builder: the draft model's forward (a method that runs
-    one), the most tokens one of its passes takes, whether it shares the target's KV cache."""
+    one), the most tokens one of its passes takes, whether it shares the target's KV cache,
+    and the config's max_catch_up_ratio resolved for the runner's device."""
 
     draft_step: DraftStepFn | None = None
     max_step_tokens: int = 2048
     shares_target_kv: bool = False
+    max_catch_up_ratio: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,11 @@ def _ngram(config: SpeculativeConfig, context: ProposerContext) -> Proposer:
 def _draft_model(config: SpeculativeConfig, context: ProposerContext) -> Proposer:
     assert context.draft_step is not None, "method draft_model needs the draft's step"
     return DraftModelProposer(
-        config, context.draft_step, context.max_step_tokens, context.shares_target_kv
+        config,
+        context.draft_step,
+        context.max_step_tokens,
+        context.shares_target_kv,
+        context.max_catch_up_ratio,
     )
 
 

@@ -27,7 +27,8 @@ def proposer(
 ) -> tuple[DraftModelProposer, FakeDraft]:
     config = SpeculativeConfig(num_speculative_tokens=k, method="draft_model", model="d", **fields)
     draft = FakeDraft()
-    return DraftModelProposer(config, draft, max_step_tokens, shared), draft
+    ratio = config.catch_up_ratio("cpu")
+    return DraftModelProposer(config, draft, max_step_tokens, shared, ratio), draft
 
 
 def test_catch_up_then_one_token_steps() -> None:
@@ -103,8 +104,8 @@ def test_a_draft_on_the_target_cache_feeds_only_the_last_token() -> None:
 
 
 def test_no_catch_up_that_feeds_more_than_the_ratio_per_token_left() -> None:
-    """max_catch_up_ratio (default 2): a request joins speculation only while the tokens its
-    draft must feed are at most the ratio times the tokens it may still produce."""
+    """max_catch_up_ratio ("auto": 2 on CPU): a request joins speculation only while the tokens
+    its draft must feed are at most the ratio times the tokens it may still produce."""
     p, draft = proposer(k=3)
     context = list(range(1, 21))  # 20 tokens to feed
     # 9 left (8 drafts allowed + the target's token): 20 > 2 * 9, passed over, nothing run

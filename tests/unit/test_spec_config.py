@@ -11,7 +11,6 @@ from pagoda.model_config import QUANTIZATION_METHODS
 from pagoda.speculative_config import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
     DEFAULT_MAX_BACKOFF_STEPS,
-    DEFAULT_MAX_CATCH_UP_RATIO,
     DEFAULT_PROMPT_LOOKUP,
     SPEC_METHODS,
     SpeculativeConfig,
@@ -148,6 +147,10 @@ def test_draft_quantization_takes_the_engines_methods() -> None:
             "max_catch_up_ratio",
         ),
         (
+            {"model": "d", "num_speculative_tokens": 4, "max_catch_up_ratio": "fast"},
+            "max_catch_up_ratio",
+        ),
+        (
             {"model": "d", "num_speculative_tokens": 4, "max_catch_up_ratio": True},
             "max_catch_up_ratio",
         ),
@@ -183,7 +186,7 @@ def test_frozen_and_serializable() -> None:
         "prompt_lookup_max": 2,
         "max_backoff_steps": DEFAULT_MAX_BACKOFF_STEPS,
         "disable_by_batch_size": DEFAULT_DISABLE_BY_BATCH_SIZE,
-        "max_catch_up_ratio": DEFAULT_MAX_CATCH_UP_RATIO,
+        "max_catch_up_ratio": "auto",
     }
     assert parse(c.to_dict()) == c
     assert hash(c) == hash(parse(json.dumps(c.to_dict())))
@@ -198,3 +201,18 @@ def test_every_method_a_config_takes_is_registered() -> None:
     for name, method in METHODS.items():
         assert method.name == name
     assert METHODS["draft_model"].uses_draft_model and not METHODS["ngram"].uses_draft_model
+
+
+@pytest.mark.parametrize(
+    "given, cpu, cuda",
+    [(None, None, None), ("auto", 2.0, None), (3, 3.0, 3.0), (0.5, 0.5, 0.5)],
+)
+def test_catch_up_ratio_per_device(given: object, cpu: float | None, cuda: float | None) -> None:
+    """ "auto" (the default) bounds a draft's catch-up on CPU only, where the bound was measured;
+    a number or null applies on every device."""
+    values: dict = {"model": "d", "num_speculative_tokens": 2}
+    if given != "auto":
+        values["max_catch_up_ratio"] = given
+    c = parse(values)
+    assert c is not None
+    assert (c.catch_up_ratio("cpu"), c.catch_up_ratio("cuda")) == (cpu, cuda)
