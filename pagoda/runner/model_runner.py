@@ -113,14 +113,11 @@ class ModelRunner:
             self.draft_step = self._draft_step(draft, compile_decode, decode_cpp_wrapper)
         self.proposer: DraftProposer | None = None
         if speculative_config is not None:
+            shares_kv = draft is not None and draft.shares_target_kv
             self.proposer = DraftProposer(
-                speculative_config,
-                model_config.max_model_len,
-                self.draft_step,
-                self.buffers.max_tokens,
-                draft is not None and draft.shares_target_kv,
-                self.device.type,
-            )
+                speculative_config, model_config.max_model_len, self.draft_step,
+                self.buffers.max_tokens, shares_kv, self.device.type,
+            )  # fmt: skip
 
     def _init_step_state(self) -> None:
         """The step buffers, the persistent rows and what steps hand on to the next."""
