@@ -68,7 +68,8 @@ class DraftModelProposer:
         self.step = step
         self.max_step_tokens = max_step_tokens
         self.backoff = ProposalBackoff(config.max_backoff_steps)
-        self.max_catch_up_ratio = max_catch_up_ratio
+        # a draft on the target's cache feeds one token to catch up: never worth bounding
+        self.max_catch_up_ratio = None if shares_target_kv else max_catch_up_ratio
         self.valid: dict[str, int] = {}  # leading positions of the draft's cache that are valid
         self._proposals: dict[str, _Proposal] = {}
         # requests' proposals, tokens fed to catch up, and proposals passed over because the
@@ -106,7 +107,7 @@ class DraftModelProposer:
     def _worth_catching_up(self, rid: str, tokens: Sequence[int], allowed: int) -> bool:
         """Whether the tokens the draft would feed to catch up are at most max_catch_up_ratio
         times the tokens the request may still produce (allowed drafts plus the target's)."""
-        if self.max_catch_up_ratio is None or self.shares_target_kv:
+        if self.max_catch_up_ratio is None:
             return True
         to_feed = len(tokens) - self.valid.get(rid, 0)
         if to_feed <= self.max_catch_up_ratio * (allowed + 1):
