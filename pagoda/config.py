@@ -205,11 +205,6 @@ class EngineConfig:
         self._check_kv_transfer()
         self._check_pooling(spec)
         self._check_lora()
-        if spec is not None and spec.model is not None and self.tensor_parallel_size > 1:
-            raise ValueError(
-                "a draft model with tensor_parallel_size > 1 is not supported yet; use "
-                '{"method": "ngram"} or run on one rank'
-            )
         if spec is not None and self.async_scheduling:
             raise ValueError(
                 "async scheduling does not work with speculative decoding yet: drafts are "

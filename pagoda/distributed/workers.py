@@ -56,7 +56,7 @@ UNGUARDED_MESSAGE = (
 
 
 class WorkerGroup:
-    draft: DraftModel | None = None  # EngineConfig refuses a draft model with parallel ranks
+    draft: DraftModel | None = None  # the ranks hold a draft model, each a whole one
 
     def __init__(self, config: EngineConfig, load_tokenizer: bool = True) -> None:
         if getattr(mp.current_process(), "_inheriting", False):
@@ -130,10 +130,14 @@ class WorkerGroup:
         return all(self.call_all("remove_lora", lora_id))
 
     def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
-        return 0  # no draft model on parallel ranks (EngineConfig refuses one)
+        """The largest rank's: each holds a whole draft model's cache beside its share."""
+        return max(self.call_all("draft_kv_bytes_per_token", kv_quant))
 
     def set_draft_grammar(self, masks: DraftGrammar) -> None:
-        return None  # no draft model on parallel ranks
+        """The grammars live in the engine's process: on the ranks a draft model samples its
+        drafts without their masks. Verification stays exact (a draft the grammar refuses has
+        p = 0 and is rejected); fewer drafts of a structured request are accepted."""
+        return None
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.call_all("allocate_kv_cache", num_blocks)

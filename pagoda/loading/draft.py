@@ -7,7 +7,12 @@ draft's `quantization`, and it must speak the target's tokens: its vocabulary si
 and so must its tokenizer's vocabulary when both have one (ValueError otherwise). Its paged KV
 cache shares the target's block ids, so it must also reach the target's max_model_len.
 
-A self-draft (`shares_target_kv`) reads and writes the target's own KV cache instead of one of
+Under tensor parallelism every rank holds the whole draft (no collectives) and its own cache
+of it, and proposes what the others do: the same bits from the same tokens, the same draws from
+identically seeded generators. vLLM's draft_tensor_parallel_size 1; a draft cut across the
+ranks is not built.
+
+A self-draft (`shares_target_kv`, on one rank) reads and writes the target's own KV cache instead of one of
 its own: the same layers and heads, so the draft attends to the target's keys and values of
 every computed token and writes only past them (its proposals' positions, which the target's
 verification overwrites before it reads them). It needs no memory for a cache and never
@@ -20,6 +25,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from pagoda.config import EngineConfig
 from pagoda.loading.loader import load_model
@@ -54,12 +61,17 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, tokenizer: Any) 
         skip_tokenizer_init=own or tokenizer is None,
     )
     name = f"the target's checkpoint ({spec.quantization})" if own else spec.model
+    ranks = config.tensor_parallel_size
     try:
-        model, model_config, draft_tokenizer = load_model(draft_config)
+        with torch.random.fork_rng(enabled=ranks > 1):
+            if ranks > 1:  # dummy weights: every rank draws the same draft
+                torch.manual_seed(config.seed)
+            model, model_config, draft_tokenizer = load_model(draft_config)
     except ValueError as e:
         raise ValueError(f"speculative_config: the draft model, {name}: {e}") from e
     _check_vocabulary(target, tokenizer, model_config, draft_tokenizer)
-    shared = own and _kv_layout(model_config) == _kv_layout(target)
+    # a rank's cache holds its share of the target's kv heads; the whole draft needs them all
+    shared = own and ranks == 1 and _kv_layout(model_config) == _kv_layout(target)
     logger.info(
         "draft model: %s, %s, quantization=%s, %d layers, %s",
         name,

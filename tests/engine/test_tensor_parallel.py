@@ -6,6 +6,7 @@ over gloo, must give what one rank gives.
   and Qwen3 (kv heads split), on tiny Llamas with one kv head (replicated) and with three kv
   heads (2 + 1 groups, SmolLM2's split; SmolLM2 itself in float32 and as the GGUF: slow tests).
 - Each rank holds half of the weights and half of the KV cache.
+- A draft model on two ranks: each holds the whole draft and proposes the same drafts.
 - A rank killed mid-run ends generate() with an error naming it, not a hang.
 - A script without a main guard gets one error naming the fix.
 """
@@ -197,16 +198,42 @@ def test_ngram_speculation_on_two_ranks(tiny_weights_dir: Callable[[str], str]) 
     llm.engine.shutdown()
 
 
-def test_a_draft_model_with_tp_is_refused() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
-        LLM(
-            tensor_parallel_size=2,
-            speculative_config={
-                "model": "self",
-                "quantization": "int4",
-                "num_speculative_tokens": 2,
-            },
-        )
+def _spec_counts(llm: LLM) -> tuple[int, int]:
+    stats = llm.engine.stats()
+    return stats.spec_num_drafts, stats.spec_num_accepted_tokens
+
+
+def test_a_draft_model_on_two_ranks(tiny_weights_dir: Callable[[str], str]) -> None:
+    """Each rank holds the whole draft (here the target's own checkpoint, with a cache of its
+    own) and proposes what the others do: greedy and seeded rows give one rank's tokens with
+    the same draft, through chunked prefill and preemption, and the greedy drafts, the
+    target's own next tokens, are accepted."""
+    folder = tiny_weights_dir("qwen2")
+    spec = {"model": folder, "num_speculative_tokens": 3, "max_catch_up_ratio": None}
+    got, want, one, two = _run_both(folder, speculative_config=spec)
+    assert_same_outputs(got, want)
+    drafted, accepted = _spec_counts(two)
+    assert drafted > 0 and accepted > drafted // 2
+    assert _spec_counts(one) == (drafted, accepted)
+    two.engine.shutdown()
+
+
+def test_a_quantized_self_draft_on_two_ranks(tiny_weights_dir: Callable[[str], str]) -> None:
+    """The target's weights kept int4 as its draft: on one rank it runs on the target's KV
+    cache; a rank's cache holds half the kv heads, so on two ranks the draft has its own.
+    Greedy rows give the plain engine's tokens."""
+    folder = tiny_weights_dir("llama")
+    spec = {"model": "self", "quantization": "int4", "num_speculative_tokens": 2}
+    spec["max_catch_up_ratio"] = None  # its own cache catches up on every prompt
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+    want = LLM(folder, **ENGINE).generate(prompts, greedy, use_tqdm=False)
+    two = LLM(folder, tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    got = two.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    drafted, accepted = _spec_counts(two)
+    assert drafted > accepted > 0
+    two.engine.shutdown()
 
 
 def kill_rank_1_mid_run(llm: LLM, match: str) -> None:
