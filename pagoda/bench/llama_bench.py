@@ -72,6 +72,7 @@ def llama_bench_round(
         "setup": {k: tg.get(k) for k in ("n_batch", "n_ubatch", "type_k", "type_v", "flash_attn")},
         "version": {
             "name": "llama.cpp (native llama-bench)",
+            "binary": str(tool),  # build/ (native) or build-avx2/ (benchmarks/build_llama_cpp.sh)
             "build_number": tg.get("build_number"),
             "build_commit": tg.get("build_commit"),
             "cpu_info": tg.get("cpu_info"),

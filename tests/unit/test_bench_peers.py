@@ -130,6 +130,7 @@ def test_b1_against_llama_bench_alternates_rounds_on_the_same_file(
     assert record["llama-bench_decode_tok_s_median"] == 50.0
     assert record["versions"]["llama-bench"]["build_number"] == 11434
     assert record["versions"]["llama-bench"]["threads"] == 2
+    assert record["versions"]["llama-bench"]["binary"] == str(tool)  # which build ran
     assert record["versions"]["pagoda"]["name"] == "pagoda"
     assert {"model", "simd_flags", "cores", "loadavg", "loadavg_after"} <= set(record["machine"])
 
