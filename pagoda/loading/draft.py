@@ -62,8 +62,10 @@ def load_draft_model(config: EngineConfig, target: ModelConfig, tokenizer: Any) 
     )
     name = f"the target's checkpoint ({spec.quantization})" if own else spec.model
     ranks = config.tensor_parallel_size
+    # this rank's own GPU: fork_rng's default would take (and warn about) every visible one
+    devices = [torch.cuda.current_device()] if config.device == "cuda" else []
     try:
-        with torch.random.fork_rng(enabled=ranks > 1):
+        with torch.random.fork_rng(devices, enabled=ranks > 1):
             if ranks > 1:  # dummy weights: every rank draws the same draft
                 torch.manual_seed(config.seed)
             model, model_config, draft_tokenizer = load_model(draft_config)

@@ -6,7 +6,8 @@ over gloo, must give what one rank gives.
   and Qwen3 (kv heads split), on tiny Llamas with one kv head (replicated) and with three kv
   heads (2 + 1 groups, SmolLM2's split; SmolLM2 itself in float32 and as the GGUF: slow tests).
 - Each rank holds half of the weights and half of the KV cache.
-- A draft model on two ranks: each holds the whole draft and proposes the same drafts.
+- A draft model on two ranks: each holds the whole draft and proposes the same drafts; with a
+  grammar (drafts drawn without its mask there) the output stays exact.
 - A rank killed mid-run ends generate() with an error naming it, not a hang.
 - A script without a main guard gets one error naming the fix.
 """
@@ -14,6 +15,7 @@ over gloo, must give what one rank gives.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -36,6 +38,7 @@ from pagoda.layers.parallel import TensorParallel
 from pagoda.layers.quant_forms import stored_bytes
 from pagoda.outputs import RequestOutput
 from pagoda.runner.model_runner import ModelRunner
+from pagoda.structured_outputs import StructuredOutputsParams
 from tests.engine.test_scheduling_invariance import _params, _prompts
 from tests.equivalence import assert_same_outputs
 
@@ -233,6 +236,33 @@ def test_a_quantized_self_draft_on_two_ranks(tiny_weights_dir: Callable[[str], s
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     drafted, accepted = _spec_counts(two)
     assert drafted > accepted > 0
+    two.engine.shutdown()
+
+
+def test_a_draft_model_on_two_ranks_with_a_grammar(tiny_model_dir: Callable[[str], str]) -> None:
+    """The grammars live in the engine's process: on the ranks a draft model draws its drafts
+    without their masks, and verification keeps the output exact: greedy requests give the
+    tokens of two ranks without the draft, seeded ones a text of the grammar."""
+    folder = tiny_model_dir("llama")
+    spec = {"model": "self", "quantization": "int4", "num_speculative_tokens": 3}
+    grammar = StructuredOutputsParams(regex="[a-f]{5,40}")
+    prompts = ["The letters", "Hello", "abc", "Once upon a time"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=grammar)
+    seeded = SamplingParams(temperature=1.0, seed=4, max_tokens=30, structured_outputs=grammar)
+    plain = LLM(folder, tensor_parallel_size=2, num_gpu_blocks_override=512)
+    want = plain.generate(prompts, greedy, use_tqdm=False)
+    plain.engine.shutdown()
+    two = LLM(
+        folder,
+        tensor_parallel_size=2,
+        num_gpu_blocks_override=512,
+        speculative_config={**spec, "max_catch_up_ratio": None},
+    )
+    got = two.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for o in [*got, *two.generate(prompts, seeded, use_tqdm=False)]:
+        assert re.fullmatch("[a-f]{5,40}", o.outputs[0].text), o.outputs[0].text
+    assert _spec_counts(two)[0] > 0
     two.engine.shutdown()
 
 
