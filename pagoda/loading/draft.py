@@ -12,11 +12,11 @@ of it, and proposes what the others do: the same bits from the same tokens, the 
 identically seeded generators. vLLM's draft_tensor_parallel_size 1; a draft cut across the
 ranks is not built.
 
-A self-draft (`shares_target_kv`, on one rank) reads and writes the target's own KV cache instead of one of
-its own: the same layers and heads, so the draft attends to the target's keys and values of
-every computed token and writes only past them (its proposals' positions, which the target's
-verification overwrites before it reads them). It needs no memory for a cache and never
-catches up on a prompt.
+A self-draft on one rank (`shares_target_kv`) reads and writes the target's own KV cache
+instead of one of its own: the same layers and heads, so the draft attends to the target's keys
+and values of every computed token and writes only past them (its proposals' positions, which
+the target's verification overwrites before it reads them). It needs no memory for a cache
+and never catches up on a prompt.
 """
 
 from __future__ import annotations
