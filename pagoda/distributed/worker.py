@@ -47,7 +47,7 @@ from pagoda.lora_request import LoRARequest
 from pagoda.runner.builder import RankSetup, build_runner, profiled_kv_budget
 from pagoda.runner.model_runner import ModelRunner
 from pagoda.scheduling.messages import RunnerOutput, SchedulerOutput
-from pagoda.spec_decode.methods import spec_method
+from pagoda.spec_decode.methods import draft_kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,9 @@ def serve(
         "capture_cuda_graphs": runner.capture_cuda_graphs,
         "compile_decode_step": runner.compile_decode_step,
         "profiled_kv_budget": lambda: profiled_kv_budget(runner, config),
-        "draft_kv_bytes_per_token": lambda kv_quant: _draft_kv_bytes(setup, config, kv_quant),
+        "draft_kv_bytes_per_token": lambda kv_quant: draft_kv_bytes_per_token(
+            config.speculative_config, setup.draft, kv_quant
+        ),
         "add_lora": lambda request: _add_lora(runner, request),
         "remove_lora": lambda lora_id: runner.lora is not None and runner.lora.remove(lora_id),
         "memory": lambda: memory_of(setup),
@@ -175,14 +177,6 @@ def memory_of(setup: RankSetup) -> dict[str, int]:
     """This rank's bytes of weights and of KV cache."""
     kv = kv_cache_bytes(setup.runner.kv_caches)
     return {"weight_bytes": setup.model_config.weight_bytes, "kv_cache_bytes": kv}
-
-
-def _draft_kv_bytes(setup: RankSetup, config: EngineConfig, kv_quant: str | None) -> int:
-    """Bytes per token of this rank's draft model's cache (0 without one)."""
-    spec = config.speculative_config
-    if spec is None:
-        return 0
-    return spec_method(spec).draft_kv_bytes_per_token(setup.draft, kv_quant)
 
 
 def _report(conn: Connection, e: BaseException) -> None:

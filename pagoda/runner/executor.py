@@ -27,7 +27,7 @@ from pagoda.runner.draft_sampling import DraftGrammar
 from pagoda.runner.lora import LoRATable
 from pagoda.runner.model_runner import ModelRunner
 from pagoda.scheduling.messages import KVConnectorOps, KVFetchDone, RunnerOutput, SchedulerOutput
-from pagoda.spec_decode.methods import spec_method
+from pagoda.spec_decode.methods import draft_kv_bytes_per_token
 
 # The KV connector scheduler side's lookup, for a fetch of blocks not staged: under the engine's
 # lock, the block ids of the longest run of the hashes its prefix cache holds, given to `read`
@@ -121,10 +121,7 @@ class LocalExecutor:
         self.draft = setup.draft
 
     def draft_kv_bytes_per_token(self, kv_quant: str | None) -> int:
-        spec = self.config.speculative_config
-        if spec is None:
-            return 0
-        return spec_method(spec).draft_kv_bytes_per_token(self.draft, kv_quant)
+        return draft_kv_bytes_per_token(self.config.speculative_config, self.draft, kv_quant)
 
     def set_draft_grammar(self, masks: DraftGrammar) -> None:
         step = self.runner.draft_step

@@ -67,6 +67,16 @@ class SpecMethod:
         return self.uses_draft_model and not shares_target_kv
 
 
+def draft_kv_bytes_per_token(
+    config: SpeculativeConfig | None, draft: DraftModel | None, kv_quant: str | None
+) -> int:
+    """Bytes per token of the draft model's own KV cache under `config` (0 without
+    speculation, a draft model, or a cache of its own): what a rank holds beside the target's."""
+    if config is None:
+        return 0
+    return spec_method(config).draft_kv_bytes_per_token(draft, kv_quant)
+
+
 def _ngram(config: SpeculativeConfig, context: ProposerContext) -> Proposer:
     return NgramProposer.from_config(config)
 
