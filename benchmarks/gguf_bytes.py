@@ -83,7 +83,9 @@ def main() -> None:
     parser.add_argument(
         "models", nargs="+", help="names of pagoda.bench.pypi_gguf.FILES, or paths of .gguf files"
     )
-    parser.add_argument("--out", default="benchmarks/results/issue40/gguf_bytes.json")
+    parser.add_argument(
+        "--out", default=None, help="JSON path (default: none, the table is printed only)"
+    )
     args = parser.parse_args()
     result: dict[str, Any] = {
         "method": (
@@ -116,7 +118,9 @@ def main() -> None:
                 f"  {qtype:6s} {t['tensors']:4d} tensors  file {t['file_bytes'] / 2**20:8.1f} "
                 f"MiB  kept {t['stored_bytes'] / 2**20:8.1f} MiB  x{ratio:.2f}"
             )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    if args.out is None:  # a committed result is rewritten only when named
+        return
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")

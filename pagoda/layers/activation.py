@@ -6,14 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.norm import CPU_ROW_DTYPES
+
 
 class SiluAndMul(nn.Module):
     backend = "torch"  # or "triton" (pagoda/kernels/activation.py), set by the model runner
-    cpu_kernel = False  # float32 on pagoda's C++ kernels (kernels/cpu/row_ops.cpp); set likewise
+    # CPU_ROW_DTYPES on pagoda's C++ kernels (kernels/cpu/row_ops.cpp); set likewise
+    cpu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, 2 * d), gate in the first half, up in the second -> (num_tokens, d)
-        if self.cpu_kernel and x.dtype == torch.float32 and x.dim() == 2:
+        if self.cpu_kernel and x.dtype in CPU_ROW_DTYPES and x.dim() == 2:
             return torch.ops.pagoda_cpu.silu_and_mul(x, 2)
         if self.backend == "triton":
             from pagoda.kernels.activation import silu_and_mul

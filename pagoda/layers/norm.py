@@ -5,8 +5,9 @@ Contract (as vLLM's): `norm(x)` returns the normalized x; `norm(x, residual)` fi
 stream without a separate add. Statistics are computed in float32 and cast back before the
 weight multiply, as HF transformers does, so fp32 results match HF bit for bit. Backend
 `triton` runs the fused kernel of pagoda/kernels/norm.py (same contract, tested against this);
-on CPU with pagoda's C++ kernels, float32 rows run pagoda_cpu's (kernels/cpu/row_ops.cpp), the
-same function in eager and compiled steps.
+on CPU with pagoda's C++ kernels, float32 rows and a half model's bfloat16 / float16 rows run
+pagoda_cpu's (kernels/cpu/row_ops.cpp, rounding half rows where these torch ops do), the same
+function in eager and compiled steps.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# The dtypes pagoda_cpu's row ops take (norms, SiLU-and-mul, rotary), their other tensors in the
+# rows' dtype
+CPU_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class RMSNorm(nn.Module):
     backend = "torch"  # or "triton", set by the model runner
-    # torch backend on CPU with pagoda's C++ kernels built (set likewise): float32 rows run
-    # pagoda_cpu.rms_norm / add_rms_norm, which compiled decode steps call too
+    # torch backend on CPU with pagoda's C++ kernels built (set likewise): rows of
+    # CPU_ROW_DTYPES with a weight of their dtype run pagoda_cpu.rms_norm / add_rms_norm,
+    # which compiled decode steps call too
     cpu_kernel = False
     # Gemma's norms scale by (1 + w): 1.0 there. The parameter holds the factor itself
     # (checkpoint value + offset, `from_checkpoint`), so every backend runs the same norm.
@@ -46,7 +52,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.backend == "triton":
             return self._forward_triton(x, residual)
-        if self.cpu_kernel and x.dtype == torch.float32:
+        if self.cpu_kernel and _cpu_rows(x, self.weight, residual):
             return self._forward_cpu(x, residual)
         if residual is None:
             return self._norm(x)
@@ -76,3 +82,10 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def _cpu_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether pagoda_cpu's norms take these tensors: rows of CPU_ROW_DTYPES, the weight and
+    residual of their dtype."""
+    same = weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    return x.dtype in CPU_ROW_DTYPES and same

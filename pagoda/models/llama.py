@@ -19,7 +19,7 @@ from pagoda.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagoda.layers.attention import Attention
 from pagoda.layers.forward_context import ForwardContext
 from pagoda.layers.linear import Linear, MergedLinear
-from pagoda.layers.norm import RMSNorm
+from pagoda.layers.norm import CPU_ROW_DTYPES, RMSNorm
 from pagoda.layers.parallel import SINGLE, PipelineStage, TensorParallel
 from pagoda.layers.rotary import (
     apply_partial_rotary,
@@ -94,7 +94,8 @@ class LlamaAttention(nn.Module):
 
     qkv_bias = False  # bias on q/k/v even without `attention_bias` (Qwen2)
     backend = "torch"  # "triton": rotary fused into the KV-cache write; set by the model runner
-    cpu_kernel = False  # float32 rotary on pagoda's C++ kernels (kernels/cpu/row_ops.cpp)
+    # rotary of CPU_ROW_DTYPES on pagoda's C++ kernels (kernels/cpu/row_ops.cpp)
+    cpu_kernel = False
 
     def __init__(
         self,
@@ -177,9 +178,8 @@ class LlamaAttention(nn.Module):
                 q, k = self.qk_transform(q, k)
             return self.attn(q, k, v, ctx, rotary=(cos, sin), qk_norm=norm)
         q, k = self.qk_transform(q, k)
-        rotate = (
-            self._rotate_cpu if self.cpu_kernel and qkv.dtype == torch.float32 else apply_rotary
-        )
+        on_cpu = self.cpu_kernel and qkv.dtype in CPU_ROW_DTYPES and cos.dtype == qkv.dtype
+        rotate = self._rotate_cpu if on_cpu else apply_rotary
         if self.joint_rotary:
             # q and k are adjacent in qkv: one rotation over both heads' rows
             qk = rotate(qkv[:, : self.q_size + self.kv_size], cos, sin, self.head_dim)

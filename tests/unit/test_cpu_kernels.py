@@ -890,6 +890,49 @@ def test_rotary_matches_apply_rotary_on_a_view_of_qkv() -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_rows_round_where_torch_s_half_ops_do(isa: int, dtype: torch.dtype) -> None:
+    """A half model's rows (layers/norm.py CPU_ROW_DTYPES): each op rounds its result to the
+    rows' dtype where torch's eager ops on half tensors do, so it stays within the float32
+    rounding of their inputs (the norm's sum order, silu's exp polynomial), which can move a
+    rounding by one unit in the last place at each of the norm's two roundings (2 ulps) and
+    at silu's (1 ulp, then the product's); rotary's products and sums round as torch's do,
+    exactly. Each row keeps its bits alone."""
+    from pagoda.layers.rotary import apply_rotary
+
+    assert OPS is not None
+    ulps = 2 * torch.finfo(dtype).eps  # eps: one unit in the last place at 1.0
+    x, residual = _rows(9, 576, 1).to(dtype), _rows(9, 576, 2).to(dtype)
+    weight = _rows(1, 576, 3)[0].to(dtype)
+    out, hidden = OPS.add_rms_norm(x, residual, weight, 1e-5, isa)
+    assert out.dtype == hidden.dtype == dtype and torch.equal(hidden, x + residual)
+    h = (x + residual).float()
+    want = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(out, want, rtol=ulps, atol=0)
+    first, same = OPS.add_rms_norm(x, None, weight, 1e-5, isa)
+    assert torch.equal(same, x) and torch.equal(first, OPS.rms_norm(x, weight, 1e-5, isa))
+    gate_up = _rows(7, 2 * 1536, 4).to(dtype)
+    act = OPS.silu_and_mul(gate_up, isa)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(act, F.silu(gate) * up, rtol=ulps, atol=0)
+    qk, angles = _rows(5, 12 * 64, 5).to(dtype), _rows(5, 32, 6)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    rotated = OPS.rotary(qk, cos, sin, 64, isa)
+    assert torch.equal(rotated, apply_rotary(qk, cos[:, None], sin[:, None], 64))
+    for t in range(5):
+        one, _ = OPS.add_rms_norm(x[t : t + 1], residual[t : t + 1], weight, 1e-5, isa)
+        assert torch.equal(one, out[t : t + 1])
+        assert torch.equal(OPS.silu_and_mul(gate_up[t : t + 1], isa), act[t : t + 1])
+        assert torch.equal(
+            OPS.rotary(qk[t : t + 1], cos[t : t + 1], sin[t : t + 1], 64, isa), rotated[t : t + 1]
+        )
+    with pytest.raises(RuntimeError, match="dtype"):
+        OPS.add_rms_norm(x, residual.float(), weight, 1e-5, isa)
+    with pytest.raises(RuntimeError, match="dtype"):
+        OPS.rms_norm(x, weight.float(), 1e-5, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_matmul_prologues_equal_the_ops_apart(isa: int) -> None:
     """q4 / q8 matmuls with the norm or the activation in the same call: the bits of the row op,
     then the matmul."""

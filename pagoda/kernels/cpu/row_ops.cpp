@@ -1,8 +1,10 @@
-// The row-wise ops of a decoder layer on CPU, float32: RMSNorm (with the residual add before it),
-// SiLU-and-mul and rotary. Eager steps and compiled decode steps (-O1 and up, where inductor
-// keeps them as calls) run these same functions, so a position's activations are the same bits
-// whichever kind of step computes it; each row's arithmetic depends on that row alone, never on
-// the rows beside it or the threads (docs/determinism.md).
+// The row-wise ops of a decoder layer on CPU: RMSNorm (with the residual add before it),
+// SiLU-and-mul and rotary, on float32 rows, and on bfloat16 or float16 rows (a half model's),
+// which round where torch's eager ops on half tensors do (the half rows' section). Eager steps
+// and compiled decode steps (-O1 and up, where inductor keeps them as calls) run these same
+// functions, so a position's activations are the same bits whichever kind of step computes it;
+// each row's arithmetic depends on that row alone, never on the rows beside it or the threads
+// (docs/determinism.md).
 //
 //   rms_norm(x, weight, eps, isa_limit): x (T, n) -> weight * (x * r), r = 1 / sqrt(mean(x^2) +
 //     eps), the sum of squares in a fixed order (16 or 8 lanes, then a fixed tree).
@@ -13,10 +15,11 @@
 //   rotary(x, cos, sin, head_dim, isa_limit): x (T, heads * head_dim) -> the same, each head's
 //     halves (x1, x2) -> (x1 * cos - x2 * sin, x2 * cos + x1 * sin), cos and sin (T, head_dim / 2).
 //
-// Rows of x may be a view with a row stride (the q|k columns of a packed qkv); the outputs are
-// contiguous. AVX-512, AVX2 + FMA and scalar paths, chosen at run time. quant_gemm.cpp runs the
-// norm and the activation as its matmuls' prologues (declared in common.h), so a compiled step
-// calls one op where it would call two.
+// residual, weight, cos and sin have x's dtype. Rows of x may be a view with a row stride (the
+// q|k columns of a packed qkv); the outputs are contiguous, of x's dtype. AVX-512, AVX2 + FMA and
+// scalar paths, chosen at run time. quant_gemm.cpp runs the float32 norm and activation as its
+// matmuls' prologues (declared in common.h), so a compiled step calls one op where it would call
+// two.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 #include "common.h"
 
@@ -145,29 +149,168 @@ void rotate_head(const float* x, const float* c, const float* s, int64_t half, f
   }
 }
 
+// ---- half rows (bfloat16, float16) --------------------------------------------------------------
+//
+// A half model's rows round where torch's eager ops on half tensors round (each op's result to
+// the tensor's dtype), in float32 between: add_rms_norm's h = H(x + residual), then H(h * r),
+// then H(w * that); silu_and_mul's H(silu(g)), then H(that * up); rotary's four products each
+// rounded, then their difference and sum. A compiled step calls these same functions, where
+// inductor would fuse the ops its own way in each graph (and so differently for a row decoded
+// alone, in a batch, or verified among drafts).
+
+// v rounded to bfloat16 (to nearest, ties to even; NaN to bfloat16's quiet NaN), as c10's
+// conversion rounds, in integer steps without a branch, so that loops of it vectorize
+inline uint32_t bfloat16_bits_high(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint32_t nearest = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : nearest;
+}
+
+template <typename H>
+inline float rounded(float v) {
+  if constexpr (std::is_same_v<H, c10::BFloat16>) {
+    const uint32_t bits = bfloat16_bits_high(v);
+    float r;
+    std::memcpy(&r, &bits, 4);
+    return r;
+  } else {
+    return static_cast<float>(H(v));
+  }
+}
+
+// v rounded to H (rounded's value, as stored)
+template <typename H>
+inline H to_half(float v) {
+  if constexpr (std::is_same_v<H, c10::BFloat16>) {
+    const auto bits = static_cast<uint16_t>(bfloat16_bits_high(v) >> 16);
+    return c10::BFloat16(bits, c10::BFloat16::from_bits());
+  } else {
+    return H(v);
+  }
+}
+
+template <typename H>
+void load_row(const H* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
+}
+
+// h = H(x + residual) (x where residual is null) into h (floats) and hidden; out = H(w * H(h * r))
+template <typename H>
+void norm_half_row(const H* x, const H* residual, const float* w, float eps, int64_t n, Isa isa,
+                   float* h, H* hidden, H* out) {
+  if (residual != nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      h[i] = rounded<H>(static_cast<float>(x[i]) + static_cast<float>(residual[i]));
+    }
+  } else {
+    load_row(x, n, h);
+  }
+  if (hidden != nullptr) {
+    for (int64_t i = 0; i < n; ++i) hidden[i] = to_half<H>(h[i]);
+  }
+  const float r = inverse_rms(h, n, eps, isa);
+  for (int64_t i = 0; i < n; ++i) out[i] = to_half<H>(w[i] * rounded<H>(h[i] * r));
+}
+
+void silu_mul(const float* g, const float* u, int64_t d, float* out, Isa isa) {
+  if (isa == Isa::kVnni) {
+    silu_mul_avx512(g, u, d, out);
+  } else if (isa == Isa::kAvx2) {
+    silu_mul_avx2(g, u, d, out);
+  } else {
+    silu_mul_scalar(g, u, d, out);
+  }
+}
+
+// out = H(H(silu(g)) * u); ones: d floats of 1 (silu_mul's product with them is exact)
+template <typename H>
+void silu_mul_half_row(const H* g, const H* u, int64_t d, Isa isa, const float* ones, float* gf,
+                       float* sf, H* out) {
+  load_row(g, d, gf);
+  silu_mul(gf, ones, d, sf, isa);
+  for (int64_t i = 0; i < d; ++i) {
+    out[i] = to_half<H>(rounded<H>(sf[i]) * static_cast<float>(u[i]));
+  }
+}
+
+template <typename H>
+void rotate_head_half(const H* x, const H* c, const H* s, int64_t half, H* out) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[half + i]);
+    const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
+    out[i] = to_half<H>(rounded<H>(x1 * ci) - rounded<H>(x2 * si));
+    out[half + i] = to_half<H>(rounded<H>(x2 * ci) + rounded<H>(x1 * si));
+  }
+}
+
+// Calls fn(H{}) for the half type of dtype (bfloat16 or float16).
+template <typename Fn>
+void with_half(at::ScalarType dtype, Fn&& fn) {
+  if (dtype == at::kBFloat16) {
+    fn(c10::BFloat16{});
+  } else {
+    fn(c10::Half{});
+  }
+}
+
+bool is_half(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+}
+
 // ---- checks -------------------------------------------------------------------------------------
 
-// x: float32 (T, n) whose rows are contiguous (any row stride)
-void check_float_rows(const at::Tensor& x, const char* name) {
+// x: float32, bfloat16 or float16 (T, n) whose rows are contiguous (any row stride)
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2, name, " must be (rows, width)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || is_half(x), name,
+              " must be float32, bfloat16 or float16");
   TORCH_CHECK(x.size(1) <= 1 || x.stride(1) == 1, name, ": each row must be contiguous");
 }
 
-void check_weight(const at::Tensor& weight, int64_t n) {
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == at::kFloat &&
+// weight: contiguous (n,), float32 for float32 rows, the rows' dtype for half ones
+void check_weight(const at::Tensor& weight, int64_t n, at::ScalarType dtype) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n && weight.scalar_type() == dtype &&
                   weight.is_contiguous(),
-              "weight: contiguous float32 (", n, ",)");
+              "weight: contiguous (", n, ",) of the rows' dtype");
+}
+
+// The norm of half rows: out = norm(h), hidden = h (when given), h = x + residual.
+void norm_half(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+               const at::Tensor& weight, float eps, Isa isa, at::Tensor& out,
+               at::Tensor* hidden) {
+  const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0);
+  const int64_t ldr = residual.has_value() ? residual->stride(0) : 0;
+  const at::Tensor w = weight.to(at::kFloat);
+  const float* wp = w.data_ptr<float>();
+  with_half(x.scalar_type(), [&](auto tag) {
+    using H = decltype(tag);
+    const H* xp = static_cast<const H*>(x.data_ptr());
+    const H* rp = residual.has_value() ? static_cast<const H*>(residual->data_ptr()) : nullptr;
+    H* op = static_cast<H*>(out.data_ptr());
+    H* hp = hidden != nullptr ? static_cast<H*>(hidden->data_ptr()) : nullptr;
+    at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
+      std::vector<float> h(n);
+      for (int64_t t = begin; t < end; ++t) {
+        norm_half_row<H>(xp + t * ldx, rp != nullptr ? rp + t * ldr : nullptr, wp, eps, n, isa,
+                         h.data(), hp != nullptr ? hp + t * n : nullptr, op + t * n);
+      }
+    });
+  });
 }
 
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t isa_limit) {
-  check_float_rows(x, "x");
+  check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
-  check_weight(weight, n);
+  check_weight(weight, n, x.scalar_type());
   const Isa isa = pick_isa(isa_limit);
-  auto out = at::empty({rows, n}, at::kFloat);
+  auto out = at::empty({rows, n}, x.options());
+  if (is_half(x)) {
+    norm_half(x, c10::nullopt, weight, static_cast<float>(eps), isa, out, nullptr);
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -184,18 +327,23 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
                                                 const c10::optional<at::Tensor>& residual,
                                                 const at::Tensor& weight, double eps,
                                                 int64_t isa_limit) {
-  check_float_rows(x, "x");
+  check_rows(x, "x");
   const bool add = residual.has_value();  // none (a model's first layer): h = x
   if (add) {
-    check_float_rows(*residual, "residual");
-    TORCH_CHECK(x.sizes() == residual->sizes(), "x and residual: the same shape");
+    check_rows(*residual, "residual");
+    TORCH_CHECK(x.sizes() == residual->sizes() && x.scalar_type() == residual->scalar_type(),
+                "x and residual: the same shape and dtype");
   }
   const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0);
   const int64_t ldr = add ? residual->stride(0) : 0;
-  check_weight(weight, n);
+  check_weight(weight, n, x.scalar_type());
   const Isa isa = pick_isa(isa_limit);
-  auto out = at::empty({rows, n}, at::kFloat);
-  auto hidden = at::empty({rows, n}, at::kFloat);
+  auto out = at::empty({rows, n}, x.options());
+  auto hidden = at::empty({rows, n}, x.options());
+  if (is_half(x)) {
+    norm_half(x, residual, weight, static_cast<float>(eps), isa, out, &hidden);
+    return {out, hidden};
+  }
   const float* xp = x.data_ptr<float>();
   const float* rp = add ? residual->data_ptr<float>() : nullptr;
   const float* wp = weight.data_ptr<float>();
@@ -216,23 +364,33 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit) {
-  check_float_rows(x, "x");
+  check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x: (rows, 2 * d), gate then up");
   const int64_t rows = x.size(0), d = x.size(1) / 2, ld = x.stride(0);
   const Isa isa = pick_isa(isa_limit);
-  auto out = at::empty({rows, d}, at::kFloat);
+  auto out = at::empty({rows, d}, x.options());
+  if (is_half(x)) {
+    const std::vector<float> ones(d, 1.f);
+    with_half(x.scalar_type(), [&](auto tag) {
+      using H = decltype(tag);
+      const H* xp = static_cast<const H*>(x.data_ptr());
+      H* op = static_cast<H*>(out.data_ptr());
+      at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
+        std::vector<float> gf(d), sf(d);
+        for (int64_t t = begin; t < end; ++t) {
+          const H* g = xp + t * ld;
+          silu_mul_half_row<H>(g, g + d, d, isa, ones.data(), gf.data(), sf.data(), op + t * d);
+        }
+      });
+    });
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = xp + t * ld;
-      if (isa == Isa::kVnni) {
-        silu_mul_avx512(g, g + d, d, op + t * d);
-      } else if (isa == Isa::kAvx2) {
-        silu_mul_avx2(g, g + d, d, op + t * d);
-      } else {
-        silu_mul_scalar(g, g + d, d, op + t * d);
-      }
+      silu_mul(g, g + d, d, op + t * d, isa);
     }
   });
   return out;
@@ -240,22 +398,40 @@ at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit) {
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                   int64_t head_dim, int64_t isa_limit) {
-  check_float_rows(x, "x");
+  check_rows(x, "x");
   TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && x.size(1) % head_dim == 0,
               "x: (rows, heads * head_dim), head_dim even");
   const int64_t rows = x.size(0), width = x.size(1), half = head_dim / 2, ld = x.stride(0);
   for (const at::Tensor* t : {&cos, &sin}) {
     TORCH_CHECK(t->dim() == 2 && t->size(0) == rows && t->size(1) == half &&
-                    t->scalar_type() == at::kFloat && t->stride(1) == 1,
-                "cos, sin: float32 (rows, head_dim / 2), rows contiguous");
+                    t->scalar_type() == x.scalar_type() && t->stride(1) == 1,
+                "cos, sin: (rows, head_dim / 2) of x's dtype, rows contiguous");
   }
   (void)isa_limit;  // one path: products and sums of single elements vectorize as they are
-  auto out = at::empty({rows, width}, at::kFloat);
+  auto out = at::empty({rows, width}, x.options());
+  const int64_t ldc = cos.stride(0), lds = sin.stride(0);
+  if (is_half(x)) {
+    with_half(x.scalar_type(), [&](auto tag) {
+      using H = decltype(tag);
+      const H* xp = static_cast<const H*>(x.data_ptr());
+      const H* cp = static_cast<const H*>(cos.data_ptr());
+      const H* sp = static_cast<const H*>(sin.data_ptr());
+      H* op = static_cast<H*>(out.data_ptr());
+      at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          for (int64_t h = 0; h < width; h += head_dim) {
+            rotate_head_half<H>(xp + t * ld + h, cp + t * ldc, sp + t * lds, half,
+                                op + t * width + h);
+          }
+        }
+      });
+    });
+    return out;
+  }
   const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t ldc = cos.stride(0), lds = sin.stride(0);
   at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < width; h += head_dim) {
