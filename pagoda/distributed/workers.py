@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0
 # A rank's report of a failed collective may come before its killed peer's death shows.
 DEATH_GRACE_S = 2.0
+# ... and where the report says a peer's connection went (gloo's words), a peer is going for
+# sure: on a loaded machine its death took over 2 s to show (a killed rank's teardown), so its
+# name is waited for longer before the report is raised instead.
+PEER_LOST_WORDS = ("Connection reset by peer", "Connection closed by peer")
+PEER_LOST_GRACE_S = 15.0
 STATS_REFRESH_S = 1.0
 
 
@@ -233,15 +238,17 @@ class WorkerGroup:
         """The error to raise for a failed group. A rank that died without a word (killed) is
         named, with `reporter`'s report as the cause: its peers fail in their next collective
         ("connection reset by peer"), and one of them may report first, so up to `grace`
-        seconds are given for such a death to show. Otherwise the reporter's error, or the
-        first exited rank's."""
+        seconds (PEER_LOST_GRACE_S where the report says a peer's connection went) are given
+        for such a death to show. Otherwise the reporter's error, or the first exited rank's."""
+        report = None if reporter is None else self._last_words[reporter]
+        if report is not None and any(words in report[1] for words in PEER_LOST_WORDS):
+            grace = max(grace, PEER_LOST_GRACE_S)
         deadline = time.monotonic() + grace
         while True:
             dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
             silent = [r for r in dead if self._last_word(r) is None]
             if silent:
                 error = RuntimeError(self._died(silent[0]))
-                report = None if reporter is None else self._last_words[reporter]
                 if reporter is not None and report is not None:
                     error.__cause__ = _failure(self._name(reporter), *report)
                 return error

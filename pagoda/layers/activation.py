@@ -27,9 +27,15 @@ class SiluAndMul(nn.Module):
 
 
 class GeluTanhAndMul(nn.Module):
-    """gelu_tanh(gate) * up (Gemma's GeGLU, HF's "gelu_pytorch_tanh"): torch on every backend."""
+    """gelu_tanh(gate) * up (Gemma's GeGLU, HF's "gelu_pytorch_tanh"): torch, or pagoda's C++
+    kernels on CPU (the same function in eager and compiled steps, as SiluAndMul's)."""
+
+    # CPU_ROW_DTYPES on pagoda's C++ kernels (kernels/cpu/row_ops.cpp); set by the model runner
+    cpu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (num_tokens, 2 * d), gate in the first half, up in the second -> (num_tokens, d)
+        if self.cpu_kernel and x.dtype in CPU_ROW_DTYPES and x.dim() == 2:
+            return torch.ops.pagoda_cpu.gelu_tanh_and_mul(x, 2)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up

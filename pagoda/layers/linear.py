@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.cpu_forms import CPU_KERNELS, cpu_matmul, cpu_matmul_norm, cpu_matmul_silu
 from pagoda.layers.lora import LoRAWeights
 from pagoda.layers.parallel import SINGLE, TensorParallel
@@ -113,8 +114,8 @@ class Linear(nn.Module):
         return self(normed), hidden
 
     def after_act(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """self(act(x)) for a SiluAndMul `act`, in one call on pagoda's CPU kernels."""
-        if self._fused_cpu(x) and getattr(act, "cpu_kernel", False):
+        """self(act(x)); a SiluAndMul `act` in the same call on pagoda's CPU kernels."""
+        if self._fused_cpu(x) and isinstance(act, SiluAndMul) and act.cpu_kernel:
             return self._finish(cpu_matmul_silu(self, x, self.lora).to(x.dtype))
         return self(act(x))
 

@@ -28,7 +28,7 @@ float8_e4m3fn with k_scale / v_scale per token and kv head, converted a chunk of
 time by kv_rows.h), each row reduced the same way whatever the
 rows beside it (window > 0: a sliding window, the row at position p attending to its last
 `window` positions; 0: full causal attention; value_dim > 0: a latent cache, MLA's, whose values
-are the first value_dim of each key row); `rms_norm`, `add_rms_norm`, `silu_and_mul` and `rotary` (row_ops.cpp), which eager
+are the first value_dim of each key row); `rms_norm`, `add_rms_norm`, `silu_and_mul`, `gelu_tanh_and_mul` and `rotary` (row_ops.cpp), which eager
 and compiled steps share, so that the two compute the same bits, and `q4x16_matmul_norm` /
 `q8x16_matmul_norm` / `q4x16_matmul_silu` / `q8x16_matmul_silu`, the matmuls with the norm or
 the activation before them in one call; `lora_apply(y, x, a, b, slots, offsets, isa_limit)`
@@ -272,6 +272,10 @@ def _register_row_op_fakes() -> None:
 
     @torch.library.register_fake("pagoda_cpu::silu_and_mul")  # type: ignore[misc]
     def _silu_and_mul(x: Any, isa_limit: int) -> Any:
+        return x.new_empty((x.shape[0], x.shape[1] // 2))
+
+    @torch.library.register_fake("pagoda_cpu::gelu_tanh_and_mul")  # type: ignore[misc]
+    def _gelu_tanh_and_mul(x: Any, isa_limit: int) -> Any:
         return x.new_empty((x.shape[0], x.shape[1] // 2))
 
     @torch.library.register_fake("pagoda_cpu::rotary")  # type: ignore[misc]

@@ -12,6 +12,8 @@
 //     (x itself where residual is None: a model's first layer).
 //   silu_and_mul(x, isa_limit): x (T, 2d), gate | up -> (T, d), gate * sigmoid(gate) * up, with
 //     sigmoid from exp(-|gate|) (common.h's polynomial on the SIMD paths).
+//   gelu_tanh_and_mul(x, isa_limit): the same with gelu(gate), torch's approximate="tanh" (Gemma's
+//     GeGLU), as gate * sigmoid(2z) (the SIMD paths' exp as silu's).
 //   rotary(x, cos, sin, head_dim, isa_limit): x (T, heads * head_dim) -> the same, each head's
 //     halves (x1, x2) -> (x1 * cos - x2 * sin, x2 * cos + x1 * sin), cos and sin (T, head_dim / 2).
 //
@@ -137,6 +139,57 @@ void silu_mul_scalar(const float* g, const float* u, int64_t d, float* out) {
   }
 }
 
+// ---- GELU(tanh)-and-mul -------------------------------------------------------------------------
+
+// gelu(g) * up, torch's approximate="tanh": gelu(g) = g / 2 * (1 + tanh(z)) = g * sigmoid(2z),
+// z = sqrt(2 / pi) * (g + 0.044715 g^3), the sigmoid as silu's (from e = exp(-|2z|), without
+// the cancellation of 1 + tanh(z) for negative z)
+constexpr float GELU_2C = 2.f * 0.7978845608028654f, GELU_A = 0.044715f;
+
+inline float gelu_tanh(float g) {
+  const float z2 = GELU_2C * (g + GELU_A * g * g * g);
+  const float e = exp_nonpositive(-std::fabs(z2));
+  return g * ((z2 < 0.f ? e : 1.f) / (1.f + e));
+}
+
+PAGODA_ROW_AVX512 void gelu_mul_avx512(const float* g, const float* u, int64_t d, float* out) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 sign = _mm512_set1_ps(-0.f);
+  int64_t i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 a_g = _mm512_mul_ps(gv, _mm512_set1_ps(GELU_A));
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), a_g);
+    const __m512 z2 = _mm512_mul_ps(_mm512_set1_ps(GELU_2C), _mm512_add_ps(gv, cube));
+    const __m512 e = exp_nonpositive_avx512(_mm512_or_ps(z2, sign));  // exp(-|2z|)
+    const __mmask16 neg = _mm512_cmp_ps_mask(z2, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i)));
+  }
+  for (; i < d; ++i) out[i] = gelu_tanh(g[i]) * u[i];
+}
+
+PAGODA_ROW_AVX2 void gelu_mul_avx2(const float* g, const float* u, int64_t d, float* out) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 a_g = _mm256_mul_ps(gv, _mm256_set1_ps(GELU_A));
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(gv, gv), a_g);
+    const __m256 z2 = _mm256_mul_ps(_mm256_set1_ps(GELU_2C), _mm256_add_ps(gv, cube));
+    const __m256 e = exp_nonpositive_avx2(_mm256_or_ps(z2, sign));
+    const __m256 neg = _mm256_cmp_ps(z2, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+  }
+  for (; i < d; ++i) out[i] = gelu_tanh(g[i]) * u[i];
+}
+
+void gelu_mul_scalar(const float* g, const float* u, int64_t d, float* out) {
+  for (int64_t i = 0; i < d; ++i) out[i] = gelu_tanh(g[i]) * u[i];
+}
+
 // ---- rotary -------------------------------------------------------------------------------------
 
 // One head: (x1, x2) -> (x1 * c - x2 * s, x2 * c + x1 * s), each product rounded, then the sum.
@@ -153,8 +206,8 @@ void rotate_head(const float* x, const float* c, const float* s, int64_t half, f
 //
 // A half model's rows round where torch's eager ops on half tensors round (each op's result to
 // the tensor's dtype), in float32 between: add_rms_norm's h = H(x + residual), then H(h * r),
-// then H(w * that); silu_and_mul's H(silu(g)), then H(that * up); rotary's four products each
-// rounded, then their difference and sum. A compiled step calls these same functions, where
+// then H(w * that); the gated activations' H(act(g)), then H(that * up); rotary's four products
+// each rounded, then their difference and sum. A compiled step calls these same functions, where
 // inductor would fuse the ops its own way in each graph (and so differently for a row decoded
 // alone, in a batch, or verified among drafts).
 
@@ -213,6 +266,9 @@ void norm_half_row(const H* x, const H* residual, const float* w, float eps, int
   for (int64_t i = 0; i < n; ++i) out[i] = to_half<H>(w[i] * rounded<H>(h[i] * r));
 }
 
+// A gated activation's row: out = act(g) * u (silu_mul, gelu_mul)
+using GatedRow = void (*)(const float* g, const float* u, int64_t d, float* out, Isa isa);
+
 void silu_mul(const float* g, const float* u, int64_t d, float* out, Isa isa) {
   if (isa == Isa::kVnni) {
     silu_mul_avx512(g, u, d, out);
@@ -223,12 +279,22 @@ void silu_mul(const float* g, const float* u, int64_t d, float* out, Isa isa) {
   }
 }
 
-// out = H(H(silu(g)) * u); ones: d floats of 1 (silu_mul's product with them is exact)
+void gelu_mul(const float* g, const float* u, int64_t d, float* out, Isa isa) {
+  if (isa == Isa::kVnni) {
+    gelu_mul_avx512(g, u, d, out);
+  } else if (isa == Isa::kAvx2) {
+    gelu_mul_avx2(g, u, d, out);
+  } else {
+    gelu_mul_scalar(g, u, d, out);
+  }
+}
+
+// out = H(H(act(g)) * u); ones: d floats of 1 (act's product with them is exact)
 template <typename H>
-void silu_mul_half_row(const H* g, const H* u, int64_t d, Isa isa, const float* ones, float* gf,
-                       float* sf, H* out) {
+void gated_half_row(GatedRow act, const H* g, const H* u, int64_t d, Isa isa, const float* ones,
+                    float* gf, float* sf, H* out) {
   load_row(g, d, gf);
-  silu_mul(gf, ones, d, sf, isa);
+  act(gf, ones, d, sf, isa);
   for (int64_t i = 0; i < d; ++i) {
     out[i] = to_half<H>(rounded<H>(sf[i]) * static_cast<float>(u[i]));
   }
@@ -363,7 +429,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
   return {out, hidden};
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit) {
+namespace {
+
+// x (T, 2d), gate | up -> (T, d), act(gate) * up
+at::Tensor gated_rows(const at::Tensor& x, int64_t isa_limit, GatedRow act) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "x: (rows, 2 * d), gate then up");
   const int64_t rows = x.size(0), d = x.size(1) / 2, ld = x.stride(0);
@@ -379,7 +448,7 @@ at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit) {
         std::vector<float> gf(d), sf(d);
         for (int64_t t = begin; t < end; ++t) {
           const H* g = xp + t * ld;
-          silu_mul_half_row<H>(g, g + d, d, isa, ones.data(), gf.data(), sf.data(), op + t * d);
+          gated_half_row<H>(act, g, g + d, d, isa, ones.data(), gf.data(), sf.data(), op + t * d);
         }
       });
     });
@@ -390,10 +459,20 @@ at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit) {
   at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = xp + t * ld;
-      silu_mul(g, g + d, d, op + t * d, isa);
+      act(g, g + d, d, op + t * d, isa);
     }
   });
   return out;
+}
+
+}  // namespace
+
+at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit) {
+  return gated_rows(x, isa_limit, silu_mul);
+}
+
+at::Tensor gelu_tanh_and_mul(const at::Tensor& x, int64_t isa_limit) {
+  return gated_rows(x, isa_limit, gelu_mul);
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -450,6 +529,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
       "add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps, int isa_limit) -> "
       "(Tensor, Tensor)");
   m.def("silu_and_mul(Tensor x, int isa_limit) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor x, int isa_limit) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin, int head_dim, int isa_limit) -> Tensor");
 }
 
@@ -457,5 +537,6 @@ TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
   m.impl("rms_norm", &pagoda_cpu::rms_norm);
   m.impl("add_rms_norm", &pagoda_cpu::add_rms_norm);
   m.impl("silu_and_mul", &pagoda_cpu::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &pagoda_cpu::gelu_tanh_and_mul);
   m.impl("rotary", &pagoda_cpu::rotary);
 }
