@@ -93,101 +93,86 @@ float inverse_rms(const float* x, int64_t n, float eps, Isa isa) {
   return 1.f / std::sqrt(sum_squares(x, n, isa) / static_cast<float>(n) + eps);
 }
 
-// ---- SiLU-and-mul -------------------------------------------------------------------------------
+// ---- the gated activations: SiLU-and-mul, GELU(tanh)-and-mul ------------------------------------
 
-// gate * sigmoid(gate) * up; sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below, e = exp(-|g|)
-PAGODA_ROW_AVX512 void silu_mul_avx512(const float* g, const float* u, int64_t d, float* out) {
+// act(gate) * up with act(g) = g * sigmoid(a), a = g (SiLU) or 2z (GELU, torch's
+// approximate="tanh": g / 2 * (1 + tanh(z)) = g * sigmoid(2z), z = sqrt(2 / pi) * (g + 0.044715
+// g^3), without the cancellation of 1 + tanh(z) for negative z); sigmoid(a) = 1 / (1 + e) for
+// a >= 0, e / (1 + e) below, e = exp(-|a|)
+enum class Gate { kSilu, kGelu };
+
+constexpr float GELU_2C = 2.f * 0.7978845608028654f, GELU_A = 0.044715f;
+
+template <Gate A>
+inline float sigmoid_arg(float g) {
+  if constexpr (A == Gate::kSilu) return g;
+  return GELU_2C * (g + GELU_A * g * g * g);
+}
+
+template <Gate A>
+PAGODA_ROW_AVX512 inline __m512 sigmoid_arg_avx512(__m512 g) {
+  if constexpr (A == Gate::kSilu) return g;
+  const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), _mm512_mul_ps(g, _mm512_set1_ps(GELU_A)));
+  return _mm512_mul_ps(_mm512_set1_ps(GELU_2C), _mm512_add_ps(g, cube));
+}
+
+template <Gate A>
+PAGODA_ROW_AVX2 inline __m256 sigmoid_arg_avx2(__m256 g) {
+  if constexpr (A == Gate::kSilu) return g;
+  const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), _mm256_mul_ps(g, _mm256_set1_ps(GELU_A)));
+  return _mm256_mul_ps(_mm256_set1_ps(GELU_2C), _mm256_add_ps(g, cube));
+}
+
+template <Gate A>
+inline float gated(float g) {
+  const float a = sigmoid_arg<A>(g);
+  const float e = exp_nonpositive(-std::fabs(a));
+  return g * ((a < 0.f ? e : 1.f) / (1.f + e));
+}
+
+template <Gate A>
+PAGODA_ROW_AVX512 void gate_mul_avx512(const float* g, const float* u, int64_t d, float* out) {
   const __m512 one = _mm512_set1_ps(1.f);
   const __m512 sign = _mm512_set1_ps(-0.f);
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
     const __m512 gv = _mm512_loadu_ps(g + i);
-    const __m512 e = exp_nonpositive_avx512(_mm512_or_ps(gv, sign));  // exp(-|g|)
-    const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 a = sigmoid_arg_avx512<A>(gv);
+    const __m512 e = exp_nonpositive_avx512(_mm512_or_ps(a, sign));  // exp(-|a|)
+    const __mmask16 neg = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_LT_OQ);
     const __m512 num = _mm512_mask_blend_ps(neg, one, e);
     const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(one, e));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i)));
   }
-  for (; i < d; ++i) {
-    const float e = exp_nonpositive(-std::fabs(g[i]));
-    out[i] = g[i] * ((g[i] < 0.f ? e : 1.f) / (1.f + e)) * u[i];
-  }
+  for (; i < d; ++i) out[i] = gated<A>(g[i]) * u[i];
 }
 
-PAGODA_ROW_AVX2 void silu_mul_avx2(const float* g, const float* u, int64_t d, float* out) {
+template <Gate A>
+PAGODA_ROW_AVX2 void gate_mul_avx2(const float* g, const float* u, int64_t d, float* out) {
   const __m256 one = _mm256_set1_ps(1.f);
   const __m256 sign = _mm256_set1_ps(-0.f);
   int64_t i = 0;
   for (; i + 8 <= d; i += 8) {
     const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 e = exp_nonpositive_avx2(_mm256_or_ps(gv, sign));
-    const __m256 neg = _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 a = sigmoid_arg_avx2<A>(gv);
+    const __m256 e = exp_nonpositive_avx2(_mm256_or_ps(a, sign));
+    const __m256 neg = _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_LT_OQ);
     const __m256 num = _mm256_blendv_ps(one, e, neg);
     const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
   }
-  for (; i < d; ++i) {
-    const float e = exp_nonpositive(-std::fabs(g[i]));
-    out[i] = g[i] * ((g[i] < 0.f ? e : 1.f) / (1.f + e)) * u[i];
+  for (; i < d; ++i) out[i] = gated<A>(g[i]) * u[i];
+}
+
+template <Gate A>
+void gate_mul(const float* g, const float* u, int64_t d, float* out, Isa isa) {
+  if (isa == Isa::kVnni) {
+    gate_mul_avx512<A>(g, u, d, out);
+  } else if (isa == Isa::kAvx2) {
+    gate_mul_avx2<A>(g, u, d, out);
+  } else {
+    for (int64_t i = 0; i < d; ++i) out[i] = gated<A>(g[i]) * u[i];
   }
-}
-
-void silu_mul_scalar(const float* g, const float* u, int64_t d, float* out) {
-  for (int64_t i = 0; i < d; ++i) {
-    const float e = exp_nonpositive(-std::fabs(g[i]));
-    out[i] = g[i] * ((g[i] < 0.f ? e : 1.f) / (1.f + e)) * u[i];
-  }
-}
-
-// ---- GELU(tanh)-and-mul -------------------------------------------------------------------------
-
-// gelu(g) * up, torch's approximate="tanh": gelu(g) = g / 2 * (1 + tanh(z)) = g * sigmoid(2z),
-// z = sqrt(2 / pi) * (g + 0.044715 g^3), the sigmoid as silu's (from e = exp(-|2z|), without
-// the cancellation of 1 + tanh(z) for negative z)
-constexpr float GELU_2C = 2.f * 0.7978845608028654f, GELU_A = 0.044715f;
-
-inline float gelu_tanh(float g) {
-  const float z2 = GELU_2C * (g + GELU_A * g * g * g);
-  const float e = exp_nonpositive(-std::fabs(z2));
-  return g * ((z2 < 0.f ? e : 1.f) / (1.f + e));
-}
-
-PAGODA_ROW_AVX512 void gelu_mul_avx512(const float* g, const float* u, int64_t d, float* out) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 sign = _mm512_set1_ps(-0.f);
-  int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i);
-    const __m512 a_g = _mm512_mul_ps(gv, _mm512_set1_ps(GELU_A));
-    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), a_g);
-    const __m512 z2 = _mm512_mul_ps(_mm512_set1_ps(GELU_2C), _mm512_add_ps(gv, cube));
-    const __m512 e = exp_nonpositive_avx512(_mm512_or_ps(z2, sign));  // exp(-|2z|)
-    const __mmask16 neg = _mm512_cmp_ps_mask(z2, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 sig = _mm512_div_ps(_mm512_mask_blend_ps(neg, one, e), _mm512_add_ps(one, e));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i)));
-  }
-  for (; i < d; ++i) out[i] = gelu_tanh(g[i]) * u[i];
-}
-
-PAGODA_ROW_AVX2 void gelu_mul_avx2(const float* g, const float* u, int64_t d, float* out) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 a_g = _mm256_mul_ps(gv, _mm256_set1_ps(GELU_A));
-    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(gv, gv), a_g);
-    const __m256 z2 = _mm256_mul_ps(_mm256_set1_ps(GELU_2C), _mm256_add_ps(gv, cube));
-    const __m256 e = exp_nonpositive_avx2(_mm256_or_ps(z2, sign));
-    const __m256 neg = _mm256_cmp_ps(z2, _mm256_setzero_ps(), _CMP_LT_OQ);
-    const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, neg), _mm256_add_ps(one, e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
-  }
-  for (; i < d; ++i) out[i] = gelu_tanh(g[i]) * u[i];
-}
-
-void gelu_mul_scalar(const float* g, const float* u, int64_t d, float* out) {
-  for (int64_t i = 0; i < d; ++i) out[i] = gelu_tanh(g[i]) * u[i];
 }
 
 // ---- rotary -------------------------------------------------------------------------------------
@@ -250,7 +235,7 @@ void load_row(const H* x, int64_t n, float* out) {
 
 // h = H(x + residual) (x where residual is null) into h (floats) and hidden; out = H(w * H(h * r))
 template <typename H>
-void norm_half_row(const H* x, const H* residual, const float* w, float eps, int64_t n, Isa isa,
+void norm_half_row(const H* x, const H* residual, const H* w, float eps, int64_t n, Isa isa,
                    float* h, H* hidden, H* out) {
   if (residual != nullptr) {
     for (int64_t i = 0; i < n; ++i) {
@@ -263,31 +248,13 @@ void norm_half_row(const H* x, const H* residual, const float* w, float eps, int
     for (int64_t i = 0; i < n; ++i) hidden[i] = to_half<H>(h[i]);
   }
   const float r = inverse_rms(h, n, eps, isa);
-  for (int64_t i = 0; i < n; ++i) out[i] = to_half<H>(w[i] * rounded<H>(h[i] * r));
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = to_half<H>(static_cast<float>(w[i]) * rounded<H>(h[i] * r));
+  }
 }
 
-// A gated activation's row: out = act(g) * u (silu_mul, gelu_mul)
+// A gated activation's row: out = act(g) * u (gate_mul)
 using GatedRow = void (*)(const float* g, const float* u, int64_t d, float* out, Isa isa);
-
-void silu_mul(const float* g, const float* u, int64_t d, float* out, Isa isa) {
-  if (isa == Isa::kVnni) {
-    silu_mul_avx512(g, u, d, out);
-  } else if (isa == Isa::kAvx2) {
-    silu_mul_avx2(g, u, d, out);
-  } else {
-    silu_mul_scalar(g, u, d, out);
-  }
-}
-
-void gelu_mul(const float* g, const float* u, int64_t d, float* out, Isa isa) {
-  if (isa == Isa::kVnni) {
-    gelu_mul_avx512(g, u, d, out);
-  } else if (isa == Isa::kAvx2) {
-    gelu_mul_avx2(g, u, d, out);
-  } else {
-    gelu_mul_scalar(g, u, d, out);
-  }
-}
 
 // out = H(H(act(g)) * u); ones: d floats of 1 (act's product with them is exact)
 template <typename H>
@@ -347,10 +314,9 @@ void norm_half(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                at::Tensor* hidden) {
   const int64_t rows = x.size(0), n = x.size(1), ldx = x.stride(0);
   const int64_t ldr = residual.has_value() ? residual->stride(0) : 0;
-  const at::Tensor w = weight.to(at::kFloat);
-  const float* wp = w.data_ptr<float>();
   with_half(x.scalar_type(), [&](auto tag) {
     using H = decltype(tag);
+    const H* wp = static_cast<const H*>(weight.data_ptr());
     const H* xp = static_cast<const H*>(x.data_ptr());
     const H* rp = residual.has_value() ? static_cast<const H*>(residual->data_ptr()) : nullptr;
     H* op = static_cast<H*>(out.data_ptr());
@@ -468,11 +434,11 @@ at::Tensor gated_rows(const at::Tensor& x, int64_t isa_limit, GatedRow act) {
 }  // namespace
 
 at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit) {
-  return gated_rows(x, isa_limit, silu_mul);
+  return gated_rows(x, isa_limit, gate_mul<Gate::kSilu>);
 }
 
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x, int64_t isa_limit) {
-  return gated_rows(x, isa_limit, gelu_mul);
+  return gated_rows(x, isa_limit, gate_mul<Gate::kGelu>);
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
