@@ -424,8 +424,13 @@ void attend_group_scalar(const Shape& s, const RowWork* w, int count, const floa
 // is the same chain of FMAs over the head width and the same sum4 tree, each weighted value the
 // same FMA chain over the positions in order (an FMA rounds once per element, whatever the
 // vector width). It only shares loads: a block of up to four query vectors (rows x heads of one
-// kv head) reads four positions' keys once, and a row's weighted values stay in registers over
-// the chunk. Prefill chunks (groups of up to MAX_GROUP rows) are what it is for.
+// kv head) reads four positions' keys once, and six query vectors of one kv head, of one row or
+// of the group's rows, read each position's values once, 64 of them at a time, their weighted
+// values in registers over the chunk. Prefill chunks (groups of up to MAX_GROUP rows) are what
+// it is for. (Six vectors sharing the values against a row's heads alone, one kv head's at a
+// time, the same bits; one process, the two builds alternately, benchmarks/attention_ab.py:
+// a burst's prefill step 1.10x with SmolLM2's heads, 1.12x with the 1.5B's, a 512-token prompt
+// 1.08x and 1.17x, one decode row of 8,192 positions of the 1.5B 1.19x.)
 
 // exp_shifted_sum_avx2's values and sum, sixteen exponentials an instruction: each element is
 // the same per-lane arithmetic, and the sum is accumulated in the same eight lanes in the same
@@ -529,17 +534,20 @@ PAGODA_AVX512 inline void scores4_blocks_avx512(const QueryVec* v, int count, co
   }
 }
 
-// out_h[0 .. 16 * DV) = sum over positions [0, n) in order of w_h[p] * v[p] (FMAs, from 0), for
-// HB query heads of one kv head; v[p] + off is position p's values of that kv head.
+// out_h[0 .. 16 * DV) = (from > 0 ? out_h : 0) + sum over positions [from, to) in order of
+// w_h[p] * v[p] (FMAs), for HB query vectors of one kv head; v[p] + off is position p's values of
+// that kv head. A sum split at any position and continued from what was stored is the same FMA
+// chain, so the same bits as one pass from 0.
 template <int DV, int HB, typename T>
 PAGODA_AVX512 inline void weighted_block_avx512(const float* const* w, const T* const* v,
-                                                int64_t off, int64_t n, float* const* out) {
+                                                int64_t off, int64_t from, int64_t to,
+                                                float* const* out) {
   __m512 acc[HB][DV];
 #pragma GCC unroll 8
   for (int h = 0; h < HB; ++h) {
-    for (int i = 0; i < DV; ++i) acc[h][i] = _mm512_setzero_ps();
+    for (int i = 0; i < DV; ++i) acc[h][i] = from > 0 ? _mm512_loadu_ps(out[h] + 16 * i) : _mm512_setzero_ps();
   }
-  for (int64_t p = 0; p < n; ++p) {
+  for (int64_t p = from; p < to; ++p) {
     __m512 wv[HB];
 #pragma GCC unroll 8
     for (int h = 0; h < HB; ++h) wv[h] = _mm512_set1_ps(w[h][p]);
@@ -556,21 +564,55 @@ PAGODA_AVX512 inline void weighted_block_avx512(const float* const* w, const T* 
   }
 }
 
-// Heads per weighted_block_avx512 call: accumulators (HB x DV registers) within 24 of the 32.
-template <int DV, typename T>
-PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const T* const* v,
-                                                int64_t off, int64_t n, float* const* out,
-                                                int64_t heads) {
-  constexpr int HB = DV <= 4 ? 6 : 3;
-  int64_t h = 0;
-  for (; h + HB <= heads; h += HB) weighted_block_avx512<DV, HB, T>(w + h, v, off, n, out + h);
-  switch (heads - h) {
-    case 5: weighted_block_avx512<DV, 5, T>(w + h, v, off, n, out + h); break;
-    case 4: weighted_block_avx512<DV, 4, T>(w + h, v, off, n, out + h); break;
-    case 3: weighted_block_avx512<DV, 3, T>(w + h, v, off, n, out + h); break;
-    case 2: weighted_block_avx512<DV, 2, T>(w + h, v, off, n, out + h); break;
-    case 1: weighted_block_avx512<DV, 1, T>(w + h, v, off, n, out + h); break;
-    default: break;
+// Query vectors of one kv head, vector e over its own positions [0, n[e]): up to HB of them at a
+// time share each position's value loads while they all still run (the rows of a prefill group
+// differ in length by a position or so), then the longer ones go on from where they stopped.
+// BLOCK(k, w, out, from, to) runs k <= HB vectors over [from, to).
+template <int HB, typename Block>
+inline void weighted_shared(const float* const* w, const int64_t* n, float* const* out,
+                            int64_t count, Block block) {
+  for (int64_t e = 0; e < count; e += HB) {
+    const float* ws[HB];
+    float* outs[HB];
+    int64_t ns[HB];
+    int k = static_cast<int>(std::min<int64_t>(HB, count - e));
+    for (int j = 0; j < k; ++j) ws[j] = w[e + j], outs[j] = out[e + j], ns[j] = n[e + j];
+    int64_t from = 0;
+    while (k > 0) {
+      const int64_t to = *std::min_element(ns, ns + k);
+      block(k, ws, outs, from, to);
+      int kept = 0;  // the vectors with positions left
+      for (int j = 0; j < k; ++j) {
+        if (ns[j] > to) ws[kept] = ws[j], outs[kept] = outs[j], ns[kept++] = ns[j];
+      }
+      k = kept;
+      from = to;
+    }
+  }
+}
+
+// 64 of each vector's values at a time (4 registers), six vectors a block: 24 accumulators of
+// the 32, and each position's values loaded once per six vectors
+template <typename T>
+PAGODA_AVX512 inline void weighted_vectors_avx512(const float* const* w, const int64_t* n,
+                                                  const T* const* v, int64_t off,
+                                                  float* const* out, int64_t count, int64_t d) {
+  constexpr int HB = 6;
+  for (int64_t c = 0; c < d; c += 64) {
+    float* slice[MAX_GROUP * MAX_HEADS];
+    for (int64_t e = 0; e < count; ++e) slice[e] = out[e] + c;
+    weighted_shared<HB>(w, n, slice, count, [&](int k, const float* const* ws, float* const* outs,
+                                                int64_t from, int64_t to) {
+      switch (k) {
+        case 6: weighted_block_avx512<4, 6, T>(ws, v, off + c, from, to, outs); break;
+        case 5: weighted_block_avx512<4, 5, T>(ws, v, off + c, from, to, outs); break;
+        case 4: weighted_block_avx512<4, 4, T>(ws, v, off + c, from, to, outs); break;
+        case 3: weighted_block_avx512<4, 3, T>(ws, v, off + c, from, to, outs); break;
+        case 2: weighted_block_avx512<4, 2, T>(ws, v, off + c, from, to, outs); break;
+        case 1: weighted_block_avx512<4, 1, T>(ws, v, off + c, from, to, outs); break;
+        default: break;
+      }
+    });
   }
 }
 
@@ -629,27 +671,21 @@ PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const T* 
       out[0] = max_avx2(sh, r.n);                                                              \
       out[1] = EXP_SUM(sh, r.n, out[0]);                                                       \
     }                                                                                          \
-    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                              \
-      const float* weights[MAX_HEADS];                                                         \
-      float* outs[MAX_HEADS];                                                                  \
-      for (int64_t j = 0; j < s.group; ++j) {                                                  \
-        weights[j] = r.scores + (kh * s.group + j) * r.n;                                      \
-        outs[j] = r.part + (kh * s.group + j) * (d + 2) + 2;                                   \
+  }                                                                                            \
+  for (int64_t kh = 0; kh < s.kv_heads; ++kh) {                                                \
+    const float* weights[MAX_GROUP * MAX_HEADS];                                               \
+    float* outs[MAX_GROUP * MAX_HEADS];                                                        \
+    int64_t lens[MAX_GROUP * MAX_HEADS];                                                       \
+    int64_t e = 0;                                                                             \
+    for (int i = 0; i < count; ++i) {                                                          \
+      for (int64_t j = 0; j < s.group; ++j, ++e) {                                             \
+        weights[e] = w[i].scores + (kh * s.group + j) * w[i].n;                                \
+        outs[e] = w[i].part + (kh * s.group + j) * (d + 2) + 2;                                \
+        lens[e] = w[i].n;                                                                      \
       }                                                                                        \
-      WEIGHTED(weights, vrow, kh * d, r.n, outs, s.group, d);                                  \
     }                                                                                          \
+    WEIGHTED(weights, lens, vrow, kh * d, outs, e, d);                                         \
   }
-
-template <typename T>
-PAGODA_AVX512 inline void weighted_heads_avx512(const float* const* w, const T* const* v,
-                                                int64_t off, int64_t n, float* const* out,
-                                                int64_t heads, int64_t d) {
-  if (d == 64) {
-    weighted_heads_avx512<4, T>(w, v, off, n, out, heads);
-  } else {
-    weighted_heads_avx512<8, T>(w, v, off, n, out, heads);
-  }
-}
 
 // attend_group_avx512 for d = 64 or 128; T: float, or uint16_t where a bfloat16 cache is read in
 // place (its values converted in registers, exactly: the bits of the float32 rows convert_rows
@@ -658,14 +694,15 @@ template <typename T>
 PAGODA_AVX512 void attend_group_avx512_blocked(const Shape& s, const RowWork* w, int count,
                                                const T* kc, const T* vc, const int32_t* table,
                                                int64_t begin, const T** krow, const T** vrow) {
-  PAGODA_ATTEND_BLOCKED(scores4_blocks_avx512, exp_shifted_sum_avx512, weighted_heads_avx512)
+  PAGODA_ATTEND_BLOCKED(scores4_blocks_avx512, exp_shifted_sum_avx512, weighted_vectors_avx512)
 }
 
 // ---- AVX2 with 64- or 128-wide heads: the same blocking in 16 registers -------------------------
 //
 // attend_group_avx2_blocked gives every row attend_group_avx2's bits: blocks of up to two query
 // vectors against four positions (8 accumulators), scores4_avx2's chains and sum4 tree; the
-// weighted values of two heads at a time, 32 of a head's values in registers per pass.
+// weighted values of three query vectors at a time (of one row or of the group's rows), 32 of
+// each one's values in registers per pass (12 accumulators).
 
 template <int NQ>
 __attribute__((target("avx2,fma"))) inline void scores4_block_avx2(const QueryVec* v,
@@ -702,17 +739,18 @@ __attribute__((target("avx2,fma"))) inline void scores4_blocks_avx2(const QueryV
   if (a < count) scores4_block_avx2<1>(v + a, k, d, scale, p);
 }
 
-// out_h[off2 .. off2 + 32) for two heads (HB = 2) or one, over positions in order (FMAs from 0)
+// out_h[off2 .. off2 + 32) for HB <= 3 query vectors, over positions [from, to) in
+// order (FMAs, continuing what is stored when from > 0, as weighted_block_avx512)
 template <int HB>
 __attribute__((target("avx2,fma"))) inline void weighted_slice_avx2(const float* const* w,
                                                                     const float* const* v,
-                                                                    int64_t off, int64_t n,
-                                                                    float* const* out) {
+                                                                    int64_t off, int64_t from,
+                                                                    int64_t to, float* const* out) {
   __m256 acc[HB][4];
   for (int h = 0; h < HB; ++h) {
-    for (int i = 0; i < 4; ++i) acc[h][i] = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) acc[h][i] = from > 0 ? _mm256_loadu_ps(out[h] + 8 * i) : _mm256_setzero_ps();
   }
-  for (int64_t p = 0; p < n; ++p) {
+  for (int64_t p = from; p < to; ++p) {
     __m256 wv[HB];
     for (int h = 0; h < HB; ++h) wv[h] = _mm256_set1_ps(w[h][p]);
     for (int i = 0; i < 4; ++i) {
@@ -725,17 +763,25 @@ __attribute__((target("avx2,fma"))) inline void weighted_slice_avx2(const float*
   }
 }
 
-__attribute__((target("avx2,fma"))) inline void weighted_heads_avx2(const float* const* w,
-                                                                    const float* const* v,
-                                                                    int64_t off, int64_t n,
-                                                                    float* const* out,
-                                                                    int64_t heads, int64_t d) {
-  for (int64_t c = 0; c < d; c += 32) {  // 32 of each head's values at a time
-    float* slice[MAX_HEADS];
-    for (int64_t h = 0; h < heads; ++h) slice[h] = out[h] + c;
-    int64_t h = 0;
-    for (; h + 2 <= heads; h += 2) weighted_slice_avx2<2>(w + h, v, off + c, n, slice + h);
-    if (h < heads) weighted_slice_avx2<1>(w + h, v, off + c, n, slice + h);
+__attribute__((target("avx2,fma"))) inline void weighted_vectors_avx2(const float* const* w,
+                                                                      const int64_t* n,
+                                                                      const float* const* v,
+                                                                      int64_t off,
+                                                                      float* const* out,
+                                                                      int64_t count, int64_t d) {
+  for (int64_t c = 0; c < d; c += 32) {  // 32 of each vector's values at a time
+    float* slice[MAX_GROUP * MAX_HEADS];
+    for (int64_t e = 0; e < count; ++e) slice[e] = out[e] + c;
+    weighted_shared<3>(w, n, slice, count, [&](int k, const float* const* ws, float* const* outs,
+                                                int64_t from, int64_t to) {
+      if (k == 3) {
+        weighted_slice_avx2<3>(ws, v, off + c, from, to, outs);
+      } else if (k == 2) {
+        weighted_slice_avx2<2>(ws, v, off + c, from, to, outs);
+      } else {
+        weighted_slice_avx2<1>(ws, v, off + c, from, to, outs);
+      }
+    });
   }
 }
 
@@ -743,7 +789,7 @@ __attribute__((target("avx2,fma"))) inline void weighted_heads_avx2(const float*
 __attribute__((target("avx2,fma"))) void attend_group_avx2_blocked(
     const Shape& s, const RowWork* w, int count, const float* kc, const float* vc,
     const int32_t* table, int64_t begin, const float** krow, const float** vrow) {
-  PAGODA_ATTEND_BLOCKED(scores4_blocks_avx2, exp_shifted_sum_avx2, weighted_heads_avx2)
+  PAGODA_ATTEND_BLOCKED(scores4_blocks_avx2, exp_shifted_sum_avx2, weighted_vectors_avx2)
 }
 
 // Merges a row's chunks into its query heads' outputs: exp(m_c - M) rescales each.
