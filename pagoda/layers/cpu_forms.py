@@ -451,6 +451,27 @@ def cpu_matmul_norm(
     )
 
 
+def cpu_matmul_norm_silu(
+    layer: Any, x: torch.Tensor, residual: torch.Tensor | None, norm: Any
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(silu_and_mul(cpu_matmul_norm(...)[0]), x + residual) in one call, the same bits, for a
+    gate | up layer (its rows the gate's, then the up's) in a nibble form whose halves are whole
+    tiles (16 rows each): the (T, 2d) product is never written out. None for any other layer
+    (the float16 and 8-bit forms, merged parts): the caller takes the separate calls."""
+    if layer.kernel not in NIBBLE_FORMS or layer.cpu_rows % 32 != 0:
+        return None
+    return torch.ops.pagoda_cpu.q4x16_matmul_norm_silu(  # type: ignore[no-any-return]
+        x,
+        residual,
+        norm.weight,
+        norm.eps,
+        layer.packed,
+        layer.cpu_rows,
+        MATMUL_ISA,
+        NIBBLE_FORMS[layer.kernel],
+    )
+
+
 def cpu_matmul_silu(layer: Any, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
     """cpu_matmul of silu(gate) * up in one call: x (T, 2K), gate | up -> float32 (T, N).
     lora: as cpu_matmul's."""

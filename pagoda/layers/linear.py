@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers.activation import SiluAndMul
-from pagoda.layers.cpu_forms import CPU_KERNELS, cpu_matmul, cpu_matmul_norm, cpu_matmul_silu
+from pagoda.layers.cpu_forms import (
+    CPU_KERNELS,
+    cpu_matmul,
+    cpu_matmul_norm,
+    cpu_matmul_norm_silu,
+    cpu_matmul_silu,
+)
 from pagoda.layers.lora import LoRAWeights
 from pagoda.layers.parallel import SINGLE, TensorParallel
 from pagoda.layers.quant import QuantMethod
@@ -112,6 +118,25 @@ class Linear(nn.Module):
             return self(norm(x)), x
         normed, hidden = norm(x, residual)
         return self(normed), hidden
+
+    def gated_after_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, act: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(act(self(norm(x + residual))), x + residual) in one call where this gate | up
+        layer's CPU kernels can run the SiLU after the matmul (cpu_forms.cpu_matmul_norm_silu:
+        no adapters, no bias, a nibble form); None elsewhere, for after_norm and the next
+        projection's after_act."""
+        fusable = (
+            self._fused_cpu(x)
+            and self.lora is None
+            and self.bias is None
+            and getattr(norm, "cpu_kernel", False)
+            and isinstance(act, SiluAndMul)
+            and act.cpu_kernel
+        )
+        if not fusable:
+            return None
+        return cpu_matmul_norm_silu(self, x, residual, norm)
 
     def after_act(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """self(act(x)); a SiluAndMul `act` in the same call on pagoda's CPU kernels."""

@@ -231,13 +231,17 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden_states, residual: (num_tokens, hidden_size); residual is None for layer 0.
         # Each norm runs with the projection after it (Linear.after_norm: one op on the CPU
-        # kernels), SiLU-and-mul with down_proj.
+        # kernels), SiLU-and-mul with gate_up_proj where its kernels can (gated_after_norm),
+        # else with down_proj.
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = attn.qkv_proj.after_norm(hidden_states, residual, self.input_layernorm)
         hidden_states = attn.o_proj(attn.attend(qkv, *rope, ctx))  # (num_tokens, hidden_size)
-        gate_up, residual = mlp.gate_up_proj.after_norm(
-            hidden_states, residual, self.post_attention_layernorm
-        )
+        norm = self.post_attention_layernorm
+        gated = mlp.gate_up_proj.gated_after_norm(hidden_states, residual, norm, mlp.act_fn)
+        if gated is not None:
+            act, residual = gated
+            return mlp.down_proj(act), residual
+        gate_up, residual = mlp.gate_up_proj.after_norm(hidden_states, residual, norm)
         return mlp.down_proj.after_act(gate_up, mlp.act_fn), residual
 
     def forward_fused(

@@ -30,6 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from pagoda.kernels.cpu import built
 from pagoda.kernels.paged_cache import KVCache
 from pagoda.layers import gguf
+from pagoda.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagoda.layers.attention import paged_attention_torch
 from pagoda.layers.cpu_forms import (
     FLOAT16_KERNELS,
@@ -471,6 +472,27 @@ def test_a_merged_layer_of_mixed_types_keeps_each_shard_s_own_form(
     y, hidden = layer.after_norm(x, residual, norm)
     normed, plain_hidden = norm(x, residual)
     assert torch.equal(y, layer(normed)) and torch.equal(hidden, plain_hidden)
+
+
+@pytest.mark.usefixtures("kernels_on")
+def test_a_gguf_gate_up_runs_its_silu_in_its_own_call() -> None:
+    """Linear.gated_after_norm: a gate | up layer in a nibble form gives (silu_and_mul of its
+    product after the norm, the residual sum) in one op, the bits of after_norm then the
+    activation, at a decode's rows and a prefill's; None where the activation is not SiLU (the
+    decoder layer then takes the separate calls)."""
+    layer, _ = _gguf_layer({"gate": 48, "up": 48}, "Q4_K", 256)
+    norm, act = RMSNorm(256), SiluAndMul()
+    norm.cpu_kernel = act.cpu_kernel = True
+    for t in (1, 40):
+        gen = torch.Generator().manual_seed(t)
+        x, residual = torch.randn(t, 256, generator=gen), torch.randn(t, 256, generator=gen)
+        gated = layer.gated_after_norm(x, residual, norm, act)
+        assert gated is not None
+        gate_up, hidden = layer.after_norm(x, residual, norm)
+        assert torch.equal(gated[0], act(gate_up)) and torch.equal(gated[1], hidden)
+    gelu = GeluTanhAndMul()
+    gelu.cpu_kernel = True
+    assert layer.gated_after_norm(x, residual, norm, gelu) is None
 
 
 @pytest.mark.usefixtures("kernels_on")
@@ -953,6 +975,34 @@ def test_half_rows_round_where_torch_s_half_ops_do(isa: int, dtype: torch.dtype)
         OPS.add_rms_norm(x, residual.float(), weight, 1e-5, isa)
     with pytest.raises(RuntimeError, match="dtype"):
         OPS.rms_norm(x, weight.float(), 1e-5, isa)
+
+
+@pytest.mark.parametrize("isa", [*ISAS, 3])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q6_K"])
+def test_gate_up_with_its_silu_equals_the_ops_apart(isa: int, qtype: str) -> None:
+    """q4x16_matmul_norm_silu: the norm, the gate | up matmul and SiLU-and-mul in one call give
+    the ops' bits apart: below GATED_MIN_ROWS (32) rows as the whole product, from it in gate /
+    up tile pairs (a row block boundary at 256 rows crossed; isa 3 takes AMX where there is
+    one); each row the bits it has alone. A gate | up that is not whole tiles is refused."""
+    assert OPS is not None
+    k, d = 256, 48
+    held = _held(_blocks(qtype, 2 * d, k, 3))
+    form = NIBBLE_FORMS[held.kernel]
+    weight = _rows(1, k, 10)[0]
+    for t in (1, 31, 32, 300):
+        x, residual = _rows(t, k, 8), _rows(t, k, 9)
+        y, hidden = OPS.q4x16_matmul_norm(x, residual, weight, 1e-5, held.packed, 2 * d, isa, form)
+        act, h = OPS.q4x16_matmul_norm_silu(
+            x, residual, weight, 1e-5, held.packed, 2 * d, isa, form
+        )
+        assert torch.equal(h, hidden) and torch.equal(act, OPS.silu_and_mul(y, isa)), t
+        if t == 300:
+            alone, _ = OPS.q4x16_matmul_norm_silu(
+                x[299:], residual[299:], weight, 1e-5, held.packed, 2 * d, isa, form
+            )
+            assert torch.equal(alone, act[299:])
+    with pytest.raises(RuntimeError, match=r"gate \| up"):
+        OPS.q4x16_matmul_norm_silu(x, residual, weight, 1e-5, held.packed, 2 * d - 16, isa, form)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -31,7 +31,10 @@ rows beside it (window > 0: a sliding window, the row at position p attending to
 are the first value_dim of each key row); `rms_norm`, `add_rms_norm`, `silu_and_mul`, `gelu_tanh_and_mul` and `rotary` (row_ops.cpp), which eager
 and compiled steps share, so that the two compute the same bits, and `q4x16_matmul_norm` /
 `q8x16_matmul_norm` / `q4x16_matmul_silu` / `q8x16_matmul_silu`, the matmuls with the norm or
-the activation before them in one call; `lora_apply(y, x, a, b, slots, offsets, isa_limit)`
+the activation before them in one call, and `q4x16_matmul_norm_silu(x, residual, weight, eps,
+packed, n, isa_limit, form)`, a gate | up projection with its norm before and SiLU-and-mul after
+(-> (silu(gate) * up, x + residual), the bits of the norm op, the matmul and silu_and_mul, without
+the (T, n) product written out); `lora_apply(y, x, a, b, slots, offsets, isa_limit)`
 (lora.cpp), layers/lora.py's batched LoRA product added into y in place, x and y float32, A and
 B float32, bfloat16 or float16 (widened as they are read), each slot's A and B read once a step
 for all its tokens, which the six quantized matmuls also take inside their own call through
@@ -212,6 +215,19 @@ def _register_fused_matmul_fakes() -> None:
         *lora: Any,
     ) -> Any:
         return x.new_empty((x.shape[0], n)), x.new_empty(x.shape)
+
+    @torch.library.register_fake("pagoda_cpu::q4x16_matmul_norm_silu")  # type: ignore[misc]
+    def _q4_norm_silu(
+        x: Any,
+        residual: Any,
+        weight: Any,
+        eps: float,
+        packed: Any,
+        n: int,
+        isa_limit: int,
+        form: int,
+    ) -> Any:
+        return x.new_empty((x.shape[0], n // 2)), x.new_empty(x.shape)
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul_silu")  # type: ignore[misc]
     def _q4_silu(x: Any, packed: Any, n: int, isa_limit: int, form: int, *lora: Any) -> Any:

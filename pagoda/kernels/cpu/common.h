@@ -196,6 +196,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
                                                 const at::Tensor& weight, double eps,
                                                 int64_t isa_limit);
 at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit);
+// silu_and_mul's float32 arithmetic on d values (out = silu(g) * u): each value's bits depend on
+// its place in 16 (AVX-512) or 8 (AVX2) only, so a row's slices at multiples of 16 give the
+// whole row's bits
+void silu_mul(const float* g, const float* u, int64_t d, float* out, Isa isa);
 
 inline void check_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "x must be (M, K)");

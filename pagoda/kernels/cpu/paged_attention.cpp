@@ -427,10 +427,11 @@ void attend_group_scalar(const Shape& s, const RowWork* w, int count, const floa
 // kv head) reads four positions' keys once, and six query vectors of one kv head, of one row or
 // of the group's rows, read each position's values once, 64 of them at a time, their weighted
 // values in registers over the chunk. Prefill chunks (groups of up to MAX_GROUP rows) are what
-// it is for. (Six vectors sharing the values against a row's heads alone, one kv head's at a
-// time, the same bits; one process, the two builds alternately, benchmarks/attention_ab.py:
-// a burst's prefill step 1.10x with SmolLM2's heads, 1.12x with the 1.5B's, a 512-token prompt
-// 1.08x and 1.17x, one decode row of 8,192 positions of the 1.5B 1.19x.)
+// it is for. (Against a row's heads of one kv head at a time, 128 values a pass, the same bits;
+// one process, the two builds alternately, 41 rounds, benchmarks/attention_ab.py,
+// results/issue42/part14/attention_ab.json: a 512-token prompt 1.14x with SmolLM2's heads and
+// 1.13x with the 1.5B's, a burst's prefill step 1.02x and 1.07x, one decode row of 8,192
+// positions 1.03x and 1.18x, 64 decode rows of 300 level.)
 
 // exp_shifted_sum_avx2's values and sum, sixteen exponentials an instruction: each element is
 // the same per-lane arithmetic, and the sum is accumulated in the same eight lanes in the same

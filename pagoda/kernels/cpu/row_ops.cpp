@@ -437,6 +437,10 @@ at::Tensor silu_and_mul(const at::Tensor& x, int64_t isa_limit) {
   return gated_rows(x, isa_limit, gate_mul<Gate::kSilu>);
 }
 
+void silu_mul(const float* g, const float* u, int64_t d, float* out, Isa isa) {
+  gate_mul<Gate::kSilu>(g, u, d, out, isa);
+}
+
 at::Tensor gelu_tanh_and_mul(const at::Tensor& x, int64_t isa_limit) {
   return gated_rows(x, isa_limit, gate_mul<Gate::kGelu>);
 }
