@@ -1225,11 +1225,15 @@ struct QuantizedRows {
   int64_t m, k, groups;
   Activations a;
   std::vector<int32_t> sums16;
+  // a's data, read once (a pass is built per tile and row block: tens of thousands a call)
+  const int8_t* q;
+  const float *xd, *xs;
+  const int32_t* qsum;
 
   QuantizedRows(const at::Tensor& x_in, Isa isa, bool half_sums)
       : x(float_rows(x_in)), m(x.size(0)), k(x.size(1)), groups(k / GROUP), a(quantize(x, isa)),
-        sums16(half_sums ? m * k / 16 : 0) {
-    const int8_t* q = a.q.data_ptr<int8_t>();
+        sums16(half_sums ? m * k / 16 : 0), q(a.q.data_ptr<int8_t>()),
+        xd(a.xd.data_ptr<float>()), xs(a.xs.data_ptr<float>()), qsum(a.qsum.data_ptr<int32_t>()) {
     at::parallel_for(0, static_cast<int64_t>(sums16.size()), QUANTIZE_GRAIN, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         int32_t sum = 0;
@@ -1241,11 +1245,11 @@ struct QuantizedRows {
 
   // rows r .. of a pass whose 16 outputs of row i go to y + i * ldy (valid of them)
   Pass pass(int64_t r, float* y, int64_t ldy, int64_t valid) const {
-    return Pass{a.q.data_ptr<int8_t>() + r * k,
+    return Pass{q + r * k,
                 k,
-                a.xd.data_ptr<float>() + r * groups,
-                a.xs.data_ptr<float>() + r * groups,
-                a.qsum.data_ptr<int32_t>() + r * groups,
+                xd + r * groups,
+                xs + r * groups,
+                qsum + r * groups,
                 sums16.empty() ? nullptr : sums16.data() + r * 2 * groups,
                 groups,
                 y,
