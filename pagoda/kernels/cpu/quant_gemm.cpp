@@ -1312,15 +1312,16 @@ at::Tensor run_gated_tiles(const at::Tensor& x_in, int64_t d, Isa isa, int64_t p
                            TileFn&& tile_fn, bool half_sums, int64_t row_block) {
   const QuantizedRows xq(x_in, isa, half_sums);
   const int64_t m = xq.m, half = d / ROWS, block = row_block > 0 ? row_block : m;
+  const int64_t step = std::min(per_pass, block);  // rows a pass (AMX's per_pass is every row)
   auto y = at::empty({m, d}, at::kFloat);
   float* yp = y.data_ptr<float>();
   for (int64_t r0 = 0; r0 < m; r0 += block) {
     const int64_t r1 = std::min(m, r0 + block);
     at::parallel_for(0, half, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> gate(per_pass * ROWS), up(per_pass * ROWS);
+      std::vector<float> gate(step * ROWS), up(step * ROWS);
       for (int64_t t = begin; t < end; ++t) {
-        for (int64_t r = r0; r < r1; r += per_pass) {
-          const int rows = static_cast<int>(std::min(per_pass, r1 - r));
+        for (int64_t r = r0; r < r1; r += step) {
+          const int rows = static_cast<int>(std::min(step, r1 - r));
           tile_fn(t, xq.pass(r, gate.data(), ROWS, ROWS), rows);
           tile_fn(t + half, xq.pass(r, up.data(), ROWS, ROWS), rows);
           for (int i = 0; i < rows; ++i) {
