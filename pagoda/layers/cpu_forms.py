@@ -426,18 +426,8 @@ def cpu_matmul_norm(
         return cpu_matmul(layer, normed, lora), hidden
     lora_args = _lora_args(lora, x)
     if layer.kernel in NIBBLE_FORMS:
-        form = NIBBLE_FORMS[layer.kernel]
-        return ops.q4x16_matmul_norm(  # type: ignore[no-any-return]
-            x,
-            residual,
-            norm.weight,
-            norm.eps,
-            layer.packed,
-            layer.cpu_rows,
-            MATMUL_ISA,
-            form,
-            *lora_args,
-        )
+        args = _nibble_norm_args(layer, x, residual, norm)
+        return ops.q4x16_matmul_norm(*args, *lora_args)  # type: ignore[no-any-return]
     return ops.q8x16_matmul_norm(  # type: ignore[no-any-return]
         x,
         residual,
@@ -460,16 +450,16 @@ def cpu_matmul_norm_silu(
     (the float16 and 8-bit forms, merged parts): the caller takes the separate calls."""
     if layer.kernel not in NIBBLE_FORMS or layer.cpu_rows % 32 != 0:
         return None
-    return torch.ops.pagoda_cpu.q4x16_matmul_norm_silu(  # type: ignore[no-any-return]
-        x,
-        residual,
-        norm.weight,
-        norm.eps,
-        layer.packed,
-        layer.cpu_rows,
-        MATMUL_ISA,
-        NIBBLE_FORMS[layer.kernel],
-    )
+    args = _nibble_norm_args(layer, x, residual, norm)
+    return torch.ops.pagoda_cpu.q4x16_matmul_norm_silu(*args)  # type: ignore[no-any-return]
+
+
+def _nibble_norm_args(
+    layer: Any, x: torch.Tensor, residual: torch.Tensor | None, norm: Any
+) -> tuple[Any, ...]:
+    """q4x16_matmul_norm's arguments before its adapters' (all of q4x16_matmul_norm_silu's)."""
+    form = NIBBLE_FORMS[layer.kernel]
+    return (x, residual, norm.weight, norm.eps, layer.packed, layer.cpu_rows, MATMUL_ISA, form)
 
 
 def cpu_matmul_silu(layer: Any, x: torch.Tensor, lora: Any = None) -> torch.Tensor:

@@ -218,16 +218,9 @@ def _register_fused_matmul_fakes() -> None:
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul_norm_silu")  # type: ignore[misc]
     def _q4_norm_silu(
-        x: Any,
-        residual: Any,
-        weight: Any,
-        eps: float,
-        packed: Any,
-        n: int,
-        isa_limit: int,
-        form: int,
+        x: Any, residual: Any, w: Any, eps: float, packed: Any, n: int, *rest: Any
     ) -> Any:
-        return x.new_empty((x.shape[0], n // 2)), x.new_empty(x.shape)
+        return x.new_empty((x.shape[0], n // 2)), x.new_empty(x.shape)  # (silu(gate) * up, h)
 
     @torch.library.register_fake("pagoda_cpu::q4x16_matmul_silu")  # type: ignore[misc]
     def _q4_silu(x: Any, packed: Any, n: int, isa_limit: int, form: int, *lora: Any) -> Any:

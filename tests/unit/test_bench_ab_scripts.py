@@ -1,0 +1,47 @@
+"""The in-process A/B benchmarks run from a checkout: benchmarks/attention_ab.py builds another
+commit's paged attention beside this tree's and finds the same bits (HEAD against itself here),
+and benchmarks/gated_silu_ab.py runs the embedded SmolLM2's burst with the gate | up projection's
+SiLU in its own call and without, the same first tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagoda.kernels.cpu import built
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def _run(script: str, args: list[str], out: Path) -> dict:
+    assert built() is not None, "needs pagoda's CPU kernels built (a C++ compiler)"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args, "--output-json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_attention_ab_builds_the_other_commit_and_compares_bits(tmp_path: Path) -> None:
+    record = _run(
+        "attention_ab.py",
+        ["--before", "HEAD", "--rounds", "3", "--only", "smollm2 decode 1 x 256"],
+        tmp_path / "ab.json",
+    )
+    rows = record["rows"]
+    assert [r["case"] for r in rows] == ["smollm2 decode 1 x 256"] * len(rows)
+    assert {r["isa"] for r in rows} == set(range(1, built().isa() + 1))
+    assert all(r["bits_equal"] and r["before_over_after_median"] > 0 for r in rows)
+
+
+def test_gated_silu_ab_gives_the_same_first_tokens(tmp_path: Path) -> None:
+    record = _run(
+        "gated_silu_ab.py", ["-O", "0", "--rounds", "2", "--prompts", "4"], tmp_path / "g.json"
+    )
+    assert record["first_tokens_equal"] is True
+    assert len(record["rounds"]) == 2 and all(r["ratio"] > 0 for r in record["rounds"])
