@@ -9,11 +9,20 @@ One process, because this 2-vCPU machine moves 20-40% from one run to the next: 
 processes cannot show a 10% change, alternate calls in one process can.
 
     python benchmarks/attention_ab.py --before 2fda2f0 --output-json ab.json
+    python benchmarks/attention_ab.py --before 7fd6fe5 --only none --engine-rounds 8
+
+With --engine-rounds, also W-CPU's shape through one engine (the embedded SmolLM2 or --model,
+-O0 so that the layers call the attention from Python): 64 requests, prompts and outputs of
+U[16, 256] tokens, greedy, EOS ignored, each round's requests run once with each build's
+attention (the order alternating), output tokens a second and the same tokens asserted.
 
 Cases (no model file needed; random queries and caches in the models' shapes, SmolLM2's 9 / 3
 heads 64 wide and Qwen2.5-1.5B's 12 / 2 heads 128 wide): one prefill step of a served burst
 (prompts of U[16, 256] tokens filling the 2,048-token budget, as prefill_attention.py's burst),
-a 512-token prompt, 64 decode rows of 300 positions, one decode row of 256 and of 8,192.
+a 512-token prompt, 64 decode rows of 300 positions, one decode row of 256 and of 8,192, and
+64 decode rows of 300 positions over every layer of the model (30 or 28 caches of 29-34 MB, so
+that each layer's keys and values come from memory, as in a model's decode step, where the
+other cases' fit in the last-level cache).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +47,9 @@ from pagoda.bench.machine import machine_record, pagoda_version
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("paged_attention.cpp", "common.h", "kv_rows.h")
 SHAPES = {"smollm2": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128)}
-Case = tuple[tuple[Any, ...], float]  # (paged_attention's arguments less isa, multiply-adds)
+LAYERS = {"smollm2": 30, "qwen2.5-1.5b": 28}
+# (paged_attention's arguments less isa, one tuple per call of a round; multiply-adds in all)
+Case = tuple[list[tuple[Any, ...]], float]
 
 
 def build_before(rev: str, workdir: Path) -> Any:
@@ -89,7 +101,7 @@ def burst_case(heads: int, kv_heads: int, dim: int, tokens: int = 2048) -> Case:
     starts = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
     seq = torch.tensor(lens, dtype=torch.int32)
     macs = sum(n * (n + 1) / 2 for n in lens) * heads * dim * 2
-    return (q, k, v, table, starts, seq, dim**-0.5, 0), macs
+    return [(q, k, v, table, starts, seq, dim**-0.5, 0)], macs
 
 
 def prompt_case(heads: int, kv_heads: int, dim: int, n: int) -> Case:
@@ -99,39 +111,58 @@ def prompt_case(heads: int, kv_heads: int, dim: int, n: int) -> Case:
     table = torch.arange(blocks, dtype=torch.int32)[None]
     starts = torch.tensor([0, n], dtype=torch.int32)
     seq = torch.tensor([n], dtype=torch.int32)
-    return (q, k, v, table, starts, seq, dim**-0.5, 0), n * (n + 1) / 2 * heads * dim * 2
+    return [(q, k, v, table, starts, seq, dim**-0.5, 0)], n * (n + 1) / 2 * heads * dim * 2
 
 
-def decode_case(heads: int, kv_heads: int, dim: int, batch: int, length: int) -> Case:
+def decode_case(
+    heads: int, kv_heads: int, dim: int, batch: int, length: int, layers: int = 1
+) -> Case:
+    """batch rows of `length` positions; with several layers, each its own cache and queries,
+    and the rows' blocks spread over the pool in a random order (as requests' blocks interleave
+    in an engine's pool)."""
     blocks = -(-length // 16)
-    k, v = _cache(blocks * batch, kv_heads, dim, 4)
-    q = torch.randn(batch, heads, dim, generator=torch.Generator().manual_seed(5))
-    table = torch.arange(blocks * batch, dtype=torch.int32).view(batch, blocks)
+    gen = torch.Generator().manual_seed(5)
+    order = torch.arange(blocks * batch) if layers == 1 else torch.randperm(blocks * batch)
+    table = order.to(torch.int32).view(batch, blocks)
     starts = torch.arange(batch + 1, dtype=torch.int32)
     seq = torch.full((batch,), length, dtype=torch.int32)
-    return (q, k, v, table, starts, seq, dim**-0.5, 0), batch * length * heads * dim * 2
+    calls = []
+    for layer in range(layers):
+        k, v = _cache(blocks * batch, kv_heads, dim, 4 + layer)
+        q = torch.randn(batch, heads, dim, generator=gen)
+        calls.append((q, k, v, table, starts, seq, dim**-0.5, 0))
+    return calls, layers * batch * length * heads * dim * 2
 
 
-def cases() -> dict[str, Case]:
-    out: dict[str, Case] = {}
+def cases() -> dict[str, Callable[[], Case]]:
+    """Each case's inputs, made when it runs."""
+    out: dict[str, Callable[[], Case]] = {}
     for model, shape in SHAPES.items():
-        out[f"{model} burst step"] = burst_case(*shape)
-        out[f"{model} prompt 512"] = prompt_case(*shape, 512)
-        out[f"{model} decode 64 x 300"] = decode_case(*shape, 64, 300)
-        out[f"{model} decode 1 x 256"] = decode_case(*shape, 1, 256)
-        out[f"{model} decode 1 x 8192"] = decode_case(*shape, 1, 8192)
+        out[f"{model} burst step"] = lambda s=shape: burst_case(*s)
+        out[f"{model} prompt 512"] = lambda s=shape: prompt_case(*s, 512)
+        out[f"{model} decode 64 x 300"] = lambda s=shape: decode_case(*s, 64, 300)
+        out[f"{model} decode 1 x 256"] = lambda s=shape: decode_case(*s, 1, 256)
+        out[f"{model} decode 1 x 8192"] = lambda s=shape: decode_case(*s, 1, 8192)
+        out[f"{model} decode 64 x 300, {LAYERS[model]} layers"] = lambda s=shape, n=LAYERS[model]: (
+            decode_case(*s, 64, 300, n)
+        )
     return out
 
 
+def _run_all(ops: Any, calls: list[tuple[Any, ...]], isa: int) -> list[torch.Tensor]:
+    return [ops.paged_attention(*args, isa) for args in calls]
+
+
 def compare(after: Any, before: Any, case: Case, isa: int, rounds: int) -> dict[str, Any]:
-    args, macs = case
-    same = torch.equal(after.paged_attention(*args, isa), before.paged_attention(*args, isa))
+    calls, macs = case
+    outs = zip(_run_all(after, calls, isa), _run_all(before, calls, isa), strict=True)
+    same = all(torch.equal(a, b) for a, b in outs)
     t_after, t_before, ratios = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
-        before.paged_attention(*args, isa)
+        _run_all(before, calls, isa)
         t1 = time.perf_counter()
-        after.paged_attention(*args, isa)
+        _run_all(after, calls, isa)
         t2 = time.perf_counter()
         t_before.append(t1 - t0)
         t_after.append(t2 - t1)
@@ -148,11 +179,73 @@ def compare(after: Any, before: Any, case: Case, isa: int, rounds: int) -> dict[
     }
 
 
+def _attention_with(ops: Any) -> Callable[..., torch.Tensor]:
+    """layers/attention.py's cpu_paged_attention calling `ops`' kernels."""
+
+    def attention(
+        q: torch.Tensor, cache: Any, meta: Any, scale: float, window: int = 0, value_dim: int = 0
+    ) -> torch.Tensor:
+        kv = (cache.k, cache.v)
+        scales = (cache.k_scale, cache.v_scale)
+        if meta.num_decodes == q.shape[0]:
+            tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+            return ops.paged_decode_attention(
+                q, *kv, tables, lens, scale, window, 2, value_dim, *scales
+            )
+        tables, starts, lens = meta.req_block_tables, meta.query_start_loc, meta.req_seq_lens
+        return ops.paged_attention(
+            q, *kv, tables, starts, lens, scale, window, 2, value_dim, *scales
+        )
+
+    return attention
+
+
+def engine_rounds(model: str | None, before: Any, rounds: int) -> list[dict[str, Any]]:
+    """W-CPU's shape through one -O0 engine, the layers' attention from each build in turn."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.layers import attention
+
+    llm = LLM(model, optimization_level=0, enable_prefix_caching=False)
+    sides = {"after": attention.cpu_paged_attention, "before": _attention_with(before)}
+    out = []
+    for r in range(rounds):
+        rng = random.Random(r)
+        prompts = [
+            {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(rng.randint(16, 256))]}
+            for _ in range(64)
+        ]
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=rng.randint(16, 256), ignore_eos=True)
+            for _ in range(64)
+        ]
+        rates, tokens = {}, {}
+        for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
+            attention.cpu_paged_attention = sides[side]  # type: ignore[assignment]
+            t0 = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - t0
+            tokens[side] = [o.outputs[0].token_ids for o in outputs]
+            rates[side] = sum(map(len, tokens[side])) / elapsed
+        attention.cpu_paged_attention = sides["after"]  # type: ignore[assignment]
+        row = {
+            "round": r,
+            "after_output_tok_s": round(rates["after"], 1),
+            "before_output_tok_s": round(rates["before"], 1),
+            "after_over_before": round(rates["after"] / rates["before"], 3),
+            "same_tokens": tokens["after"] == tokens["before"],
+        }
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", required=True, help="the commit to compare against")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--only", default="", help="cases whose name holds this")
+    parser.add_argument("--engine-rounds", type=int, default=0, help="W-CPU's shape, see above")
+    parser.add_argument("--model", default=None, help="the engine rounds' GGUF (default SmolLM2)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     from pagoda.kernels.cpu import built
@@ -164,13 +257,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         before = build_before(args.before, Path(tmp))
         rows = []
-        for name, case in cases().items():
+        for name, make in cases().items():
             if args.only not in name:
                 continue
+            case = make()
             for isa in range(after.isa(), 0, -1):
                 row = {"case": name, **compare(after, before, case, isa, args.rounds)}
                 print(row, flush=True)
                 rows.append(row)
+        engine = engine_rounds(args.model, before, args.engine_rounds) if args.engine_rounds else []
     record = {
         "benchmark": "attention_ab",
         "method": (
@@ -184,9 +279,19 @@ def main() -> int:
         "machine": machine_record(),
         "rows": rows,
     }
+    if engine:
+        ratios = [r["after_over_before"] for r in engine]
+        record["engine"] = {
+            "workload": "64 requests, prompts and outputs U[16, 256] tokens, greedy, -O0",
+            "model": args.model or "embedded SmolLM2",
+            "after_over_before_median": round(statistics.median(ratios), 3),
+            "after_over_before_range": [min(ratios), max(ratios)],
+            "rounds": engine,
+        }
     if args.output_json:
         write_json(record, args.output_json)
-    return 0 if all(r["bits_equal"] for r in rows) else 1
+    same = all(r["bits_equal"] for r in rows) and all(r["same_tokens"] for r in engine)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
