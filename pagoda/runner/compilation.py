@@ -20,13 +20,14 @@ Contract:
   holds because each CompiledDecode compiles copies of the step functions with code objects
   of their own (dynamo keeps its graphs per code object), so its graphs only ever see its own
   model, and that model's modules are fixed once warmed up (weights may change in place: they
-  are graph inputs). Guards on the step's inputs and globals stay.
+  are graph inputs). Guards on the step's inputs and globals stay: 0.17-0.28 ms a step for
+  either graph of SmolLM2 on a 2-vCPU Zen 5, where the batch >= 2 graph's module guards had
+  cost 1.0-1.3 ms until each graph got its own options dict (benchmarks/decode_guards.py).
 - A step calls a graph's compiled code itself, after checking that entry's guards
   (`_Dispatch`), not through dynamo's frame evaluation: in one engine, alternating, that saved
-  0.12 ms of a 1-row step and 0.2-0.3 ms of a 2- to 7-row one (steps of 6-13 ms; the guards
-  themselves take 0.013 ms for batch 1, 0.15 ms for batch >= 2). vLLM dispatches to its
-  compiled code the same way, without checking guards. When no entry's guards hold, the call
-  goes through dynamo as before (which may compile again).
+  0.12 ms of a 1-row step and 0.2-0.3 ms of a 2- to 7-row one (steps of 6-13 ms). vLLM
+  dispatches to its compiled code the same way, without checking guards. When no entry's
+  guards hold, the call goes through dynamo as before (which may compile again).
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ class _Dispatch:
         self, fn: StepFn, options: dict[str, Any] | None, backend: str = "inductor"
     ) -> None:
         self.fn = fn
+        # A copy: torch.compile pops guard_filter_fn from the dict it is given, so a second
+        # call with the same dict would compile with every module guard (1.2 ms a step).
+        options = None if options is None else dict(options)
         self.compiled = torch.compile(fn, fullgraph=True, backend=backend, options=options)
         self.entries: list[tuple[Callable[[dict[str, Any]], bool], StepFn]] = []
 

@@ -59,6 +59,7 @@ def test_compiled_decode_greedy_matches_hf(
     assert llm.engine.config.decode_cpp_wrapper == (level == 3)
     runner = llm.engine.executor.runner
     assert runner.compiled is not None
+    _assert_no_module_guards(runner.compiled)
     compiled_batches: list[int] = []
     execute = runner.execute
 
@@ -91,6 +92,17 @@ def test_compiled_decode_greedy_matches_hf(
         ref = eager.generate([{"prompt_token_ids": ids} for ids in PROMPTS], params)
         for out, r in zip(outs, ref):
             assert out.outputs[0].token_ids == r.outputs[0].token_ids
+
+
+def _assert_no_module_guards(compiled: Any) -> None:
+    """Both graphs (batch 1 and batch >= 2) compiled, neither guarding the model's modules
+    (compilation.py: checking them cost 1.2 ms a step; torch.compile pops guard_filter_fn from
+    its options, so the second graph once lost the filter)."""
+    for dispatch in (compiled._one, compiled._many):
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(dispatch.fn.__code__)
+        assert entries, dispatch.fn.__name__
+        for entry in entries:
+            assert "L['model']._modules" not in str(entry.guard_manager), dispatch.fn.__name__
 
 
 def test_each_engine_keeps_its_own_graphs(tiny_model_dir: Any) -> None:

@@ -1,7 +1,8 @@
 """The in-process A/B benchmarks run from a checkout: benchmarks/attention_ab.py builds another
 commit's paged attention beside this tree's and finds the same bits (HEAD against itself here),
 and benchmarks/gated_silu_ab.py runs the embedded SmolLM2's burst with the gate | up projection's
-SiLU in its own call and without, the same first tokens."""
+SiLU in its own call and without, the same first tokens, and benchmarks/decode_guards.py
+compiles its two engines' batch >= 2 graphs with and without the module guards."""
 
 from __future__ import annotations
 
@@ -45,3 +46,17 @@ def test_gated_silu_ab_gives_the_same_first_tokens(tmp_path: Path) -> None:
     )
     assert record["first_tokens_equal"] is True
     assert len(record["rounds"]) == 2 and all(r["ratio"] > 0 for r in record["rounds"])
+
+
+def test_decode_guards_compares_the_filtered_graph_with_the_unfiltered(tmp_path: Path) -> None:
+    record = _run(
+        "decode_guards.py",
+        ["--rounds", "1", "--steps", "3", "--batches", "1,2"],
+        tmp_path / "guards.json",
+    )
+    lines = record["guard_tree_lines"]
+    assert lines["filtered"]["_decode_one"] == lines["unfiltered"]["_decode_one"]
+    assert lines["filtered"]["_decode_many"] * 3 < lines["unfiltered"]["_decode_many"]
+    for batch in ("1", "2"):
+        summary = record["summary"][batch]
+        assert summary["filtered"]["step_ms"] > 0 and summary["unfiltered"]["guard_ms"] > 0
