@@ -34,9 +34,21 @@ from pagoda.runner import compilation
 from pagoda.scheduling.messages import EngineRequest
 
 BATCHES = (1, 2, 8, 32, 64)
+PROMPT = 128
 
 
-def unfiltered_llm(model: str | None) -> LLM:
+def engine_args(steps: int) -> dict[str, Any]:
+    """-O2, and a KV cache of what the largest batch needs (two engines at the default 2 GiB
+    each, faulted in, are more memory than a test run beside others should take)."""
+    blocks = max(BATCHES) * -(-(PROMPT + steps + 8) // 16) + 64
+    return {
+        "optimization_level": 2,
+        "enable_prefix_caching": False,
+        "num_gpu_blocks_override": blocks,
+    }
+
+
+def unfiltered_llm(model: str | None, steps: int) -> LLM:
     """An engine whose batch >= 2 graph keeps its module guards, as before the fix."""
     init = compilation._Dispatch.__init__
 
@@ -47,7 +59,7 @@ def unfiltered_llm(model: str | None) -> LLM:
 
     compilation._Dispatch.__init__ = without_filter  # type: ignore[method-assign]
     try:
-        return LLM(model, optimization_level=2, enable_prefix_caching=False)
+        return LLM(model, **engine_args(steps))
     finally:
         compilation._Dispatch.__init__ = init  # type: ignore[method-assign]
 
@@ -69,7 +81,7 @@ def timed_steps(llm: LLM, batch: int, steps: int, seed: int) -> tuple[float, flo
     rng = random.Random(seed)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     for i in range(batch):
-        prompt = [rng.randrange(100, 20000) for _ in range(128)]
+        prompt = [rng.randrange(100, 20000) for _ in range(PROMPT)]
         engine.add_request(EngineRequest(f"r{seed}-{i}", prompt, params))
     while any(len(r.output_token_ids) < 2 for r in engine.scheduler.running) or (
         engine.scheduler.waiting
@@ -108,8 +120,8 @@ def main() -> int:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     engines = {
-        "filtered": LLM(args.model, optimization_level=2, enable_prefix_caching=False),
-        "unfiltered": unfiltered_llm(args.model),
+        "filtered": LLM(args.model, **engine_args(args.steps)),
+        "unfiltered": unfiltered_llm(args.model, args.steps),
     }
     lines = {name: guard_lines(llm) for name, llm in engines.items()}
     print(f"guard tree lines: {lines}", flush=True)
