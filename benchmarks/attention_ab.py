@@ -28,6 +28,7 @@ other cases' fit in the last-level cache).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import random
 import statistics
@@ -179,34 +180,14 @@ def compare(after: Any, before: Any, case: Case, isa: int, rounds: int) -> dict[
     }
 
 
-def _attention_with(ops: Any) -> Callable[..., torch.Tensor]:
-    """layers/attention.py's cpu_paged_attention calling `ops`' kernels."""
-
-    def attention(
-        q: torch.Tensor, cache: Any, meta: Any, scale: float, window: int = 0, value_dim: int = 0
-    ) -> torch.Tensor:
-        kv = (cache.k, cache.v)
-        scales = (cache.k_scale, cache.v_scale)
-        if meta.num_decodes == q.shape[0]:
-            tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-            return ops.paged_decode_attention(
-                q, *kv, tables, lens, scale, window, 2, value_dim, *scales
-            )
-        tables, starts, lens = meta.req_block_tables, meta.query_start_loc, meta.req_seq_lens
-        return ops.paged_attention(
-            q, *kv, tables, starts, lens, scale, window, 2, value_dim, *scales
-        )
-
-    return attention
-
-
 def engine_rounds(model: str | None, before: Any, rounds: int) -> list[dict[str, Any]]:
     """W-CPU's shape through one -O0 engine, the layers' attention from each build in turn."""
     from pagoda import LLM, SamplingParams
     from pagoda.layers import attention
 
     llm = LLM(model, optimization_level=0, enable_prefix_caching=False)
-    sides = {"after": attention.cpu_paged_attention, "before": _attention_with(before)}
+    after = attention.cpu_paged_attention
+    sides = {"after": after, "before": functools.partial(after, ops=before)}
     out = []
     for r in range(rounds):
         rng = random.Random(r)

@@ -33,6 +33,8 @@ paged_attention_torch stays the reference they are tested against.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -139,13 +141,15 @@ def cpu_paged_attention(
     scale: float,
     window: int = 0,
     value_dim: int = 0,
+    ops: Any = None,
 ) -> torch.Tensor:
     """pagoda's C++ attention over a cache of a CPU_KERNEL_KV_DTYPES dtype, read as stored (the
     module docstring): a pure decode step by paged_decode_attention, any other by
     paged_attention, the same per-row reduction over prefill chunks and decodes alike.
     value_dim > 0: a latent cache whose values are each row's first value_dim
-    (layers/latent_attention.py)."""
-    ops = torch.ops.pagoda_cpu
+    (layers/latent_attention.py). ops: the kernels' namespace, torch.ops.pagoda_cpu unless an
+    A/B benchmark passes another build's (benchmarks/attention_ab.py)."""
+    ops = torch.ops.pagoda_cpu if ops is None else ops
     k_scale, v_scale = cache.k_scale, cache.v_scale  # a latent cache's values take k_scale
     if meta.num_decodes == q.shape[0]:
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
