@@ -834,6 +834,27 @@ PAGODA_AVX2 inline void walk_tile_avx2(const uint8_t* tile, const Pass& p, int64
   }
 }
 
+// A decode pass (M <= FUSED_M_AVX2 rows) over a tile whose group function takes both 8-row
+// halves at once, group(g, acc): each block is loaded once and each activation word broadcast
+// once for the two halves, where walk_tile_avx2's group(g, h, acc) does both per half. On Zen 1
+// (256-bit operations split in two, so a batch-1 pass is bound by its instruction count, not by
+// memory) that is about a fifth of a group's instructions. Each half's integer sums are exact
+// (no int16 overflow), and its float steps run in their order, so the bits are those of
+// walk_tile_avx2's passes.
+template <int M, typename Group>
+PAGODA_AVX2 inline void walk_tile_both_avx2(const uint8_t* tile, const Pass& p, int64_t group_bytes, Group&& group) {
+  static_assert(M <= FUSED_M_AVX2);
+  __m256 acc[2][M];
+  for (int r = 0; r < M; ++r) acc[0][r] = acc[1][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    prefetch_ahead(tile + g * group_bytes, group_bytes);
+    group(g, acc);
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int r = 0; r < M; ++r) store_half(p.y + r * p.ldy + 8 * h, p.valid - 8 * h, acc[h][r]);
+  }
+}
+
 // The AVX2 tiles of the forms not kByBlockAvx2 (those have plain4_tile_avx2 and
 // q6k_tile_avx2, below), up to 4 rows a pass with a group's 8 unpacked blocks in registers.
 // maddubs of a code and an activation (|q| <= 127) pair: <= 7874 for codes <= 31, so the 5-bit
@@ -959,10 +980,64 @@ PAGODA_AVX2 inline void plain4_group_avx2(const uint8_t* tile, const Pass& p, in
   }
 }
 
+// plain4_group_avx2 for both halves of a group (decode passes, walk_tile_both_avx2).
+template <int M, Form F>
+PAGODA_AVX2 inline void plain4_group_both_avx2(const uint8_t* tile, const Pass& p, int64_t g, __m256 (*acc)[M]) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* b = codes_at<F>(tile, g);
+  const int8_t* q = p.q + g * GROUP;
+  __m256i sum[2][M];
+  for (int r = 0; r < M; ++r) sum[0][r] = sum[1][r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int s = 0; s < 4; ++s) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * s + 32));
+    const __m256i lo0 = _mm256_and_si256(v0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask);
+    const __m256i lo1 = _mm256_and_si256(v1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask);
+    for (int r = 0; r < M; ++r) {
+      const int8_t* qr = q + r * p.k + 8 * s;
+      const __m256i w0 = word_x8(qr, 0), w1 = word_x8(qr, 1);
+      sum[0][r] = _mm256_add_epi16(sum[0][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, w0), _mm256_maddubs_epi16(hi0, w1)));
+      sum[1][r] = _mm256_add_epi16(sum[1][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, w0), _mm256_maddubs_epi16(hi1, w1)));
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    __m256 s0, s1;
+    group_scales_avx2<F>(tile, g, h, &s0, &s1);
+    for (int r = 0; r < M; ++r) {
+      const int64_t i = r * p.groups + g;
+      const __m256i dot = _mm256_madd_epi16(sum[h][r], ones);
+      acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s0, _mm256_set1_ps(p.xd[i])), acc[h][r]);
+      acc[h][r] = _mm256_fmadd_ps(s1, _mm256_set1_ps(p.xs[i]), acc[h][r]);
+    }
+  }
+}
+
 template <int M, Form F>
 PAGODA_AVX2 void plain4_tile_avx2(const uint8_t* tile, const Pass& p) {
-  walk_tile_avx2<M>(tile, p, group_share<F>(),
-                    [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 { plain4_group_avx2<M, F>(tile, p, g, h, acc); });
+  if constexpr (M <= FUSED_M_AVX2) {
+    walk_tile_both_avx2<M>(tile, p, group_share<F>(), [&](int64_t g, __m256(*acc)[M]) PAGODA_AVX2 {
+      plain4_group_both_avx2<M, F>(tile, p, g, acc);
+    });
+  } else {
+    walk_tile_avx2<M>(tile, p, group_share<F>(), [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 {
+      plain4_group_avx2<M, F>(tile, p, g, h, acc);
+    });
+  }
+}
+
+// A Q6_K block's 6-bit codes of half h (rows 8h .. 8h + 7) from its low-nibble bytes v and the
+// block's high-bit planes hb: lo holds the low nibbles' codes, hi the high ones'. A byte's bits
+// 4-5 after a 16-bit shift left by 4 (by 2) are its own bits 0-1 (2-3), so each half's high bits
+// move into place with one shift and one mask.
+PAGODA_AVX2 inline void q6k_codes_avx2(__m256i v, __m256i hb, int h, __m256i* lo, __m256i* hi) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i bits45 = _mm256_set1_epi8(0x30);
+  const __m256i high_lo = h == 0 ? _mm256_slli_epi16(hb, 4) : hb;
+  const __m256i high_hi = h == 0 ? _mm256_slli_epi16(hb, 2) : _mm256_srli_epi16(hb, 2);
+  *lo = _mm256_or_si256(_mm256_and_si256(v, mask), _mm256_and_si256(high_lo, bits45));
+  *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask), _mm256_and_si256(high_hi, bits45));
 }
 
 // kQ6K on AVX2, for any number of rows, as plain4_tile_avx2: a block's codes (low nibbles and
@@ -973,7 +1048,6 @@ PAGODA_AVX2 void plain4_tile_avx2(const uint8_t* tile, const Pass& p) {
 template <int M>
 PAGODA_AVX2 inline void q6k_group_avx2(const uint8_t* tile, const Pass& p, int64_t g, int h, __m256* acc) {
   constexpr Form F = Form::kQ6K;
-  const __m256i mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* b = codes_at<F>(tile, g);
   const int8_t* q = p.q + g * GROUP;
@@ -986,11 +1060,8 @@ PAGODA_AVX2 inline void q6k_group_avx2(const uint8_t* tile, const Pass& p, int64
     for (int blk = 2 * half; blk < 2 * half + 2; ++blk) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * blk + 32 * h));
       const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * blk));
-      const __m256i hh = _mm256_and_si256(_mm256_srli_epi16(hb, 4 * h), mask);
-      const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, mask),
-                                         _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(3)), 4));
-      const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), mask),
-                                         _mm256_slli_epi16(_mm256_and_si256(hh, _mm256_set1_epi8(12)), 2));
+      __m256i lo, hi;
+      q6k_codes_avx2(v, hb, h, &lo, &hi);
 #pragma GCC unroll 8
       for (int r = 0; r < M; ++r) {
         const int8_t* qr = q + r * p.k + 8 * blk;
@@ -1008,11 +1079,56 @@ PAGODA_AVX2 inline void q6k_group_avx2(const uint8_t* tile, const Pass& p, int64
   }
 }
 
+// q6k_group_avx2 for both halves of a group (decode passes, walk_tile_both_avx2): a block's
+// high-bit planes, shared by the halves, loaded once.
+template <int M>
+PAGODA_AVX2 inline void q6k_group_both_avx2(const uint8_t* tile, const Pass& p, int64_t g, __m256 (*acc)[M]) {
+  constexpr Form F = Form::kQ6K;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* b = codes_at<F>(tile, g);
+  const int8_t* q = p.q + g * GROUP;
+  __m256 s[2][2];
+  for (int h = 0; h < 2; ++h) group_scales_avx2<F>(tile, g, h, &s[h][0], &s[h][1]);
+  for (int half = 0; half < 2; ++half) {
+    __m256i sum[2][M];
+    for (int r = 0; r < M; ++r) sum[0][r] = sum[1][r] = _mm256_setzero_si256();
+    for (int blk = 2 * half; blk < 2 * half + 2; ++blk) {
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 256 + 32 * blk));
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * blk + 32 * h));
+        q6k_codes_avx2(v, hb, h, &lo[h], &hi[h]);
+      }
+      for (int r = 0; r < M; ++r) {
+        const int8_t* qr = q + r * p.k + 8 * blk;
+        const __m256i w0 = word_x8(qr, 0), w1 = word_x8(qr, 1);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], w0), _mm256_maddubs_epi16(hi[h], w1));
+          sum[h][r] = _mm256_add_epi32(sum[h][r], _mm256_madd_epi16(pair, ones));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      for (int r = 0; r < M; ++r) {
+        const int64_t i = r * p.groups + g;
+        const __m256i d = _mm256_sub_epi32(sum[h][r], _mm256_set1_epi32(kHalfOffset<F> * p.qsum16[2 * i + half]));
+        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_mul_ps(s[h][half], _mm256_set1_ps(p.xd[i])), acc[h][r]);
+      }
+    }
+  }
+}
+
 template <int M>
 PAGODA_AVX2 void q6k_tile_avx2(const uint8_t* tile, const Pass& p) {
   constexpr Form F = Form::kQ6K;
-  walk_tile_avx2<M>(tile, p, group_share<F>(),
-                    [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 { q6k_group_avx2<M>(tile, p, g, h, acc); });
+  if constexpr (M <= FUSED_M_AVX2) {
+    walk_tile_both_avx2<M>(tile, p, group_share<F>(), [&](int64_t g, __m256(*acc)[M]) PAGODA_AVX2 {
+      q6k_group_both_avx2<M>(tile, p, g, acc);
+    });
+  } else {
+    walk_tile_avx2<M>(tile, p, group_share<F>(),
+                      [&](int64_t g, int h, __m256* acc) PAGODA_AVX2 { q6k_group_avx2<M>(tile, p, g, h, acc); });
+  }
 }
 
 // Row j's code of block s, byte 4j + e, low (hi = 0) or high nibble (the crumb forms: the code
