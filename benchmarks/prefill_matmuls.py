@@ -5,7 +5,8 @@ random codes and scales of the file's forms (no model file needed), and the GB/s
 Each shape is timed --rounds times, the shapes in turn within a round; the median and range go
 to the JSON. --copies N holds N copies of each weight and takes them in turn, as a model's
 layers are, so that a step reads its weights from memory, not from the cache: a decode step is
-`--rows 1 --copies 28` (the 1.5B's 28 layers).
+`--rows 1 --copies 28` (the 1.5B's 28 layers). `--shapes smollm2` takes the embedded SmolLM2's
+Q4_1 linears instead.
 
 The python that runs it imports `pagoda` from its path, so a before / after comparison runs the
 same script with PYTHONPATH at each tree (and TORCH_EXTENSIONS_DIR apart, so that each keeps its
@@ -29,18 +30,31 @@ import torch
 from pagoda.bench.common import write_json
 from pagoda.bench.machine import machine_record, pagoda_version
 from pagoda.kernels.cpu import built
-from pagoda.layers.cpu_forms import NIBBLE_FORMS, pack_q4kx16, pack_q6kx16
+from pagoda.layers.cpu_forms import NIBBLE_FORMS, pack_q4kx16, pack_q4x16, pack_q6kx16
 
-# (name, N, K, kernel form) of the 1.5B's linears per layer: q/k/v packed, gate/up packed
-SHAPES = [
-    ("qkv", 2048, 1536, "cpu_q4k"),
-    ("gate_up", 17920, 1536, "cpu_q4k"),
-    ("down", 1536, 8960, "cpu_q4k"),
-    ("down_q6k", 1536, 8960, "cpu_q6k"),
-]
+# (name, N, K, kernel form) of a model's linears per layer: q/k/v packed, o, gate/up packed,
+# down (--shapes)
+SHAPES = {
+    "qwen1.5b": [
+        ("qkv", 2048, 1536, "cpu_q4k"),
+        ("gate_up", 17920, 1536, "cpu_q4k"),
+        ("down", 1536, 8960, "cpu_q4k"),
+        ("down_q6k", 1536, 8960, "cpu_q6k"),
+    ],
+    "smollm2": [  # the embedded Q4_1 GGUF
+        ("qkv", 960, 576, "cpu_q4"),
+        ("o", 576, 576, "cpu_q4"),
+        ("gate_up", 3072, 576, "cpu_q4"),
+        ("down", 576, 1536, "cpu_q4"),
+    ],
+}
 
 
 def packed_weight(n: int, k: int, form: str, gen: torch.Generator) -> torch.Tensor:
+    if form == "cpu_q4":
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        scale = torch.rand(n, k // 32, generator=gen) * 1e-2
+        return pack_q4x16(codes, scale, torch.rand(n, k // 32, generator=gen) * 1e-2)
     d = torch.rand(n, k // 256, generator=gen) * 1e-3
     if form == "cpu_q6k":
         codes = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=gen)
@@ -70,6 +84,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--copies", type=int, default=1, help="copies of each weight, taken in turn")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="qwen1.5b", help="whose linears")
     p.add_argument(
         "--torch-bf16",
         action="store_true",
@@ -85,7 +100,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     cases = []
-    for name, n, k, form in SHAPES:
+    for name, n, k, form in SHAPES[args.shapes]:
         x = torch.randn(args.rows, k, generator=gen)
         weight = packed_weight(n, k, form, gen)
         cases.append((name, n, k, form, [weight.clone() for _ in range(args.copies)], x))
@@ -128,6 +143,7 @@ def main() -> int:
     result = {
         "bench": "prefill_matmuls",
         "rows": args.rows,
+        "shapes_of": args.shapes,
         "rounds": args.rounds,
         "copies": args.copies,
         "threads": torch.get_num_threads(),

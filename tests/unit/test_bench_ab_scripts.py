@@ -2,7 +2,8 @@
 commit's paged attention beside this tree's and finds the same bits (HEAD against itself here),
 and benchmarks/gated_silu_ab.py runs the embedded SmolLM2's burst with the gate | up projection's
 SiLU in its own call and without, the same first tokens, and benchmarks/decode_guards.py
-compiles its two engines' batch >= 2 graphs with and without the module guards."""
+compiles its two engines' batch >= 2 graphs with and without the module guards; and
+benchmarks/before_after_summary.py's reading of before_after.sh's runs."""
 
 from __future__ import annotations
 
@@ -60,3 +61,31 @@ def test_decode_guards_compares_the_filtered_graph_with_the_unfiltered(tmp_path:
     for batch in ("1", "2"):
         summary = record["summary"][batch]
         assert summary["filtered"]["step_ms"] > 0 and summary["unfiltered"]["guard_ms"] > 0
+
+
+def test_before_after_summary_reads_each_step_it_finds(tmp_path: Path) -> None:
+    """before_after_summary.py: the best run of each side, their ratio and the median of the
+    rounds' ratios, for the b1 runs at -O3 and the matmuls step's shapes; steps not run are left
+    out."""
+
+    def write(name: str, record: dict[str, object]) -> None:
+        (tmp_path / name).write_text(json.dumps(record))
+
+    for side, rates, gb_s in (("before", (80.0, 84.0), 12.0), ("after", (88.0, 84.0), 15.0)):
+        for i, rate in enumerate(rates, 1):
+            write(f"b1_O3_{side}_{i}.json", {"pagoda": {"decode_tok_s": rate}})
+            shapes = [{"shape": s, "weight_gb_s_median": gb_s + i} for s in ("qkv", "down_q6k")]
+            write(f"matmuls_{side}_{i}.json", {"shapes": shapes})
+    script = ROOT / "benchmarks" / "before_after_summary.py"
+    args = [sys.executable, str(script), str(tmp_path), "aaa", "bbb"]
+    subprocess.run(args, check=True, capture_output=True)
+    figures = json.loads((tmp_path / "summary.json").read_text())["figures"]
+    assert set(figures) == {
+        "b1_O3_decode_tok_s",
+        "matmul_qkv_weights_gb_s",
+        "matmul_down_q6k_weights_gb_s",
+    }
+    b1 = figures["b1_O3_decode_tok_s"]
+    assert (b1["before"], b1["after"], b1["ratio_after_before"]) == (84.0, 88.0, round(88 / 84, 3))
+    assert b1["median_round_ratio"] == round((88 / 80 + 84 / 84) / 2, 3)
+    assert figures["matmul_qkv_weights_gb_s"]["ratio_after_before"] == round(17 / 14, 3)
