@@ -836,11 +836,11 @@ PAGODA_AVX2 inline void walk_tile_avx2(const uint8_t* tile, const Pass& p, int64
 
 // A decode pass (M <= FUSED_M_AVX2 rows) over a tile whose group function takes both 8-row
 // halves at once, group(g, acc): each block is loaded once and each activation word broadcast
-// once for the two halves, where walk_tile_avx2's group(g, h, acc) does both per half. On Zen 1
-// (256-bit operations split in two, so a batch-1 pass is bound by its instruction count, not by
-// memory) that is about a fifth of a group's instructions. Each half's integer sums are exact
-// (no int16 overflow), and its float steps run in their order, so the bits are those of
-// walk_tile_avx2's passes.
+// once for the two halves, where walk_tile_avx2's group(g, h, acc) does both per half. On a Zen 1
+// EPYC, whose 256-bit operations run as two halves, a batch-1 pass is bound by its instruction
+// count: one thread, the 1.5B's Q6_K down 1.16x, the 4-bit shapes 1.00-1.08x (benchmarks/results/
+// issue42/part16/one_thread). Each half's integer sums are exact (no int16 overflow), and its
+// float steps run in their order, so the bits are those of walk_tile_avx2's passes.
 template <int M, typename Group>
 PAGODA_AVX2 inline void walk_tile_both_avx2(const uint8_t* tile, const Pass& p, int64_t group_bytes, Group&& group) {
   static_assert(M <= FUSED_M_AVX2);
